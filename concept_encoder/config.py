@@ -1,0 +1,191 @@
+"""`ConceptEncoderConfig` and the named size presets.
+
+The config follows transformers 5 conventions: fields are dataclass fields on a
+`PreTrainedConfig` subclass, extra keyword arguments (e.g. `num_labels`) go to the
+base class, and validation runs in `__post_init__` so a bad config fails on
+construction, before any weight is allocated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from transformers import PretrainedConfig
+
+DECODER_TYPES = ("perceiver", "posonly", "weighted")
+CLASSIFIER_POOLINGS = ("weighted", "mean")
+
+
+class ConceptEncoderConfig(PretrainedConfig):
+    r"""Configuration of a Concept Encoder.
+
+    Shapes: `[B,N] ids → [B,N,H] tokens → L × (concepts ← tokens cross-attention,
+    concept self-attention, gated-GELU FFN) → [B,C,H] concepts → MLM decoder`.
+
+    Args:
+        vocab_size: size V of the token vocabulary (>= the tokenizer's length).
+        hidden_size: width H of tokens and concepts. DeepSpeed's `"auto"` bucket sizes read it.
+        num_hidden_layers: number L of concept layers in the encoder.
+        num_attention_heads: heads in every attention; must divide `hidden_size`.
+        intermediate_size: inner width I of the gated-GELU FFN (weights `H×2I` and `I×H`).
+        concept_num: number C of learned concept vectors (C ≪ N is the point).
+        max_position_embeddings: longest sequence N the learned position table supports.
+        hidden_dropout_prob: dropout on embeddings and residual branches.
+        attention_probs_dropout_prob: dropout on attention probabilities.
+        classifier_dropout: dropout before the classifier (defaults to `hidden_dropout_prob`).
+        initializer_range: std of the normal initialisation of weights and concepts.
+        layer_norm_eps: epsilon of every LayerNorm.
+        decoder_type: MLM decoder: `perceiver` (queries = position + token embedding,
+            cross-attend to concepts), `posonly` (queries = position embedding only) or
+            `weighted` (learned per-position softmax mixture of concepts).
+        num_decoder_layers: cross-attention blocks in the `perceiver`/`posonly` decoders.
+        classifier_pooling: `weighted` (learned attention pooling over concepts) or `mean`.
+        pad_token_id, mask_token_id, cls_token_id, sep_token_id, unk_token_id: special token ids.
+        tie_word_embeddings: tie the MLM output projection to the input token embeddings.
+    """
+
+    model_type = "concept_encoder"
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 12
+    intermediate_size: int = 2048
+    concept_num: int = 128
+    max_position_embeddings: int = 512
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.0
+    classifier_dropout: float | None = None
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-5
+    decoder_type: Literal["perceiver", "posonly", "weighted"] = "perceiver"
+    num_decoder_layers: int = 1
+    classifier_pooling: Literal["weighted", "mean"] = "weighted"
+    pad_token_id: int | None = 0
+    unk_token_id: int | None = 1
+    cls_token_id: int | None = 2
+    sep_token_id: int | None = 3
+    mask_token_id: int | None = 4
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        super().__post_init__(**kwargs)
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "concept_num",
+            "max_position_embeddings",
+            "num_decoder_layers",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}; choose hidden_size as a multiple of {self.num_attention_heads}"
+            )
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ValueError(f"{name}={value!r} must be in [0, 1)")
+        if not self.initializer_range > 0:
+            raise ValueError(f"initializer_range={self.initializer_range!r} must be > 0")
+        if not self.layer_norm_eps > 0:
+            raise ValueError(f"layer_norm_eps={self.layer_norm_eps!r} must be > 0")
+        if self.decoder_type not in DECODER_TYPES:
+            raise ValueError(f"decoder_type={self.decoder_type!r} is unknown; choose one of {DECODER_TYPES}")
+        if self.classifier_pooling not in CLASSIFIER_POOLINGS:
+            raise ValueError(
+                f"classifier_pooling={self.classifier_pooling!r} is unknown; choose one of {CLASSIFIER_POOLINGS}"
+            )
+        for name in ("pad_token_id", "unk_token_id", "cls_token_id", "sep_token_id", "mask_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(
+                    f"{name}={value} is outside the vocabulary [0, {self.vocab_size}); "
+                    f"raise vocab_size or fix the token id"
+                )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+# Presets as data: shape only. Vocabulary and special ids come from the tokenizer at run time.
+# Gated-GELU FFNs use I ≈ 8/3·H so their weights match a classic 4·H GELU FFN.
+PRESETS: dict[str, dict[str, int]] = {
+    "micro": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        concept_num=16,
+        max_position_embeddings=512,
+    ),
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=384,
+        concept_num=32,
+        max_position_embeddings=512,
+    ),
+    "small": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=704,
+        concept_num=64,
+        max_position_embeddings=512,
+    ),
+    "base": dict(
+        hidden_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        intermediate_size=2048,
+        concept_num=128,
+        max_position_embeddings=512,
+    ),
+    "base_4k": dict(
+        hidden_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        intermediate_size=2048,
+        concept_num=128,
+        max_position_embeddings=4096,
+    ),
+    "large": dict(
+        hidden_size=1024,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        intermediate_size=2752,
+        concept_num=256,
+        max_position_embeddings=1024,
+    ),
+    "xl": dict(
+        hidden_size=1536,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        intermediate_size=4096,
+        concept_num=256,
+        max_position_embeddings=2048,
+    ),
+}
+
+
+def config_from_preset(name: str, **overrides: Any) -> ConceptEncoderConfig:
+    """Build a `ConceptEncoderConfig` from a preset name, with field overrides on top.
+
+    >>> config_from_preset("small", vocab_size=8000).hidden_size
+    256
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return ConceptEncoderConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,267 @@
+"""Task heads on top of `ConceptEncoder`: masked-language modelling and sequence classification.
+
+MLM decoding, with shapes (sparse path, used whenever `labels` are given)::
+
+    concepts [B,C,H]
+    labelled positions gathered per sample ──▶ ids, positions [B,M]   (M = max labelled per sample)
+    decoder(concepts, ids, positions) ──────▶ hidden [B,M,H]
+    keep the real labelled slots ───────────▶ hidden [L,H]            (L = labelled positions in the batch)
+    LM head ────────────────────────────────▶ logits [L,V] → cross-entropy
+
+A `[B,N,V]` tensor is never built when labels are given: at 15% masking and a 30k
+vocabulary that tensor dominates the memory of a training step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import SequenceClassifierOutput
+from transformers.utils import ModelOutput
+
+from .attention import AttentionBlock, FeedForwardBlock
+from .config import ConceptEncoderConfig
+from .modeling import ConceptEncoder, ConceptEncoderPreTrainedModel, TokenEmbeddings, check_sequence_length
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ConceptMaskedLMOutput(ModelOutput):
+    """Output of `ConceptEncoderForMaskedLM`.
+
+    Attributes:
+        loss: `[]` mean cross-entropy over the labelled positions (when `labels` are given).
+        logits: `[L,V]` at the L labelled positions, in row-major (sample, position) order, when
+            `labels` are given; `[B,N,V]` for every position otherwise.
+        concepts: `[B,C,H]` final concept states (for concept losses and health metrics).
+        num_labelled: `[]` number L of labelled positions (to normalise losses across micro-batches).
+    """
+
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    concepts: torch.FloatTensor | None = None
+    num_labelled: torch.LongTensor | None = None
+
+
+class DecoderLayer(nn.Module):
+    """Position queries read the concepts, then pass an FFN."""
+
+    def __init__(self, config: ConceptEncoderConfig):
+        super().__init__()
+        self.cross_attn = AttentionBlock(config, cross=True)
+        self.ffn = FeedForwardBlock(config)
+
+    def forward(self, queries: torch.Tensor, concepts: torch.Tensor) -> torch.Tensor:
+        """`queries [B,M,H]`, `concepts [B,C,H]` → `[B,M,H]`."""
+        return self.ffn(self.cross_attn(queries, concepts))
+
+
+class CrossAttentionDecoder(nn.Module):
+    """`perceiver` (queries = token + position embedding) or `posonly` (queries = position embedding)."""
+
+    def __init__(self, config: ConceptEncoderConfig, token_queries: bool):
+        super().__init__()
+        self.token_queries = token_queries
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_decoder_layers))
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(
+        self,
+        concepts: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        embeddings: TokenEmbeddings,
+    ) -> torch.Tensor:
+        """`concepts [B,C,H]`, `input_ids [B,M]`, `position_ids [B,M]` → `[B,M,H]`.
+
+        `embeddings` is the encoder's (shared) embedding module, passed rather than owned.
+        """
+        if self.token_queries:
+            queries = embeddings(input_ids, position_ids)
+        else:
+            queries = embeddings.position_embeddings(position_ids)
+        for layer in self.layers:
+            queries = layer(queries, concepts)
+        return self.norm(queries)
+
+
+class WeightedDecoder(nn.Module):
+    """Each position is a learned softmax mixture of the concepts: `softmax(W[pos]) @ concepts`."""
+
+    def __init__(self, config: ConceptEncoderConfig):
+        super().__init__()
+        # An embedding table of mixture logits: row p holds position p's logits over the C concepts.
+        self.mixture_logits = nn.Embedding(config.max_position_embeddings, config.concept_num)
+
+    def forward(
+        self,
+        concepts: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        embeddings: TokenEmbeddings,
+    ) -> torch.Tensor:
+        """`concepts [B,C,H]`, `position_ids [B,M]` → `[B,M,H]` (`input_ids`, `embeddings` unused)."""
+        weights = self.mixture_logits(position_ids).softmax(dim=-1)  # [B,M,C]
+        return torch.bmm(weights.to(concepts.dtype), concepts)
+
+
+def build_decoder(config: ConceptEncoderConfig) -> nn.Module:
+    if config.decoder_type == "weighted":
+        return WeightedDecoder(config)
+    return CrossAttentionDecoder(config, token_queries=config.decoder_type == "perceiver")
+
+
+class MaskedLMHead(nn.Module):
+    """BERT-style transform then vocabulary projection: `[...,H] → dense → GELU → LN → [...,V]`."""
+
+    def __init__(self, config: ConceptEncoderConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden [...,H]` → logits `[...,V]`."""
+        return self.decoder(self.norm(F.gelu(self.dense(hidden))))
+
+
+def gather_labelled(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pack each sample's labelled positions to the front.
+
+    `input_ids [B,N]`, `labels [B,N]` → `ids [B,M]`, `position_ids [B,M]`, `targets [B,M]`,
+    with M the largest labelled count of any sample; slots past a sample's count hold
+    `targets == IGNORE_INDEX`. A stable sort keeps positions in order.
+    """
+    labelled = labels.ne(IGNORE_INDEX)  # [B,N]
+    m = int(labelled.sum(dim=1).max()) if labels.numel() else 0
+    order = torch.sort(labelled.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :m]  # [B,M]
+    return input_ids.gather(1, order), order, labels.gather(1, order)
+
+
+class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
+    """Concept Encoder with an MLM decoder (`config.decoder_type`) and sparse decoding in training."""
+
+    _tied_weights_keys = {"lm_head.decoder.weight": "encoder.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: ConceptEncoderConfig):
+        super().__init__(config)
+        self.encoder = ConceptEncoder(config)
+        self.mlm_decoder = build_decoder(config)
+        self.lm_head = MaskedLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head.decoder = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> ConceptMaskedLMOutput:
+        """Masked-language-model forward.
+
+        Args:
+            input_ids: `[B,N]` token ids (masked positions hold `[MASK]` or a replacement).
+            attention_mask: `[B,N]`, 1 for real tokens, 0 for padding (optional).
+            labels: `[B,N]` original ids at positions to predict, `-100` elsewhere (optional).
+
+        Returns:
+            `ConceptMaskedLMOutput`: with labels, `loss []` and sparse `logits [L,V]` at the L labelled
+            positions; without labels, `logits [B,N,V]` at every position. Always `concepts [B,C,H]`.
+        """
+        concepts = self.encoder(input_ids, attention_mask).last_hidden_state  # [B,C,H]
+        embeddings = self.encoder.embeddings
+        if labels is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            hidden = self.mlm_decoder(concepts, input_ids, position_ids, embeddings)  # [B,N,H]
+            return ConceptMaskedLMOutput(logits=self.lm_head(hidden), concepts=concepts)
+
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+        check_sequence_length(self.config, labels.shape[1])
+        ids, position_ids, targets = gather_labelled(input_ids, labels)  # [B,M] each
+        hidden = self.mlm_decoder(concepts, ids, position_ids, embeddings)  # [B,M,H]
+        keep = targets.ne(IGNORE_INDEX)  # [B,M]
+        logits = self.lm_head(hidden[keep])  # [L,V]
+        num_labelled = keep.sum()
+        # Sum / count (not `mean`) so a batch with nothing labelled gives 0, not NaN, and still
+        # touches every parameter (DDP/ZeRO need a gradient for each).
+        loss = F.cross_entropy(logits.float(), targets[keep], reduction="sum") / num_labelled.clamp(min=1)
+        return ConceptMaskedLMOutput(loss=loss, logits=logits, concepts=concepts, num_labelled=num_labelled)
+
+
+class ConceptPooling(nn.Module):
+    """Concepts `[B,C,H]` → one vector `[B,H]`: learned softmax weights over concepts, or the mean."""
+
+    def __init__(self, config: ConceptEncoderConfig):
+        super().__init__()
+        self.score = nn.Linear(config.hidden_size, 1) if config.classifier_pooling == "weighted" else None
+
+    def forward(self, concepts: torch.Tensor) -> torch.Tensor:
+        """`concepts [B,C,H]` → `[B,H]`."""
+        if self.score is None:
+            return concepts.mean(dim=1)
+        weights = self.score(concepts).softmax(dim=1)  # [B,C,1]
+        return (weights * concepts).sum(dim=1)
+
+
+class ConceptEncoderForSequenceClassification(ConceptEncoderPreTrainedModel):
+    """Concept pooling → dense/tanh → classifier; regression, single- or multi-label like HF heads."""
+
+    def __init__(self, config: ConceptEncoderConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.encoder = ConceptEncoder(config)
+        self.pooling = ConceptPooling(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(dropout)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> SequenceClassifierOutput:
+        """Classify or regress whole sequences.
+
+        Args:
+            input_ids: `[B,N]` token ids.
+            attention_mask: `[B,N]`, 1 for real tokens, 0 for padding (optional).
+            labels: `[B]` class ids (single-label), `[B]`/`[B,1]` floats (regression, `num_labels == 1`),
+                or `[B,num_labels]` multi-hot floats (multi-label) (optional).
+
+        Returns:
+            `SequenceClassifierOutput` with `logits [B,num_labels]` and `loss []` when labels are given.
+        """
+        concepts = self.encoder(input_ids, attention_mask).last_hidden_state  # [B,C,H]
+        pooled = self.dropout(torch.tanh(self.dense(self.dropout(self.pooling(concepts)))))  # [B,H]
+        logits = self.classifier(pooled)  # [B,num_labels]
+        loss = None if labels is None else self._loss(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        problem_type = self.config.problem_type
+        if problem_type is None:
+            if self.num_labels == 1:
+                problem_type = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                problem_type = "single_label_classification"
+            else:
+                problem_type = "multi_label_classification"
+            self.config.problem_type = problem_type
+        if problem_type == "regression":
+            return F.mse_loss(logits.squeeze(-1).float(), labels.view(-1).float())
+        if problem_type == "single_label_classification":
+            return F.cross_entropy(logits.float(), labels.view(-1))
+        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())

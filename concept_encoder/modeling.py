@@ -1,0 +1,142 @@
+"""The Concept Encoder backbone.
+
+Forward pass, with shapes::
+
+    input_ids [B,N] ──embeddings──▶ tokens [B,N,H]            (word + learned position, LN)
+    concepts  [C,H] ──repeat──────▶ concepts [B,C,H]
+    L × ConceptLayer:
+        concepts ← cross-attn(concepts, tokens, key padding mask)   O(N·C)
+        concepts ← self-attn(concepts)                              O(C²)
+        concepts ← gated-GELU FFN(concepts)
+    final LayerNorm ──▶ concepts [B,C,H]
+
+Tokens are read, never updated: the cost per layer is linear in N.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutput
+
+from .attention import AttentionBlock, FeedForwardBlock
+from .config import ConceptEncoderConfig
+
+
+class TokenEmbeddings(nn.Module):
+    """Word + learned absolute position embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, config: ConceptEncoderConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids [B,S]`, `position_ids [B,S]` or `[1,S]` → `[B,S,H]`."""
+        return self.dropout(self.norm(self.word_embeddings(input_ids) + self.position_embeddings(position_ids)))
+
+
+class ConceptLayer(GradientCheckpointingLayer):
+    """One encoder layer: concepts read the tokens, talk among themselves, then pass an FFN."""
+
+    def __init__(self, config: ConceptEncoderConfig):
+        super().__init__()
+        self.cross_attn = AttentionBlock(config, cross=True)
+        self.self_attn = AttentionBlock(config, cross=False)
+        self.ffn = FeedForwardBlock(config)
+
+    def forward(
+        self, concepts: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`concepts [B,C,H]`, `tokens [B,N,H]`, `token_mask [B,N]` bool or None → `concepts [B,C,H]`."""
+        concepts = self.cross_attn(concepts, tokens, token_mask)
+        concepts = self.self_attn(concepts)
+        return self.ffn(concepts)
+
+
+class ConceptEncoderPreTrainedModel(PreTrainedModel):
+    """Weight init and HF plumbing shared by the backbone and every head."""
+
+    config_class = ConceptEncoderConfig
+    config: ConceptEncoderConfig
+    base_model_prefix = "encoder"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _no_split_modules = ["ConceptLayer"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, ConceptEncoder):
+            init.normal_(module.concepts, mean=0.0, std=self.config.initializer_range)
+
+
+def padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """`attention_mask [B,N]` (1 = token, 0 = pad) → bool key mask `[B,N]`, or None when nothing is padded.
+
+    Returning None for a padding-free batch keeps SDPA's fused kernels (flash) eligible.
+    A row with no real token would make attention NaN, so such a row attends to all positions.
+    """
+    if attention_mask is None:
+        return None
+    mask = attention_mask.bool()
+    if bool(mask.all()):
+        return None
+    return mask | ~mask.any(dim=-1, keepdim=True)
+
+
+def check_sequence_length(config: ConceptEncoderConfig, seq_len: int) -> None:
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"sequence length {seq_len} exceeds max_position_embeddings={config.max_position_embeddings}; "
+            f"shorten the input or build the model with a larger max_position_embeddings"
+        )
+
+
+class ConceptEncoder(ConceptEncoderPreTrainedModel):
+    """Token embeddings → `concept_num` learned concepts refined by `num_hidden_layers` concept layers."""
+
+    def __init__(self, config: ConceptEncoderConfig):
+        super().__init__(config)
+        self.embeddings = TokenEmbeddings(config)
+        self.concepts = nn.Parameter(torch.empty(config.concept_num, config.hidden_size))
+        self.layers = nn.ModuleList(ConceptLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> BaseModelOutput:
+        """Encode tokens into concepts.
+
+        Args:
+            input_ids: `[B,N]` token ids.
+            attention_mask: `[B,N]`, 1 for real tokens and 0 for padding (optional).
+            position_ids: `[B,N]` or `[1,N]` (optional; default `0..N-1`).
+
+        Returns:
+            `BaseModelOutput` whose `last_hidden_state` is the concepts `[B,C,H]`.
+        """
+        batch, seq_len = input_ids.shape
+        check_sequence_length(self.config, seq_len)
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)  # [1,N]
+        tokens = self.embeddings(input_ids, position_ids)  # [B,N,H]
+        token_mask = padding_mask(attention_mask)  # [B,N] or None
+        concepts = self.concepts.unsqueeze(0).repeat(batch, 1, 1)  # [B,C,H], a real copy per sample
+        for layer in self.layers:
+            concepts = layer(concepts, tokens, token_mask)
+        return BaseModelOutput(last_hidden_state=self.norm(concepts))
