@@ -18,6 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: install
+	$(VENV)/bin/ruff check concept_encoder loops tests
 	$(PY) -m pytest -q
 
 lint: install
