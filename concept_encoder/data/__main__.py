@@ -1,0 +1,61 @@
+"""`python -m concept_encoder.data [--dataset ...] [--tokenizer ...] [--max_seq_length ...] [--masking ...]`
+
+Builds (or loads from the cache) the processed dataset and prints a summary: documents,
+tokens, blocks and split sizes, the cache path, and two decoded masked examples.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import HfArgumentParser
+
+from . import DataArguments, DataSourceError, prepare_data
+
+
+def show_masked(tokenizer, batch: dict, row: int, max_tokens: int = 60) -> str:
+    """Decode one masked example; predicted positions shown as `[MASK→original]`-style pieces."""
+    ids, labels = batch["input_ids"][row][:max_tokens], batch["labels"][row][:max_tokens]
+    pieces = []
+    for token, label in zip(ids.tolist(), labels.tolist(), strict=True):
+        shown = tokenizer.convert_ids_to_tokens(token)
+        pieces.append(f"{shown}→{tokenizer.convert_ids_to_tokens(label)}" if label != -100 else shown)
+    return " ".join(pieces)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = HfArgumentParser(DataArguments, description=__doc__)
+    parser.add_argument("--cache_dir", default="Cache", help="where tokenizers and datasets are cached")
+    parser.add_argument("--seed", type=int, default=0, help="masking seed for the shown examples")
+    data_args, extra = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        data = prepare_data(data_args, cache_dir=extra.cache_dir, seed=extra.seed)
+    except DataSourceError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"dataset      {data_args.dataset}  (text field {data_args.text_field!r})")
+    print(f"tokenizer    {data_args.tokenizer}  ({len(data.tokenizer):,} tokens)")
+    print(f"packing      {data_args.packing}  max_seq_length={data_args.max_seq_length}  masking={data_args.masking}")
+    for split in ("train", "validation"):
+        s = data.stats.get(split)
+        if s:
+            dropped = (
+                f", ≤{s['dropped_tokens_at_most']:,} tokens cut as remainders" if "dropped_tokens_at_most" in s else ""
+            )
+            print(
+                f"{split:<12} {s['documents']:,} documents → {s['tokens']:,} tokens → {s['examples']:,} examples{dropped}"
+            )
+    print(f"cache        {data.stats.get('cache_path')}")
+    examples = list(data.train.take(2)) if hasattr(data.train, "take") else [data.train[0], data.train[1]]
+    torch.manual_seed(extra.seed)
+    batch = data.collator(examples)
+    rate = (batch["labels"] != -100).float().mean().item()
+    print(f"\n2 masked examples (first 60 tokens, `shown→target` where predicted; batch mask rate {rate:.1%}):")
+    for row in range(len(examples)):
+        print(f"[{row}] {show_masked(data.tokenizer, batch, row)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Tokenise documents and pack them into fixed-length blocks, with an on-disk cache.
+
+Packing: every document is tokenised without special tokens, followed by `[SEP]`, the
+stream is concatenated and cut into blocks of exactly `max_seq_length` tokens. Nothing
+is truncated away; the only tokens dropped are the final remainder of each `map` batch
+(fewer than `max_seq_length` tokens per `PACK_BATCH_DOCS` documents and worker), bounded
+in the stats as `dropped_tokens_at_most`.
+
+Without packing (`packing=False`), each document is one example: `[CLS] doc [SEP]`,
+truncated to `max_seq_length` and padded by the collator (evaluation-style data).
+
+Each example also carries `word_start` (1 where a token begins a word, from the fast
+tokenizer's word ids), which whole-word and span masking use as unit boundaries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+from accelerate import PartialState
+from datasets import DatasetDict, Features, IterableDatasetDict, Sequence, Value, load_from_disk
+from transformers import PreTrainedTokenizerBase
+
+from .tokenizer import slug
+
+PACK_BATCH_DOCS = 10_000
+CACHE_FORMAT_VERSION = 1
+FEATURES = Features({"input_ids": Sequence(Value("int32")), "word_start": Sequence(Value("int8"))})
+
+
+def word_starts(word_ids: list[int | None]) -> list[int]:
+    """Fast-tokenizer word ids of one document → 1 where a new word (or a special token) begins."""
+    flags, previous = [], object()
+    for word in word_ids:
+        flags.append(int(word is None or word != previous))
+        previous = word
+    return flags
+
+
+def tokenize_and_pack(batch: dict, tokenizer: PreTrainedTokenizerBase, max_seq_length: int) -> dict:
+    """`{"text": [docs]}` → `{"input_ids": [[L]...], "word_start": [[L]...]}`, blocks of exactly L tokens."""
+    encoded = tokenizer(batch["text"], add_special_tokens=False)
+    ids, starts = [], []
+    for i, doc in enumerate(encoded["input_ids"]):
+        ids.extend(doc)
+        ids.append(tokenizer.sep_token_id)
+        starts.extend(word_starts(encoded.word_ids(i)))
+        starts.append(1)
+    usable = len(ids) // max_seq_length * max_seq_length
+    return {
+        "input_ids": [ids[i : i + max_seq_length] for i in range(0, usable, max_seq_length)],
+        "word_start": [starts[i : i + max_seq_length] for i in range(0, usable, max_seq_length)],
+    }
+
+
+def tokenize_documents(batch: dict, tokenizer: PreTrainedTokenizerBase, max_seq_length: int) -> dict:
+    """One example per document: `[CLS] doc [SEP]`, truncated to `max_seq_length`."""
+    encoded = tokenizer(batch["text"], truncation=True, max_length=max_seq_length)
+    return {
+        "input_ids": encoded["input_ids"],
+        "word_start": [word_starts(encoded.word_ids(i)) for i in range(len(batch["text"]))],
+    }
+
+
+def cache_key(source: str, tokenizer: PreTrainedTokenizerBase, max_seq_length: int, packing: bool, **extra) -> str:
+    """Directory name for a processed dataset: readable prefix + hash of everything that changes its content."""
+    vocab_digest = hashlib.sha1(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:10]
+    fields = dict(
+        source=source,
+        tokenizer=tokenizer.name_or_path,
+        vocab=vocab_digest,
+        max_seq_length=max_seq_length,
+        packing=packing,
+        version=CACHE_FORMAT_VERSION,
+        **extra,
+    )
+    digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{slug(source)}-L{max_seq_length}-{'packed' if packing else 'docs'}-{digest}"
+
+
+def worker_count(num_documents: int, requested: int | None) -> int | None:
+    """Processes for `map`: as asked, else up to 8 (one per core) for large corpora, else none."""
+    if requested is not None:
+        return requested if requested > 1 else None
+    if num_documents < 20_000:
+        return None  # process start-up costs more than it saves on small corpora
+    return min(8, os.cpu_count() or 1)
+
+
+def preprocess(
+    raw: DatasetDict | IterableDatasetDict,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_length: int,
+    packing: bool = True,
+    cache_dir: str | Path | None = None,
+    source: str = "",
+    num_proc: int | None = None,
+    **key_extra,
+) -> tuple[DatasetDict | IterableDatasetDict, dict]:
+    """Tokenise (and pack) `raw` → (`{train, validation}` of `input_ids`/`word_start`, stats dict).
+
+    With `cache_dir`, the result is saved under `<cache_dir>/datasets/<key>` and reused; the main
+    process builds it first while the other ranks wait, then they load it.
+    """
+    if max_seq_length < 2:
+        raise ValueError(f"max_seq_length={max_seq_length} must be at least 2")
+    fn = tokenize_and_pack if packing else tokenize_documents
+    kwargs = dict(batched=True, fn_kwargs=dict(tokenizer=tokenizer, max_seq_length=max_seq_length))
+
+    if isinstance(raw, IterableDatasetDict):  # streaming: processed lazily, never cached
+        processed = IterableDatasetDict(
+            {
+                name: ds.map(fn, remove_columns=["text"], batch_size=PACK_BATCH_DOCS, **kwargs)
+                for name, ds in raw.items()
+            }
+        )
+        return processed, {"streaming": True, "cache_path": None}
+
+    path = (
+        None
+        if cache_dir is None
+        else Path(cache_dir) / "datasets" / cache_key(source, tokenizer, max_seq_length, packing, **key_extra)
+    )
+    with PartialState().main_process_first():
+        if path is not None and (path / "stats.json").exists():
+            return load_from_disk(str(path)), json.loads((path / "stats.json").read_text())
+        workers = {name: worker_count(len(ds), num_proc) for name, ds in raw.items()}
+        processed = DatasetDict(
+            {
+                name: ds.map(
+                    fn,
+                    remove_columns=ds.column_names,
+                    batch_size=PACK_BATCH_DOCS,
+                    features=FEATURES,
+                    num_proc=workers[name],
+                    desc=f"tokenizing {name}",
+                    **kwargs,
+                )
+                for name, ds in raw.items()
+            }
+        )
+        stats = dataset_stats(raw, processed, max_seq_length, packing, workers)
+        if path is not None and PartialState().is_main_process:
+            processed.save_to_disk(str(path))
+            stats["cache_path"] = str(path)
+            (path / "stats.json").write_text(json.dumps(stats, indent=2))
+            processed = load_from_disk(str(path))  # memory-mapped, like the later runs get it
+    return processed, stats
+
+
+def dataset_stats(raw: DatasetDict, processed: DatasetDict, max_seq_length: int, packing: bool, workers) -> dict:
+    """Documents, examples and tokens per split; for packing, a bound on the tokens cut as remainders."""
+    stats: dict = {"max_seq_length": max_seq_length, "packing": packing, "cache_path": None}
+    for name in raw:
+        examples = len(processed[name])
+        tokens = examples * max_seq_length if packing else sum(len(ids) for ids in processed[name]["input_ids"])
+        stats[name] = {"documents": len(raw[name]), "examples": examples, "tokens": tokens}
+        if packing:
+            # each map batch (per worker shard) may cut fewer than max_seq_length tokens at its end
+            map_batches = math.ceil(len(raw[name]) / PACK_BATCH_DOCS) + (workers[name] or 1) - 1
+            stats[name]["dropped_tokens_at_most"] = map_batches * (max_seq_length - 1)
+    return stats

@@ -1,0 +1,159 @@
+"""Text sources: the embedded offline corpus, local files or folders, and Hub datasets.
+
+Every source comes back as a `DatasetDict` with a `train` and a `validation` split of
+raw documents in a `text` column. A source without its own validation split gets a
+deterministic held-out percentage of its documents (split before tokenisation, so no
+document straddles the two splits).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
+
+EMBEDDED = "embedded"
+LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SPLIT_SEED = 1234  # fixed: the held-out split must not move when the training seed changes
+VALIDATION_SPLIT_NAMES = ("validation", "valid", "dev")
+
+
+class DataSourceError(RuntimeError):
+    """A dataset or tokenizer source cannot be used; the message says why and what to do."""
+
+
+def embedded_documents(min_words: int = 120) -> list[str]:
+    """The English reference documentation shipped inside CPython (`pydoc_data.topics`, ~65k words).
+
+    Each topic is cut at blank lines and consecutive paragraphs are grouped until a group has
+    at least `min_words` words, giving a few hundred documents: enough for a held-out split.
+    """
+    from pydoc_data.topics import topics
+
+    documents = []
+    for name in sorted(topics):
+        group: list[str] = []
+        words = 0
+        for paragraph in re.split(r"\n\s*\n", topics[name]):
+            paragraph = paragraph.strip()
+            if not paragraph:
+                continue
+            group.append(paragraph)
+            words += len(paragraph.split())
+            if words >= min_words:
+                documents.append("\n\n".join(group))
+                group, words = [], 0
+        if group:
+            documents.append("\n\n".join(group))
+    return documents
+
+
+def looks_like_path(spec: str) -> bool:
+    """A spec meant as a local path (so a missing one is reported as such, not looked up on the Hub)."""
+    return spec.startswith((".", "/", "~")) or Path(spec).suffix.lower() in LOCAL_BUILDERS
+
+
+def hub_is_offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One TCP connection to the Hub endpoint, so an unreachable Hub fails in seconds, not after retries."""
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((endpoint.hostname, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def unreachable_message(kind: str, name: str, reason: str) -> str:
+    return (
+        f"cannot load {kind} {name!r} from the Hugging Face Hub: {reason}. "
+        f"Use a local path instead (a file or folder of .txt/.jsonl/.json/.parquet for datasets, a folder "
+        f"saved with save_pretrained for tokenizers), `--dataset embedded` for the built-in offline corpus, "
+        f"or `--tokenizer train:wordpiece:8000` to train a tokenizer locally."
+    )
+
+
+def ensure_hub(kind: str, name: str) -> None:
+    """Fail fast, before `datasets`/`huggingface_hub` start their retry loops."""
+    if not hub_is_offline() and not hub_reachable():
+        raise DataSourceError(unreachable_message(kind, name, "the Hub is unreachable from this machine"))
+
+
+def local_files(path: Path) -> tuple[str, list[str]]:
+    """`path` (file or folder) → (datasets builder name, sorted file list). One file type per folder."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix.lower() in LOCAL_BUILDERS)
+    if not files:
+        raise DataSourceError(f"{path} holds no .txt/.jsonl/.json/.parquet file; point --dataset at text data")
+    builders = {LOCAL_BUILDERS.get(p.suffix.lower()) for p in files}
+    if None in builders:
+        raise DataSourceError(f"{path}: unsupported file type; use one of {sorted(LOCAL_BUILDERS)}")
+    if len(builders) > 1:
+        raise DataSourceError(f"{path} mixes file types {sorted(builders)}; keep one type per dataset folder")
+    if all(p.stat().st_size == 0 for p in files):
+        raise DataSourceError(f"{path}: every file is empty")
+    return builders.pop(), [str(p) for p in files]
+
+
+def load_raw_dataset(
+    spec: str,
+    text_field: str = "text",
+    validation_split_percentage: float = 5.0,
+    streaming: bool = False,
+) -> DatasetDict | IterableDatasetDict:
+    """Load documents from `spec` as `{train, validation}` with one `text` column.
+
+    `spec` is `embedded`, a local file or folder, or a Hub dataset `name` or `name:config`
+    (e.g. `wikitext:wikitext-103-raw-v1`, `JeanKaddour/minipile`).
+    """
+    if not 0 < validation_split_percentage < 100:
+        raise ValueError(f"validation_split_percentage={validation_split_percentage} must be in (0, 100)")
+    if spec == EMBEDDED:
+        raw = DatasetDict({"train": Dataset.from_dict({"text": embedded_documents()})})
+    elif Path(spec).expanduser().exists():
+        builder, files = local_files(Path(spec).expanduser())
+        kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+        raw = load_dataset(builder, data_files={"train": files}, streaming=streaming, **kwargs)
+    elif looks_like_path(spec):
+        raise DataSourceError(f"--dataset {spec!r}: no such file or folder")
+    else:
+        name, _, config = spec.partition(":")
+        ensure_hub("dataset", spec)
+        try:
+            raw = load_dataset(name, config or None, streaming=streaming)
+        except Exception as error:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
+            raise DataSourceError(unreachable_message("dataset", spec, f"{type(error).__name__}: {error}")) from error
+    return select_text_and_split(raw, text_field, validation_split_percentage, spec)
+
+
+def select_text_and_split(raw, text_field: str, percentage: float, spec: str):
+    train = raw["train"]
+    columns = train.column_names or []
+    if columns and text_field not in columns:
+        raise DataSourceError(
+            f"dataset {spec!r} has no column {text_field!r} (columns: {columns}); pass --text_field with one of them"
+        )
+    validation = next((raw[s] for s in VALIDATION_SPLIT_NAMES if s in raw), None)
+    if validation is None:
+        if isinstance(raw, IterableDatasetDict):
+            raise DataSourceError(
+                f"streamed dataset {spec!r} has no validation split; pass a dataset that has one, or disable streaming"
+            )
+        parts = train.train_test_split(test_size=percentage / 100, seed=SPLIT_SEED, shuffle=True)
+        train, validation = parts["train"], parts["test"]
+
+    def text_only(ds):
+        if text_field != "text":
+            ds = ds.rename_column(text_field, "text")
+        keep = [c for c in (ds.column_names or []) if c != "text"]
+        ds = ds.remove_columns(keep) if keep else ds
+        return ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
+
+    return type(raw)({"train": text_only(train), "validation": text_only(validation)})

@@ -1,0 +1,124 @@
+"""Tokenizers: a Hub name or local folder (`AutoTokenizer`), or `train:<kind>:<vocab_size>`.
+
+A trained tokenizer is cached under `<cache_dir>/tokenizers/<key>`, the key naming the
+kind, vocabulary size and the corpus it was trained on, so later runs load it instead
+of training again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from accelerate import PartialState
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from .sources import DataSourceError, ensure_hub, unreachable_message
+
+SPECIAL_TOKENS = {
+    "pad_token": "[PAD]",
+    "unk_token": "[UNK]",
+    "cls_token": "[CLS]",
+    "sep_token": "[SEP]",
+    "mask_token": "[MASK]",
+}
+TRAINABLE_KINDS = ("wordpiece", "bpe")
+
+
+def parse_train_spec(spec: str) -> tuple[str, int] | None:
+    """`train:wordpiece:8000` → (`wordpiece`, 8000); any other spec → None."""
+    if not spec.startswith("train:"):
+        return None
+    match = re.fullmatch(r"train:(\w+):(\d+)", spec)
+    if not match or match.group(1) not in TRAINABLE_KINDS:
+        raise ValueError(f"--tokenizer {spec!r}: expected train:<kind>:<vocab_size> with kind in {TRAINABLE_KINDS}")
+    vocab_size = int(match.group(2))
+    if vocab_size < len(SPECIAL_TOKENS) + 26:
+        raise ValueError(f"--tokenizer {spec!r}: vocab_size {vocab_size} is too small; use at least a few hundred")
+    return match.group(1), vocab_size
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")[:60]
+
+
+def trained_tokenizer_dir(cache_dir: str | Path, kind: str, vocab_size: int, corpus_id: str) -> Path:
+    digest = hashlib.sha1(corpus_id.encode()).hexdigest()[:8]
+    return Path(cache_dir) / "tokenizers" / f"{kind}-{vocab_size}-{slug(corpus_id)}-{digest}"
+
+
+def train_tokenizer(kind: str, vocab_size: int, texts: Iterator[str]) -> PreTrainedTokenizerFast:
+    """Train a lower-cased WordPiece (BERT-style) or byte-level BPE tokenizer with `tokenizers`."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    specials = list(SPECIAL_TOKENS.values())
+    if kind == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials)
+    else:
+        tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        )
+    tok.train_from_iterator(texts, trainer=trainer)
+    from tokenizers.processors import TemplateProcessing
+
+    tok.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[(t, tok.token_to_id(t)) for t in ("[CLS]", "[SEP]")],
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1_000_000, **SPECIAL_TOKENS)
+
+
+def load_tokenizer(
+    spec: str,
+    texts: Iterator[str] | None = None,
+    corpus_id: str = "",
+    cache_dir: str | Path = "Cache",
+) -> PreTrainedTokenizerBase:
+    """Load or train the tokenizer named by `spec`; `texts` is the training corpus for `train:` specs."""
+    trained = parse_train_spec(spec)
+    if trained is not None:
+        kind, vocab_size = trained
+        path = trained_tokenizer_dir(cache_dir, kind, vocab_size, corpus_id)
+        with PartialState().main_process_first():
+            if not (path / "tokenizer.json").exists():
+                if texts is None:
+                    raise ValueError(f"--tokenizer {spec!r} needs training texts and none were given")
+                train_tokenizer(kind, vocab_size, texts).save_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    else:
+        local = Path(spec).expanduser()
+        if not local.exists():
+            if spec.startswith((".", "/", "~")):
+                raise DataSourceError(f"--tokenizer {spec!r}: no such folder")
+            ensure_hub("tokenizer", spec)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else spec)
+        except OSError as error:
+            raise DataSourceError(unreachable_message("tokenizer", spec, str(error).splitlines()[0])) from error
+    check_tokenizer(tokenizer)
+    return tokenizer
+
+
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None) -> None:
+    """MLM needs pad and mask tokens; a model's embedding table must cover every token id."""
+    missing = [name for name in ("pad_token", "mask_token") if getattr(tokenizer, name) is None]
+    if missing:
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path!r} has no {' or '.join(missing)}; MLM needs both. "
+            f"Add them (tokenizer.add_special_tokens) or train one with --tokenizer train:wordpiece:<vocab>"
+        )
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise ValueError(
+            f"model vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens); "
+            f"build the model with vocab_size >= {len(tokenizer)}"
+        )

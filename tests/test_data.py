@@ -1,0 +1,275 @@
+"""Data pipeline: sources, tokenizer cache, packing, masking collators, offline behaviour."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+
+from concept_encoder.data import (
+    DataArguments,
+    DataSourceError,
+    SpanMaskingCollator,
+    WholeWordMaskingCollator,
+    build_collator,
+    embedded_documents,
+    load_raw_dataset,
+    load_tokenizer,
+    prepare_data,
+    preprocess,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma omega".split()
+
+
+def make_documents(n: int = 60, seed: int = 0) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(n):
+        length = int(torch.randint(5, 80, (1,), generator=g))
+        picks = torch.randint(len(WORDS), (length,), generator=g).tolist()
+        docs.append(" ".join(WORDS[i] + ("ification" if i % 3 == 0 else "") for i in picks) + ".")
+    return docs
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    texts = embedded_documents()[:200]
+    return load_tokenizer("train:wordpiece:2000", texts=iter(texts), corpus_id="embedded-test", cache_dir=cache)
+
+
+def raw_from(docs: list[str]) -> DatasetDict:
+    return DatasetDict(
+        {"train": Dataset.from_dict({"text": docs}), "validation": Dataset.from_dict({"text": docs[:3]})}
+    )
+
+
+def test_packing_keeps_every_token_up_to_the_final_remainder(tokenizer):
+    docs = make_documents()
+    L = 32
+    processed, stats = preprocess(raw_from(docs), tokenizer, L, packing=True)
+    stream = []
+    for ids in tokenizer(docs, add_special_tokens=False)["input_ids"]:
+        stream += ids + [tokenizer.sep_token_id]
+    blocks = processed["train"]["input_ids"]
+    assert all(len(b) == L for b in blocks)
+    assert len(blocks) == len(stream) // L
+    assert [t for b in blocks for t in b] == stream[: len(blocks) * L]  # same tokens, same order
+    assert len(stream) - len(blocks) * L < L  # the documented remainder
+    assert stats["train"]["tokens"] == len(blocks) * L
+    assert len(stream) - stats["train"]["tokens"] <= stats["train"]["dropped_tokens_at_most"]
+    assert all(len(w) == L for w in processed["train"]["word_start"])
+
+
+def test_one_document_per_example_mode(tokenizer):
+    docs = make_documents(10)
+    processed, _ = preprocess(raw_from(docs), tokenizer, 16, packing=False)
+    rows = processed["train"]["input_ids"]
+    assert len(rows) == len(docs)
+    assert all(r[0] == tokenizer.cls_token_id and r[-1] == tokenizer.sep_token_id and len(r) <= 16 for r in rows)
+    batch = build_collator(tokenizer, seed=0, pad_to_multiple_of=8)([processed["train"][i] for i in range(4)])
+    assert batch["input_ids"].shape[1] % 8 == 0
+    assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+
+
+def test_processed_dataset_is_cached_and_reused(tokenizer, tmp_path):
+    raw = raw_from(make_documents())
+    first, stats = preprocess(raw, tokenizer, 32, cache_dir=tmp_path, source="gen")
+    path = Path(stats["cache_path"])
+    assert path.is_dir() and path.parent == tmp_path / "datasets"
+    stamp = (path / "stats.json").stat().st_mtime_ns
+    second, stats2 = preprocess(raw, tokenizer, 32, cache_dir=tmp_path, source="gen")
+    assert (path / "stats.json").stat().st_mtime_ns == stamp and stats2 == stats
+    assert second["train"]["input_ids"] == first["train"]["input_ids"]
+    _, other = preprocess(raw, tokenizer, 64, cache_dir=tmp_path, source="gen")
+    assert other["cache_path"] != stats["cache_path"]  # the key includes the sequence length
+
+
+def packed_examples(tokenizer, n_docs=400, L=64):
+    processed, _ = preprocess(raw_from(make_documents(n_docs, seed=1)), tokenizer, L)
+    return [processed["train"][i] for i in range(len(processed["train"]))]
+
+
+@pytest.mark.parametrize("masking", ["mlm", "whole_word", "span"])
+def test_masking_rate_and_specials(tokenizer, masking):
+    examples = packed_examples(tokenizer)
+    collator = build_collator(tokenizer, masking=masking, mlm_probability=0.15, seed=0)
+    masked = eligible = replaced = 0
+    for start in range(0, len(examples), 16):
+        chunk = examples[start : start + 16]
+        batch = collator(chunk)
+        original = torch.tensor([e["input_ids"] for e in chunk])
+        labelled = batch["labels"] != -100
+        special = torch.isin(original, torch.tensor(tokenizer.all_special_ids))
+        assert not (labelled & special).any(), "a special token was masked"
+        assert (batch["labels"][labelled] == original[labelled]).all()
+        assert (batch["input_ids"][~labelled] == original[~labelled]).all()
+        masked += int(labelled.sum())
+        eligible += int((~special).sum())
+        replaced += int((batch["input_ids"][labelled] == tokenizer.mask_token_id).sum())
+    assert eligible > 20_000
+    assert abs(masked / eligible - 0.15) < 0.01, f"{masking}: masked fraction {masked / eligible:.4f}"
+    assert abs(replaced / masked - 0.8) < 0.03, f"{masking}: [MASK] share {replaced / masked:.3f}"
+
+
+def test_whole_words_are_masked_together(tokenizer):
+    examples = packed_examples(tokenizer, n_docs=100)
+    collator = WholeWordMaskingCollator(tokenizer, mlm_probability=0.3, seed=1)
+    batch = collator(examples[:32])
+    labelled = (batch["labels"] != -100).tolist()
+    multi_token_words = 0
+    for row, example in enumerate(examples[:32]):
+        starts = example["word_start"]
+        word, words = [], []
+        for i, s in enumerate(starts):
+            if s and word:
+                words.append(word)
+                word = []
+            word.append(i)
+        words.append(word)
+        for w in words:
+            flags = {labelled[row][i] for i in w}
+            assert len(flags) == 1, f"word {w} partly masked"
+            multi_token_words += len(w) > 1
+    assert multi_token_words > 50  # the corpus really has words split into several tokens
+
+
+def masked_runs(row: list[bool]) -> list[int]:
+    runs, n = [], 0
+    for flag in row + [False]:
+        if flag:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
+
+
+def test_spans_are_contiguous_bounded_and_hit_the_budget(tokenizer):
+    examples = packed_examples(tokenizer)
+    collator = SpanMaskingCollator(tokenizer, mean_span_length=3.0, max_span_length=6, mlm_probability=0.2, seed=2)
+    batch = collator(examples[:64])
+    original = torch.tensor([e["input_ids"] for e in examples[:64]])
+    eligible = ~torch.isin(original, torch.tensor(tokenizer.all_special_ids))
+    lengths = []
+    for row in range(64):
+        labelled = (batch["labels"][row] != -100).tolist()
+        runs = masked_runs(labelled)
+        assert all(1 <= r <= 6 for r in runs)
+        assert sum(runs) == round(0.2 * int(eligible[row].sum()))
+        lengths += runs
+    mean = sum(lengths) / len(lengths)
+    assert 2.0 < mean < 3.5, f"mean span length {mean:.2f}"  # geometric(1/3) clipped at 6, last span shortened
+
+
+@pytest.mark.parametrize("masking", ["mlm", "whole_word", "span"])
+def test_seeded_collators_are_reproducible_and_resumable(tokenizer, masking):
+    examples = packed_examples(tokenizer, n_docs=60)[:8]
+    a = build_collator(tokenizer, masking=masking, seed=5)
+    b = build_collator(tokenizer, masking=masking, seed=5)
+    first = a(examples)
+    assert torch.equal(first["labels"], b(examples)["labels"])
+    state = a.state_dict()
+    expected = a(examples)
+    c = build_collator(tokenizer, masking=masking, seed=99)
+    c.load_state_dict(state)
+    assert torch.equal(c(examples)["input_ids"], expected["input_ids"])
+    assert not torch.equal(a(examples)["labels"], expected["labels"])  # the stream moves on
+
+
+def test_local_txt_jsonl_parquet_round_trip(tmp_path):
+    docs = [d.replace("\n", " ") for d in make_documents(40)]
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.txt").write_text("\n\n".join(docs[:20]))
+    (tmp_path / "txt" / "b.txt").write_text("\n\n".join(docs[20:]))
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"content": d, "id": 1}) + "\n")
+    Dataset.from_dict({"body": docs}).to_parquet(str(tmp_path / "docs.parquet"))
+
+    for spec, field in [
+        (tmp_path / "txt", "text"),
+        (tmp_path / "docs.jsonl", "content"),
+        (tmp_path / "docs.parquet", "body"),
+    ]:
+        raw = load_raw_dataset(str(spec), text_field=field, validation_split_percentage=10)
+        assert raw["train"].column_names == ["text"]
+        assert len(raw["validation"]) == 4
+        assert sorted(list(raw["train"]["text"]) + list(raw["validation"]["text"])) == sorted(docs), spec
+
+
+def test_bad_sources_give_clear_errors(tmp_path):
+    with pytest.raises(DataSourceError, match="no such file or folder"):
+        load_raw_dataset("./missing/corpus.txt")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"body": "x y z"}) + "\n")
+    with pytest.raises(DataSourceError, match="no column 'text'.*--text_field"):
+        load_raw_dataset(str(tmp_path / "d.jsonl"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataSourceError, match="holds no .txt"):
+        load_raw_dataset(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="masking='bert'"):
+        DataArguments(masking="bert")
+    with pytest.raises(ValueError, match="train:<kind>:<vocab_size>"):
+        load_tokenizer("train:sentencepiece:8000", texts=iter(["a"]))
+
+
+def test_unreachable_hub_fails_fast_with_a_clear_message(monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    for call in (lambda: load_raw_dataset("JeanKaddour/minipile"), lambda: load_tokenizer("bert-base-uncased")):
+        start = time.monotonic()
+        with pytest.raises(DataSourceError) as error:
+            call()
+        assert time.monotonic() - start < 10
+        message = str(error.value)
+        assert "Hub" in message and "local path" in message
+
+
+def test_trained_tokenizer_is_cached_and_reused(tmp_path):
+    texts = embedded_documents()[:100]
+    first = load_tokenizer("train:bpe:600", texts=iter(texts), corpus_id="c1", cache_dir=tmp_path)
+
+    def must_not_train():
+        raise AssertionError("tokenizer was trained again")
+        yield  # pragma: no cover
+
+    second = load_tokenizer("train:bpe:600", texts=must_not_train(), corpus_id="c1", cache_dir=tmp_path)
+    assert second.get_vocab() == first.get_vocab()
+    assert {second.pad_token, second.mask_token, second.cls_token, second.sep_token, second.unk_token} == {
+        "[PAD]",
+        "[MASK]",
+        "[CLS]",
+        "[SEP]",
+        "[UNK]",
+    }
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 1
+
+
+def test_embedded_corpus_and_cli_work_offline(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "concept_encoder.data",
+        "--tokenizer",
+        "train:wordpiece:3000",
+        "--max_seq_length",
+        "64",
+    ]
+    out = subprocess.run(
+        cmd + ["--cache_dir", str(tmp_path)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "documents" in out.stdout and "examples" in out.stdout and str(tmp_path) in out.stdout
+    assert out.stdout.count("[MASK]") >= 2
+    data = prepare_data(DataArguments(tokenizer="train:wordpiece:3000", max_seq_length=64), cache_dir=tmp_path)
+    assert len(data.train) > 100 and len(data.validation) > 5
+    assert data.stats["train"]["documents"] > 300
