@@ -1,10 +1,15 @@
 """Masking collators: standard 80/10/10 MLM, whole-word masking and span masking.
 
 All three return `input_ids [B,N]`, `attention_mask [B,N]` and `labels [B,N]` (original ids
-at chosen positions, -100 elsewhere); special and pad tokens are never chosen. With a
-`seed`, each collator draws from its own `torch.Generator`, whose state is exposed through
-`state_dict()`/`load_state_dict()` so `accelerator.register_for_checkpointing(collator)`
-makes resumed runs draw the same masks as an uninterrupted run.
+at chosen positions, -100 elsewhere); special and pad tokens are never chosen.
+
+Each collator has two halves: `collate(examples)` pads (deterministic, fine in DataLoader
+workers and prefetch) and `mask(batch)` draws the masks; `collator(examples)` does both.
+The training loop collates in the DataLoader but masks when it consumes a batch, so the
+masking generator advances exactly once per consumed batch: accelerate prefetches one
+batch ahead, and a checkpoint must not include masks drawn for a batch not yet trained on.
+With a `seed`, each collator draws from its own `torch.Generator`, whose state is exposed
+through `state_dict()`/`load_state_dict()` for exact resume.
 """
 
 from __future__ import annotations
@@ -25,9 +30,25 @@ class MLMCollator(DataCollatorForLanguageModeling):
     checkpoints its generator state for exact resume.
     """
 
+    def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """`examples`: dicts with `input_ids [N_i]` → padded `input_ids, attention_mask [B,N]`."""
+        return dict(
+            self.tokenizer.pad(
+                {"input_ids": [e["input_ids"] for e in examples]},
+                return_tensors="pt",
+                pad_to_multiple_of=self.pad_to_multiple_of,
+            )
+        )
+
+    def mask(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Padded batch → `input_ids` with masks applied, `attention_mask`, `labels` (all `[B,N]`)."""
+        if self.seed is not None and self.generator is None:
+            self.create_rng("pt")
+        input_ids, labels = self.torch_mask_tokens(batch["input_ids"].clone())
+        return {"input_ids": input_ids, "attention_mask": batch["attention_mask"], "labels": labels}
+
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """`examples`: dicts with `input_ids [N_i]` → `input_ids, attention_mask, labels [B,N]`."""
-        return super().__call__([{"input_ids": e["input_ids"]} for e in examples])
+        return self.mask(self.collate(examples))
 
     def state_dict(self) -> dict:
         if self.seed is None:
@@ -82,7 +103,7 @@ class UnitMaskingCollator:
         if "generator" in state and self.generator is not None:
             self.generator.set_state(state["generator"])
 
-    def pad(self, examples: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """→ `input_ids`, `attention_mask`, `word_start`, each `[B,N]` (N rounded up to `pad_to_multiple_of`)."""
         length = max(len(e["input_ids"]) for e in examples)
         if self.pad_to_multiple_of:
@@ -96,7 +117,7 @@ class UnitMaskingCollator:
             mask[i, :n] = 1
             if "word_start" in e:
                 starts[i, :n] = torch.as_tensor(e["word_start"], dtype=torch.bool)
-        return ids, mask, starts
+        return {"input_ids": ids, "attention_mask": mask, "word_start": starts}
 
     def choose(self, eligible: torch.Tensor, word_start: torch.Tensor) -> torch.Tensor:
         """`eligible [B,N]` bool, `word_start [B,N]` bool → positions to mask `[B,N]` bool."""
@@ -104,7 +125,11 @@ class UnitMaskingCollator:
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """`examples`: dicts with `input_ids [N_i]` (and `word_start [N_i]`) → `input_ids, attention_mask, labels [B,N]`."""
-        input_ids, attention_mask, word_start = self.pad(examples)
+        return self.mask(self.collate(examples))
+
+    def mask(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Padded batch (with `word_start`) → masked `input_ids`, `attention_mask`, `labels` (all `[B,N]`)."""
+        input_ids, attention_mask, word_start = batch["input_ids"], batch["attention_mask"], batch["word_start"]
         eligible = attention_mask.bool() & ~torch.isin(input_ids, self.special_ids)
         chosen = self.choose(eligible, word_start) & eligible
         labels = torch.where(chosen, input_ids, IGNORE_INDEX)

@@ -1,0 +1,1 @@
+"""Helpers of the training loops: init-order steps, arguments, optimisation, checkpoints, tracking."""

@@ -1,0 +1,131 @@
+"""Arguments of the training loops: typed dataclasses, an optional YAML file, CLI overrides on top.
+
+`parse_args(["--config", "run.yaml", "--learning_rate", "1e-3"])`: YAML values replace the
+defaults, command-line flags replace the YAML. Unknown keys, in the YAML or on the command
+line, are an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+from transformers import HfArgumentParser
+
+from ..config import DECODER_TYPES, PRESETS
+from ..data import DataArguments
+
+
+@dataclass
+class ModelArguments:
+    """Which model to build (a preset plus overrides) or load."""
+
+    preset: str = field(default="small", metadata={"help": f"size preset: one of {sorted(PRESETS)}"})
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "start from a saved model folder instead of a fresh preset"}
+    )
+    decoder_type: str = field(default="perceiver", metadata={"help": f"MLM decoder: one of {DECODER_TYPES}"})
+    concept_num: int | None = field(default=None, metadata={"help": "override the preset's number of concepts"})
+    hidden_dropout_prob: float | None = field(default=None, metadata={"help": "override dropout (default 0.1)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
+
+    def __post_init__(self):
+        if self.model_name_or_path is None and self.preset not in PRESETS:
+            raise ValueError(f"preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}")
+        if self.decoder_type not in DECODER_TYPES:
+            raise ValueError(f"decoder_type={self.decoder_type!r} is unknown; choose one of {DECODER_TYPES}")
+
+
+@dataclass
+class TrainingArguments:
+    """How to train: steps, optimisation, precision, logging, evaluation, checkpoints, tracking."""
+
+    output_dir: str = field(default="Cache/runs", metadata={"help": "parent of the run directories"})
+    run_name: str | None = field(default=None, metadata={"help": "fixed run id (default: preset-size-timestamp)"})
+    seed: int = field(default=42, metadata={"help": "seed for init, data order, masking and dropout"})
+    max_steps: int = field(default=300, metadata={"help": "optimizer steps to train"})
+    per_device_train_batch_size: int = field(default=16, metadata={"help": "micro-batch per process"})
+    per_device_eval_batch_size: int = field(default=32, metadata={"help": "evaluation batch per process"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    learning_rate: float = field(default=5e-4, metadata={"help": "peak learning rate"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW decay (not on biases, norms, embeddings)"})
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_epsilon: float = 1e-6
+    max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm (0 disables)"})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "cosine, linear or constant (after warmup)"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warmup, in optimizer steps"})
+    warmup_ratio: float = field(default=0.06, metadata={"help": "warmup as a fraction of max_steps if warmup_steps=0"})
+    mixed_precision: str = field(default="no", metadata={"help": "no, bf16 or fp16"})
+    logging_steps: int = field(default=10, metadata={"help": "log train metrics every N optimizer steps"})
+    eval_steps: int = field(default=100, metadata={"help": "evaluate every N optimizer steps (0: only at the end)"})
+    max_eval_batches: int | None = field(default=None, metadata={"help": "cap evaluation batches per process"})
+    save_steps: int = field(default=100, metadata={"help": "checkpoint every N optimizer steps (0: never)"})
+    save_total_limit: int = field(default=2, metadata={"help": "keep only the newest N checkpoints"})
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "`auto` (newest checkpoint of the run) or a checkpoint folder"}
+    )
+    max_bad_steps: int = field(default=3, metadata={"help": "stop after this many consecutive non-finite losses"})
+    torch_compile: bool = field(default=False, metadata={"help": "torch.compile(model, dynamic=True)"})
+    dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes"})
+    report_to: str = field(default="wandb", metadata={"help": "wandb or none"})
+    wandb_project: str = field(default="concept-encoder", metadata={"help": "W&B project"})
+    progress_bar: bool = field(default=True, metadata={"help": "tqdm progress bar on the main process"})
+
+    def __post_init__(self):
+        for name in (
+            "max_steps",
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("logging_steps",):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("eval_steps", "save_steps", "warmup_steps", "save_total_limit", "dataloader_num_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision={self.mixed_precision!r}: choose no, bf16 or fp16")
+        if self.lr_scheduler_type not in ("cosine", "linear", "constant"):
+            raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}: choose cosine, linear or constant")
+        if self.report_to not in ("wandb", "none"):
+            raise ValueError(f"report_to={self.report_to!r}: choose wandb or none")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+
+    @property
+    def num_warmup_steps(self) -> int:
+        return self.warmup_steps or int(self.warmup_ratio * self.max_steps)
+
+
+ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainingArguments)
+
+
+def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES) -> tuple:
+    """Parse `argv` (default `sys.argv[1:]`) into one instance of each dataclass in `classes`."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, rest = pre.parse_known_args(argv)
+    parser = HfArgumentParser(classes)
+    parser.add_argument("--config", default=None, help="YAML file of arguments; command-line flags override it")
+    if known.config:
+        path = Path(known.config)
+        if not path.is_file():
+            raise ValueError(f"--config {known.config}: no such file")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"--config {known.config}: expected a mapping of argument names to values")
+        valid = {f.name for cls in classes for f in fields(cls)}
+        unknown = sorted(set(values) - valid)
+        if unknown:
+            raise ValueError(f"--config {known.config}: unknown keys {unknown}; valid keys are {sorted(valid)}")
+        parser.set_defaults(**values)
+    *parsed, _config = parser.parse_args_into_dataclasses(
+        args=rest + (["--config", known.config] if known.config else [])
+    )
+    return tuple(parsed)

@@ -1,0 +1,89 @@
+"""Run bookkeeping: metrics.jsonl, the loss-curve plot, memory readings, preemption signals."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from pathlib import Path
+
+import psutil
+import torch
+
+logger = logging.getLogger("concept_encoder")
+
+
+class MetricsWriter:
+    """Appends one JSON object per record to `<run>/metrics.jsonl` and mirrors it to W&B."""
+
+    def __init__(self, path: Path, wandb_run=None):
+        self.path = Path(path)
+        self.wandb_run = wandb_run
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
+    """Train loss (and eval loss where present) against optimizer step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path) if Path(metrics_path).exists() else []
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("kind") == "eval"]
+    if not train and not evals:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("masked-token cross-entropy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return out_path
+
+
+def memory_stats(device: torch.device) -> dict:
+    """Peak CUDA allocated/reserved (GB) where present, process RSS (GB) always."""
+    stats = {"rss_gb": round(psutil.Process().memory_info().rss / 2**30, 3)}
+    if device.type == "cuda":
+        stats["cuda_peak_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+        stats["cuda_peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 3)
+    return stats
+
+
+class PreemptionFlag:
+    """SIGTERM/SIGINT set a flag; the loop finishes its step, saves a checkpoint and exits."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self.previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+        logger.warning("%s received: finishing this step, then saving a checkpoint", self.signal_name)
+
+    @property
+    def raised(self) -> bool:
+        return self.signal_name is not None
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

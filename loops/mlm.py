@@ -1,0 +1,414 @@
+"""Masked-language-model pretraining of a Concept Encoder: a plain accelerate loop.
+
+    accelerate launch loops/mlm.py --preset small --dataset embedded --max_steps 300
+    accelerate launch --config_file launch/cpu.yaml loops/mlm.py --config my_run.yaml --learning_rate 1e-3
+
+`main()` reads top to bottom in the project's fixed init order (1-13); the mechanics live in
+`concept_encoder.training`. The loss of an optimizer step is the mean cross-entropy over every
+masked token of the whole accumulation window on all ranks (not a mean of per-batch means).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator, skip_first_batches
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DistributedType,
+    GradientAccumulationPlugin,
+    send_to_device,
+    set_seed,
+)
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+if __package__ in (None, ""):  # run as a script: make the project root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
+from concept_encoder.data import build_collator, check_tokenizer, prepare_data
+from concept_encoder.training.args import parse_args
+from concept_encoder.training.checkpoint import (
+    TrainState,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
+from concept_encoder.training.optim import build_optimizer, build_scheduler
+from concept_encoder.training.setup import (
+    init_wandb,
+    log_data_config,
+    log_dataset_sizes,
+    log_model_info,
+    log_system_info,
+    maybe_compile,
+    probe_attention_kernels,
+    save_run_config,
+    setup_distributed,
+    setup_logging,
+    setup_run_dirs,
+)
+from concept_encoder.training.tracking import MetricsWriter, PreemptionFlag, memory_stats, plot_loss_curve
+
+logger = logging.getLogger("concept_encoder")
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def build_model(model_args, data_args, tokenizer) -> ConceptEncoderForMaskedLM:
+    """A fresh preset (vocabulary and special ids from the tokenizer) or a saved model."""
+    if model_args.model_name_or_path:
+        model = ConceptEncoderForMaskedLM.from_pretrained(model_args.model_name_or_path)
+    else:
+        overrides = dict(
+            vocab_size=len(tokenizer),
+            decoder_type=model_args.decoder_type,
+            pad_token_id=tokenizer.pad_token_id,
+            mask_token_id=tokenizer.mask_token_id,
+            cls_token_id=tokenizer.cls_token_id,
+            sep_token_id=tokenizer.sep_token_id,
+            unk_token_id=tokenizer.unk_token_id,
+        )
+        if model_args.concept_num is not None:
+            overrides["concept_num"] = model_args.concept_num
+        if model_args.hidden_dropout_prob is not None:
+            overrides["hidden_dropout_prob"] = model_args.hidden_dropout_prob
+        config = config_from_preset(model_args.preset, **overrides)
+        config.max_position_embeddings = max(config.max_position_embeddings, data_args.max_seq_length)
+        model = ConceptEncoderForMaskedLM(config)
+    check_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
+    if data_args.max_seq_length > model.config.max_position_embeddings:
+        raise ValueError(
+            f"max_seq_length={data_args.max_seq_length} exceeds the model's max_position_embeddings="
+            f"{model.config.max_position_embeddings}; lower --max_seq_length"
+        )
+    if model_args.gradient_checkpointing:
+        model.activation_checkpointing_enable()
+    return model
+
+
+def windows(loader, accumulation: int, state: TrainState, finish_batch):
+    """Yield lists of `accumulation` micro-batches forever, epoch after epoch, resuming at `state`.
+
+    `finish_batch` (masking + device placement) runs as a window is handed out, not when the
+    DataLoader prefetches, so masking randomness is drawn only for batches that are trained on.
+    An incomplete window at the end of an epoch is dropped, so every optimizer step sees the
+    same number of micro-batches. `state.epoch` / `state.batches_in_epoch` track the position.
+    """
+    while True:
+        loader.set_epoch(state.epoch)
+        source = skip_first_batches(loader, state.batches_in_epoch) if state.batches_in_epoch else loader
+        iterator = iter(source)
+        produced = False
+        while len(window := list(itertools.islice(iterator, accumulation))) == accumulation:
+            produced = True
+            state.batches_in_epoch += accumulation
+            yield [finish_batch(batch) for batch in window]
+        if not produced and state.batches_in_epoch == 0:
+            raise ValueError(
+                "the training set is too small for one optimizer step: lower per_device_train_batch_size "
+                "or gradient_accumulation_steps, or use more data"
+            )
+        state.epoch += 1
+        state.batches_in_epoch = 0
+
+
+def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm: float) -> dict:
+    """One optimizer step over `window` (the micro-batches of one accumulation window).
+
+    Each micro-batch's loss is its masked-token CE *sum* divided by the masked-token count of
+    the whole window on all ranks, times `world × accumulation` to undo the averaging that
+    gradient accumulation and data parallelism apply; the gradient is then exactly that of the
+    mean CE over every masked token of the step. Returns global sums for logging.
+    """
+    counts = torch.stack([(b["labels"] != -100).sum() for b in window]).sum().float()
+    window_labelled = accelerator.reduce(counts, reduction="sum").clamp(min=1)
+    scale = accelerator.num_processes * len(window) / window_labelled
+    loss_sum = torch.zeros((), device=accelerator.device)
+    tokens = torch.zeros((), device=accelerator.device)
+    for batch in window:
+        with accelerator.accumulate(model):
+            out = model(**batch)
+            ce_sum = out.loss.float() * out.num_labelled
+            accelerator.backward(ce_sum * scale)
+            loss_sum += ce_sum.detach()
+            tokens += batch["attention_mask"].sum()
+    totals = accelerator.reduce(torch.stack([loss_sum, tokens.float()]), reduction="sum")
+    loss = (totals[0] / window_labelled).item()
+    grad_norm = None
+    if math.isfinite(loss):
+        if max_grad_norm > 0 and accelerator.distributed_type != DistributedType.DEEPSPEED:
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            grad_norm = model.get_global_grad_norm()  # DeepSpeed clips inside its step; read the real norm
+    optimizer.zero_grad(set_to_none=True)
+    return {
+        "loss": loss,
+        "labelled": int(window_labelled.item()),
+        "tokens": int(totals[1].item()),
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+    }
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, loader, eval_collator, collator_state: dict, max_batches: int | None) -> dict:
+    """Loss, perplexity and masked-token accuracy over the validation set, weighted by masked-token
+    count and gathered across ranks (duplicate samples that even out the last batch are dropped).
+    The eval collator restarts from the same state, so every evaluation sees the same masks."""
+    eval_collator.load_state_dict(collator_state)
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+    for i, batch in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        batch = send_to_device(eval_collator.mask(batch), accelerator.device)
+        out = model(**batch)
+        labelled = batch["labels"] != -100
+        targets = batch["labels"][labelled]
+        ce = F.cross_entropy(out.logits.float(), targets, reduction="none")
+        correct = (out.logits.argmax(dim=-1) == targets).double()
+        per_sample = torch.zeros(labelled.shape[0], 3, dtype=torch.float64, device=accelerator.device)
+        rows = labelled.nonzero()[:, 0]  # sample of each labelled position, matching the logits' order
+        per_sample.index_add_(0, rows, torch.stack([ce.double(), torch.ones_like(ce).double(), correct], dim=1))
+        totals += accelerator.gather_for_metrics(per_sample).sum(dim=0)
+    model.train(was_training)
+    loss = (totals[0] / totals[1].clamp(min=1)).item()
+    return {
+        "eval_loss": loss,
+        "eval_perplexity": math.exp(min(loss, 50.0)),
+        "eval_accuracy": (totals[2] / totals[1].clamp(min=1)).item(),
+        "eval_masked_tokens": int(totals[1].item()),
+    }
+
+
+def save_final(
+    accelerator, model, tokenizer, run_dir: Path, progress: TrainState, preempted: bool, last_eval, wandb_run
+):
+    """Final model (`save_pretrained` + tokenizer, ZeRO-3 shards gathered), loss curve, summary, W&B finish.
+
+    With several processes each rank also writes `ranks/rank<r>.json` (its view of the last eval
+    loss and a checksum of its parameters), so a run can show that the ranks agree.
+    """
+    accelerator.wait_for_everyone()
+    final_dir = run_dir / "final"
+    if not preempted:
+        state_dict = accelerator.get_state_dict(model)  # collective: gathers ZeRO-3 shards
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(final_dir, state_dict=state_dict)
+            tokenizer.save_pretrained(final_dir)
+    if accelerator.num_processes > 1:
+        params = list(accelerator.unwrap_model(model).parameters())
+        sharded = any(hasattr(p, "ds_numel") for p in params)  # ZeRO-3 holds only a shard per rank
+        checksum = None if sharded else sum(float(p.detach().double().sum()) for p in params)
+        (run_dir / "ranks").mkdir(exist_ok=True)
+        view = {"eval_loss": (last_eval or {}).get("eval_loss"), "param_checksum": checksum, "step": progress.step}
+        (run_dir / "ranks" / f"rank{accelerator.process_index}.json").write_text(json.dumps(view))
+    if accelerator.is_main_process:
+        plot = plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
+        summary = {"steps": progress.step, "preempted": preempted, **(last_eval or {})}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        logger.info("run dir: %s", run_dir)
+        if not preempted:
+            logger.info("final model: %s (AutoModelForMaskedLM.from_pretrained loads it)", final_dir)
+        logger.info("metrics: %s, loss curve: %s, log: Cache/logs/", run_dir / "metrics.jsonl", plot)
+        if wandb_run is not None:
+            wandb_run.finish()
+
+
+def main(argv: list[str] | None = None) -> int:
+    # 1. distributed setup: backend (NCCL on CUDA, gloo on CPU), timeout, device
+    state = setup_distributed()
+    # 2. logging: INFO + file log on the main process, ERROR elsewhere
+    setup_logging(state)
+    # 3. arguments: dataclasses, optional YAML, CLI overrides
+    model_args, data_args, args = parse_args(argv)
+    # 4. seed, system info, data config
+    set_seed(args.seed)
+    system = log_system_info(state)
+    log_data_config(data_args)
+    # 5. tokenizer + datasets
+    data = prepare_data(data_args, cache_dir="Cache", seed=args.seed + state.process_index)  # own masks per rank
+    # 6. dataset sizes after load/filter/packing
+    log_dataset_sizes(data)
+    # 7. model config, loss config, model
+    model = build_model(model_args, data_args, data.tokenizer)
+    counts = log_model_info(model, {"preset": model_args.preset, "decoder": model.config.decoder_type})
+    logger.info("loss: sparse masked-token cross-entropy, mean over the masked tokens of each optimizer step")
+    # 8. attention-kernel probe (main process, the model's real forward)
+    eval_collator = build_collator(
+        data.tokenizer,
+        masking=data_args.masking,
+        mlm_probability=data_args.mlm_probability,
+        mean_span_length=data_args.mean_span_length,
+        max_span_length=data_args.max_span_length,
+        pad_to_multiple_of=data_args.pad_to_multiple_of,
+        seed=args.seed + 1,
+    )
+    eval_collator_state = eval_collator.state_dict()
+    probe_attention_kernels(model.to(state.device), eval_collator([data.validation[0]]), state)
+    # 9. optional torch.compile
+    model = maybe_compile(model, args.torch_compile)
+    # 10. run dirs + argument guards
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, args.run_name)
+    run_dir = setup_run_dirs(
+        args, model_args.preset, counts["total"], state, resume_dir=resume.parent.parent if resume else None
+    )
+    eval_steps = args.eval_steps or args.max_steps  # 0 means: evaluate at the end only
+    save_steps = args.save_steps or None
+    # 11. resolved config saved + logged; W&B
+    config = {
+        "model_args": dataclasses.asdict(model_args),
+        "data_args": dataclasses.asdict(data_args),
+        "training_args": dataclasses.asdict(args),
+        "model_config": model.config.to_dict(),
+        "parameters": counts,
+        "system": system,
+        "data_stats": data.stats,
+        "run_dir": str(run_dir),
+    }
+    if state.is_main_process:
+        save_run_config(run_dir, config)
+    wandb_run = init_wandb(args, run_dir, config, state)
+    # 12. Accelerator, prepare, train
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    )
+    optimizer = build_optimizer(model, args)
+    scheduler = build_scheduler(optimizer, args)
+    train_loader = DataLoader(
+        data.train,
+        batch_size=args.per_device_train_batch_size,
+        shuffle=True,
+        drop_last=True,
+        collate_fn=data.collator.collate,  # padding only: masks are drawn when a batch is consumed
+        num_workers=args.dataloader_num_workers,
+        generator=torch.Generator().manual_seed(args.seed),  # keeps loader seeding off the global RNG
+    )
+    eval_loader = DataLoader(
+        data.validation,
+        batch_size=args.per_device_eval_batch_size,
+        collate_fn=eval_collator.collate,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    model, optimizer = accelerator.prepare(model, optimizer)
+    train_loader = accelerator.prepare_data_loader(train_loader, device_placement=False)  # masked on CPU first
+    eval_loader = accelerator.prepare_data_loader(eval_loader, device_placement=False)
+    accelerator.register_for_checkpointing(scheduler)
+    per_rank = {"collator": data.collator}
+    progress_state = TrainState()
+    if resume is not None:
+        progress_state = load_checkpoint(accelerator, resume, per_rank)
+        logger.info("resumed from %s at step %d", resume, progress_state.step)
+
+    metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
+    preemption = PreemptionFlag()
+    bar = tqdm(
+        total=args.max_steps,
+        initial=progress_state.step,
+        disable=not (accelerator.is_main_process and args.progress_bar),
+        desc="train",
+        dynamic_ncols=True,
+    )
+    window_source = windows(
+        train_loader,
+        args.gradient_accumulation_steps,
+        progress_state,
+        lambda batch: send_to_device(data.collator.mask(batch), accelerator.device),
+    )
+    interval = {"loss": 0.0, "labelled": 0, "tokens": 0, "steps": 0, "time": 0.0}
+    last_eval = None
+    preempted = False
+    model.train()
+    while progress_state.step < args.max_steps:
+        started = time.perf_counter()
+        step = train_step(accelerator, model, optimizer, next(window_source), args.max_grad_norm)
+        if math.isfinite(step["loss"]):
+            scheduler.step()
+            progress_state.bad_steps = 0
+        else:
+            progress_state.bad_steps += 1
+            logger.warning("non-finite loss at step %d (update skipped)", progress_state.step + 1)
+            if progress_state.bad_steps >= args.max_bad_steps:
+                raise NonFiniteLossError(
+                    f"loss was non-finite for {progress_state.bad_steps} consecutive steps, last at step "
+                    f"{progress_state.step + 1}; lower the learning rate, use bf16 instead of fp16, or check the data"
+                )
+        progress_state.step += 1
+        progress_state.tokens_seen += step["tokens"]
+        elapsed = time.perf_counter() - started
+        interval["loss"] += step["loss"] * step["labelled"]
+        interval["labelled"] += step["labelled"]
+        interval["tokens"] += step["tokens"]
+        interval["steps"] += 1
+        interval["time"] += elapsed
+        bar.update(1)
+
+        if progress_state.step % args.logging_steps == 0 or progress_state.step == args.max_steps:
+            record = {
+                "kind": "train",
+                "step": progress_state.step,
+                "epoch": progress_state.epoch,
+                "loss": interval["loss"] / max(interval["labelled"], 1),
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": step["grad_norm"],
+                "tokens_per_s": interval["tokens"] / interval["time"],
+                "masked_tokens_per_s": interval["labelled"] / interval["time"],
+                "step_time_s": interval["time"] / interval["steps"],
+                "tokens_seen": progress_state.tokens_seen,
+                **memory_stats(accelerator.device),
+            }
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            if metrics:
+                metrics.write(record)
+            logger.info(
+                "step %d: %s", progress_state.step, {k: v for k, v in record.items() if k not in ("kind", "step")}
+            )
+            interval = {"loss": 0.0, "labelled": 0, "tokens": 0, "steps": 0, "time": 0.0}
+
+        if progress_state.step % eval_steps == 0 or progress_state.step == args.max_steps:
+            last_eval = evaluate(
+                accelerator, model, eval_loader, eval_collator, eval_collator_state, args.max_eval_batches
+            )
+            if metrics:
+                metrics.write({"kind": "eval", "step": progress_state.step, **last_eval})
+            logger.info("eval at step %d: %s", progress_state.step, last_eval)
+
+        stop = torch.tensor(float(preemption.raised), device=accelerator.device)
+        preempted = bool(accelerator.reduce(stop, reduction="max").item())
+        if preempted or (save_steps and progress_state.step % save_steps == 0):
+            save_checkpoint(accelerator, run_dir, progress_state, args.save_total_limit, per_rank)
+        if preempted:
+            logger.warning(
+                "stopped by signal at step %d; resume with --resume_from_checkpoint auto", progress_state.step
+            )
+            break
+    bar.close()
+    preemption.restore()
+
+    # 13. final save + W&B finish (main process)
+    save_final(accelerator, model, data.tokenizer, run_dir, progress_state, preempted, last_eval, wandb_run)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

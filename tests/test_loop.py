@@ -1,0 +1,200 @@
+"""The MLM loop: learning, exact resume, preemption, accumulation, init order, 2 processes, arguments."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import GradientAccumulationPlugin
+from transformers import AutoModelForMaskedLM
+
+import loops.mlm as mlm
+from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
+from concept_encoder.training.args import parse_args
+from concept_encoder.training.tracking import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = [
+    "--preset", "micro", "--max_seq_length", "64", "--tokenizer", "train:wordpiece:2000",
+    "--report_to", "none", "--progress_bar", "false", "--per_device_train_batch_size", "8",
+    "--logging_steps", "1", "--eval_steps", "0", "--save_steps", "0", "--max_eval_batches", "2",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """One working directory for the module: runs share the tokenizer/dataset cache, not the repo's Cache/."""
+    return tmp_path_factory.mktemp("loop")
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def run(*extra: str) -> int:
+    return mlm.main([*COMMON, "--output_dir", "runs", *extra])
+
+
+def train_losses(run_name: str) -> list[float]:
+    return [r["loss"] for r in read_metrics(Path("runs") / run_name / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def test_tiny_run_learns_and_saves_a_loadable_model():
+    run("--run_name", "learn", "--max_steps", "60", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant")
+    losses = train_losses("learn")
+    assert len(losses) == 60
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, f"loss did not fall: {losses[0]:.3f} → {losses[-5:]}"
+    run_dir = Path("runs/learn")
+    assert (run_dir / "loss_curve.png").stat().st_size > 0
+    assert json.loads((run_dir / "config.json").read_text())["training_args"]["max_steps"] == 60
+    model = AutoModelForMaskedLM.from_pretrained(run_dir / "final")
+    assert isinstance(model, ConceptEncoderForMaskedLM)
+    assert (run_dir / "final" / "tokenizer.json").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 60 and not summary["preempted"] and math.isfinite(summary["eval_loss"])
+    assert list(Path("Cache/logs").glob("mlm-*.log"))
+
+
+def sigterm_after(monkeypatch, calls: int):
+    real = mlm.train_step
+    count = {"n": 0}
+
+    def step_then_signal(*args, **kwargs):
+        out = real(*args, **kwargs)
+        count["n"] += 1
+        if count["n"] == calls:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(mlm, "train_step", step_then_signal)
+    return real
+
+
+def test_sigterm_checkpoint_and_exact_resume(monkeypatch):
+    args = ["--max_steps", "8", "--save_steps", "3", "--eval_steps", "4"]
+    run("--run_name", "straight", *args)
+    reference = train_losses("straight")
+
+    real = sigterm_after(monkeypatch, calls=5)
+    run("--run_name", "split", *args)
+    run_dir = Path("runs/split")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary == {**summary, "steps": 5, "preempted": True}
+    assert not (run_dir / "final").exists()
+    assert (run_dir / "checkpoints" / "step_0000005" / "train_state.json").exists()
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+    monkeypatch.setattr(mlm, "train_step", real)
+    run("--run_name", "split", *args, "--resume_from_checkpoint", "auto")
+    resumed = train_losses("split")
+    assert resumed == reference  # bitwise: same batches, masks, dropout and optimizer state
+    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
+    straight_evals = [r for r in read_metrics(Path("runs/straight/metrics.jsonl")) if r["kind"] == "eval"]
+    assert [e["eval_loss"] for e in evals] == [e["eval_loss"] for e in straight_evals]
+    assert (run_dir / "final" / "model.safetensors").exists()
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept == ["step_0000005", "step_0000006"]  # saves at 3, 5 (signal), 6; rotation keeps the newest 2
+
+
+def test_gradient_accumulation_matches_a_larger_batch():
+    torch.manual_seed(0)
+    config = config_from_preset("micro", vocab_size=300, hidden_dropout_prob=0.0)
+    base = ConceptEncoderForMaskedLM(config)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for rate in (0.05, 0.4):  # very different masked counts: a mean of per-batch means would be wrong
+        ids = torch.randint(5, 300, (4, 32), generator=g)
+        labelled = torch.rand(4, 32, generator=g) < rate
+        labelled[:, 0] = True
+        labels = torch.where(labelled, ids, -100)
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    big = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+
+    results = []
+    for window, accumulation in (([big], 1), (batches, 2)):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        accelerator = Accelerator(
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False)
+        )
+        model = ConceptEncoderForMaskedLM(config)
+        model.load_state_dict(base.state_dict())
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        step = mlm.train_step(accelerator, model, optimizer, window, max_grad_norm=0.0)
+        results.append((step, [p.detach().clone() for p in model.parameters()]))
+    (one, params_one), (two, params_two) = results
+    assert one["labelled"] == two["labelled"] and abs(one["loss"] - two["loss"]) < 1e-5
+    for a, b in zip(params_one, params_two, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_non_finite_loss_stops_with_the_step(monkeypatch):
+    monkeypatch.setattr(
+        mlm, "train_step", lambda *a, **k: {"loss": float("nan"), "labelled": 1, "tokens": 1, "grad_norm": None}
+    )
+    with pytest.raises(mlm.NonFiniteLossError, match="3 consecutive steps, last at step 3"):
+        run("--run_name", "nan", "--max_steps", "10", "--max_bad_steps", "3")
+
+
+def test_init_order(monkeypatch):
+    calls = []
+    names = [
+        "setup_distributed", "setup_logging", "parse_args", "set_seed", "log_system_info", "log_data_config",
+        "prepare_data", "log_dataset_sizes", "build_model", "log_model_info", "probe_attention_kernels",
+        "maybe_compile", "setup_run_dirs", "save_run_config", "init_wandb", "Accelerator", "train_step",
+        "save_final",
+    ]  # fmt: skip
+    for name in names:
+        real = getattr(mlm, name)
+
+        def recorder(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(mlm, name, recorder)
+    run("--run_name", "order", "--max_steps", "2")
+    first_seen = list(dict.fromkeys(calls))
+    assert first_seen == names
+    assert calls.count("train_step") == 2
+
+
+def test_two_process_cpu_run_ranks_agree(workdir):
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
+        str(ROOT / "loops" / "mlm.py"), *COMMON, "--output_dir", "runs", "--run_name", "ddp", "--max_steps", "4",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = [json.loads((workdir / "runs/ddp/ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0]["eval_loss"] is not None
+    record = [r for r in read_metrics(workdir / "runs/ddp/metrics.jsonl") if r["kind"] == "train"][0]
+    assert record["tokens_seen"] == 2 * 8 * 64  # two ranks, each a micro-batch of 8 × 64 tokens
+    config = json.loads((workdir / "runs/ddp/config.json").read_text())
+    assert config["system"]["world_size"] == 2 and config["system"]["backend"] == "gloo"
+
+
+def test_yaml_config_with_cli_override(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("learning_rate: 0.002\nmax_steps: 7\npreset: tiny\nmasking: span\n")
+    model_args, data_args, args = parse_args(["--config", str(path), "--max_steps", "9"])
+    assert (args.learning_rate, args.max_steps, model_args.preset, data_args.masking) == (0.002, 9, "tiny", "span")
+    path.write_text("learning_rat: 0.002\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['learning_rat'\]"):
+        parse_args(["--config", str(path)])
+    with pytest.raises(ValueError, match="--no_such_flag"):
+        parse_args(["--no_such_flag", "1"])
+    with pytest.raises(ValueError, match="preset='huge' is unknown"):
+        parse_args(["--preset", "huge"])
