@@ -44,6 +44,11 @@ from concept_encoder.training.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from concept_encoder.training.deepspeed_setup import (
+    adamw_class,
+    fill_deepspeed_auto_values,
+    outside_zero3,
+)
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.setup import (
     init_wandb,
@@ -196,20 +201,35 @@ def evaluate(accelerator, model, loader, eval_collator, collator_state: dict, ma
 
 
 def save_final(
-    accelerator, model, tokenizer, run_dir: Path, progress: TrainState, preempted: bool, last_eval, wandb_run
+    accelerator, model, tokenizer, probe_ids, run_dir: Path, progress: TrainState, preempted: bool, last_eval, wandb_run
 ):
-    """Final model (`save_pretrained` + tokenizer, ZeRO-3 shards gathered), loss curve, summary, W&B finish.
+    """Final model (`save_pretrained` + tokenizer, ZeRO-3 shards gathered), export check, loss curve,
+    summary, W&B finish.
 
+    Export check: the in-training model's logits on `probe_ids [1,N]` are compared with those of
+    the saved folder reloaded by `from_pretrained` (the max |difference| goes to `summary.json`),
+    which catches a broken ZeRO-3 gather or a lost tied weight at the end of the run, not later.
     With several processes each rank also writes `ranks/rank<r>.json` (its view of the last eval
     loss and a checksum of its parameters), so a run can show that the ranks agree.
     """
     accelerator.wait_for_everyone()
     final_dir = run_dir / "final"
+    export_diff = None
     if not preempted:
+        model.eval()
+        with torch.no_grad():  # every rank runs it: under ZeRO-3 the forward gathers parameters
+            reference = model(input_ids=probe_ids.to(accelerator.device)).logits.float().cpu()
         state_dict = accelerator.get_state_dict(model)  # collective: gathers ZeRO-3 shards
         if accelerator.is_main_process:
             accelerator.unwrap_model(model).save_pretrained(final_dir, state_dict=state_dict)
             tokenizer.save_pretrained(final_dir)
+            with outside_zero3():
+                reloaded = ConceptEncoderForMaskedLM.from_pretrained(final_dir).eval()
+            with torch.no_grad():
+                export_diff = (reloaded(input_ids=probe_ids).logits.float() - reference).abs().max().item()
+            logger.info(
+                "export check: reloaded final model matches the trained one to %.2e (max |Δlogit|)", export_diff
+            )
     if accelerator.num_processes > 1:
         params = list(accelerator.unwrap_model(model).parameters())
         sharded = any(hasattr(p, "ds_numel") for p in params)  # ZeRO-3 holds only a shard per rank
@@ -219,7 +239,12 @@ def save_final(
         (run_dir / "ranks" / f"rank{accelerator.process_index}.json").write_text(json.dumps(view))
     if accelerator.is_main_process:
         plot = plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
-        summary = {"steps": progress.step, "preempted": preempted, **(last_eval or {})}
+        summary = {
+            "steps": progress.step,
+            "preempted": preempted,
+            "export_max_abs_diff": export_diff,
+            **(last_eval or {}),
+        }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         logger.info("run dir: %s", run_dir)
         if not preempted:
@@ -285,13 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     wandb_run = init_wandb(args, run_dir, config, state)
     # 12. Accelerator, prepare, train
     accelerator = Accelerator(
-        mixed_precision=args.mixed_precision,
+        mixed_precision=args.mixed_precision,  # None: the launch config's; fills a ds config's "auto" too
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
         ),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
-    optimizer = build_optimizer(model, args)
+    fill_deepspeed_auto_values(accelerator, args)
+    optimizer = build_optimizer(model, args, adamw=adamw_class(accelerator))
     scheduler = build_scheduler(optimizer, args)
     train_loader = DataLoader(
         data.train,
@@ -404,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     preemption.restore()
 
     # 13. final save + W&B finish (main process)
-    save_final(accelerator, model, data.tokenizer, run_dir, progress_state, preempted, last_eval, wandb_run)
+    probe_ids = torch.as_tensor(data.validation[0]["input_ids"], dtype=torch.long)[None]  # [1,N]
+    save_final(accelerator, model, data.tokenizer, probe_ids, run_dir, progress_state, preempted, last_eval, wandb_run)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0

@@ -58,7 +58,12 @@ class TrainingArguments:
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "cosine, linear or constant (after warmup)"})
     warmup_steps: int = field(default=0, metadata={"help": "linear warmup, in optimizer steps"})
     warmup_ratio: float = field(default=0.06, metadata={"help": "warmup as a fraction of max_steps if warmup_steps=0"})
-    mixed_precision: str = field(default="no", metadata={"help": "no, bf16 or fp16"})
+    mixed_precision: str | None = field(
+        default=None,
+        metadata={
+            "help": "no, bf16 or fp16 (default: the accelerate launch config's, else no; under DeepSpeed set it there)"
+        },
+    )
     logging_steps: int = field(default=10, metadata={"help": "log train metrics every N optimizer steps"})
     eval_steps: int = field(default=100, metadata={"help": "evaluate every N optimizer steps (0: only at the end)"})
     max_eval_batches: int | None = field(default=None, metadata={"help": "cap evaluation batches per process"})
@@ -89,7 +94,7 @@ class TrainingArguments:
         for name in ("eval_steps", "save_steps", "warmup_steps", "save_total_limit", "dataloader_num_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.mixed_precision not in ("no", "bf16", "fp16"):
+        if self.mixed_precision not in (None, "no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: choose no, bf16 or fp16")
         if self.lr_scheduler_type not in ("cosine", "linear", "constant"):
             raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}: choose cosine, linear or constant")

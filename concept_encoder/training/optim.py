@@ -23,13 +23,14 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, args, extra_params: list[nn.Parameter] | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, args, extra_params: list[nn.Parameter] | None = None, adamw=torch.optim.AdamW
+) -> torch.optim.Optimizer:
+    """AdamW over the decay/no-decay groups (`adamw`: the class, e.g. DeepSpeed's CPU Adam under offload)."""
     groups = parameter_groups(model, args.weight_decay)
     if extra_params:
         groups.append({"params": list(extra_params), "weight_decay": 0.0})
-    return torch.optim.AdamW(
-        groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon
-    )
+    return adamw(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args):

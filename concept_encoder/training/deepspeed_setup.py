@@ -1,0 +1,85 @@
+"""DeepSpeed under accelerate: fill the loop's values into the ds config, pick the optimizer class.
+
+The ds configs in `ds_configs/` leave batch sizes, accumulation and clipping as `"auto"`;
+the loop prepares its DataLoaders on their own (masking happens on the CPU before device
+placement), so accelerate cannot infer them and they are filled here from the arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from accelerate.utils import DistributedType
+
+
+def using_deepspeed() -> bool:
+    """Launched by `accelerate launch` with DeepSpeed (known before the Accelerator exists)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def deepspeed_config(accelerator) -> dict | None:
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    return accelerator.state.deepspeed_plugin.deepspeed_config
+
+
+def fill_deepspeed_auto_values(accelerator, args) -> None:
+    """Replace `"auto"` batch, accumulation and clipping entries with the loop's own values."""
+    config = deepspeed_config(accelerator)
+    if config is None:
+        return
+    values = {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "train_batch_size": args.per_device_train_batch_size
+        * args.gradient_accumulation_steps
+        * accelerator.num_processes,
+        "gradient_clipping": args.max_grad_norm,
+    }
+    for key, value in values.items():
+        if config.get(key, "auto") == "auto":
+            config[key] = value
+        elif key != "gradient_clipping" and config[key] != value:
+            raise ValueError(
+                f"ds config sets {key}={config[key]} but the loop's arguments give {value}; "
+                f'set it to "auto" in the ds config or change --per_device_train_batch_size / '
+                f"--gradient_accumulation_steps"
+            )
+
+
+def offloads_optimizer(accelerator) -> bool:
+    config = deepspeed_config(accelerator) or {}
+    device = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    return device in ("cpu", "nvme")
+
+
+def adamw_class(accelerator):
+    """DeepSpeed's CPU Adam (AdamW mode) when optimizer states live on the CPU, else torch's AdamW.
+
+    DeepSpeed refuses a torch optimizer with ZeRO-Offload: stepping on the CPU needs its
+    vectorised C++ Adam, which it JIT-builds with g++ on first use.
+    """
+    if offloads_optimizer(accelerator):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return lambda groups, **kw: DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
+    return torch.optim.AdamW
+
+
+@contextlib.contextmanager
+def outside_zero3():
+    """Load a model on one process as a plain model while a ZeRO-3 run is active.
+
+    Under ZeRO-3, `from_pretrained` partitions new models across ranks (a collective); a
+    single-rank reload inside that context would wait for ranks that never come.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
