@@ -51,6 +51,7 @@ from concept_encoder.training.deepspeed_setup import (
 )
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.setup import (
+    apply_memory_budget,
     init_wandb,
     log_data_config,
     log_dataset_sizes,
@@ -70,6 +71,18 @@ logger = logging.getLogger("concept_encoder")
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+def peak_memory_over_ranks(accelerator) -> dict:
+    """Memory readings (`memory_stats`) as the max over ranks, plus each rank's RSS."""
+    local = memory_stats(accelerator.device)
+    if accelerator.num_processes == 1:
+        return local
+    keys = sorted(local)
+    values = accelerator.gather(torch.tensor([[local[k] for k in keys]], device=accelerator.device))  # [world, K]
+    merged = {k: round(float(values[:, i].max()), 3) for i, k in enumerate(keys)}
+    merged["rss_gb_ranks"] = [round(float(v), 3) for v in values[:, keys.index("rss_gb")]]
+    return merged
 
 
 def build_model(model_args, data_args, tokenizer) -> ConceptEncoderForMaskedLM:
@@ -263,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     model_args, data_args, args = parse_args(argv)
     # 4. seed, system info, data config
     set_seed(args.seed)
+    apply_memory_budget(args.cuda_memory_budget_gb, state)
     system = log_system_info(state)
     log_data_config(data_args)
     # 5. tokenizer + datasets
@@ -399,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                 "masked_tokens_per_s": interval["labelled"] / interval["time"],
                 "step_time_s": interval["time"] / interval["steps"],
                 "tokens_seen": progress_state.tokens_seen,
-                **memory_stats(accelerator.device),
+                **peak_memory_over_ranks(accelerator),
             }
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
             if metrics:

@@ -78,6 +78,9 @@ class TrainingArguments:
     report_to: str = field(default="wandb", metadata={"help": "wandb or none"})
     wandb_project: str = field(default="concept-encoder", metadata={"help": "W&B project"})
     progress_bar: bool = field(default=True, metadata={"help": "tqdm progress bar on the main process"})
+    cuda_memory_budget_gb: float | None = field(
+        default=None, metadata={"help": "cap this process's CUDA memory (e.g. 10 to emulate an RTX 3080)"}
+    )
 
     def __post_init__(self):
         for name in (

@@ -139,6 +139,19 @@ def log_system_info(state: PartialState) -> dict:
     return info
 
 
+def apply_memory_budget(budget_gb: float | None, state: PartialState) -> None:
+    """Cap the CUDA caching allocator at `budget_gb` (emulates a smaller card on a larger one)."""
+    if budget_gb is None:
+        return
+    if state.device.type != "cuda":
+        logger.info("cuda_memory_budget_gb=%s ignored: no CUDA device", budget_gb)
+        return
+    total = torch.cuda.get_device_properties(state.device).total_memory
+    fraction = min(1.0, budget_gb * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, state.device)
+    logger.info("CUDA memory capped at %.1f GiB (%.1f%% of %.1f GiB)", budget_gb, 100 * fraction, total / 2**30)
+
+
 def log_data_config(data_args) -> None:
     logger.info("data config: %s", json.dumps(dataclasses.asdict(data_args)))
 

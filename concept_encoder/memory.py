@@ -1,0 +1,217 @@
+"""A memory model of Concept Encoder training: parameters, ZeRO model states, activations.
+
+Pure arithmetic on config fields, importing neither torch nor DeepSpeed, so the launch plan
+checker answers in about a second. The ZeRO-2/ZeRO-3 model-state formulas are DeepSpeed's own
+estimators (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`),
+restated here and tested equal to them; stages 0 and 1, which DeepSpeed has no estimator for,
+follow the same byte accounting. Parameter counts are tested equal to the built models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default for host-side buffers
+# Bytes per parameter under mixed precision with Adam: 16-bit params (2) and grads (2), fp32 grads (4),
+# fp32 master params (4) and Adam moments (8). DeepSpeed's estimators count "2 + 18".
+PARAM16, STATE_BYTES = 2, 18
+
+
+def parameter_count(
+    vocab_size: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+    intermediate_size: int,
+    concept_num: int,
+    max_position_embeddings: int,
+    decoder_type: str = "perceiver",
+    num_decoder_layers: int = 1,
+    tie_word_embeddings: bool = True,
+    **_ignored,
+) -> dict[str, int]:
+    """Exact parameter counts of `ConceptEncoderForMaskedLM` from its config fields."""
+    V, H, L, I, C, P = (  # noqa: E741 (I: FFN width, as in the config docs)
+        vocab_size,
+        hidden_size,
+        num_hidden_layers,
+        intermediate_size,
+        concept_num,
+        max_position_embeddings,
+    )
+    attention = 4 * H * H + 4 * H  # q (H×H), kv (H×2H), o (H×H), with biases
+    cross_block = attention + 4 * H  # + query norm + context norm
+    self_block = attention + 2 * H
+    ffn_block = 3 * H * I + 2 * I + H + 2 * H  # w_in (H×2I), w_out (I×H), biases, norm
+    layer = cross_block + self_block + ffn_block
+    if decoder_type == "weighted":
+        decoder = P * C
+    else:
+        decoder = num_decoder_layers * (cross_block + ffn_block) + 2 * H
+    head = H * H + H + 2 * H + V + (0 if tie_word_embeddings else V * H)
+    counts = {
+        "embeddings": V * H + P * H + 2 * H,
+        "concepts": C * H,
+        "layers": L * layer,
+        "final_norm": 2 * H,
+        "decoder": decoder,
+        "lm_head": head,
+    }
+    counts["total"] = sum(counts.values())
+    counts["largest_layer"] = max(layer, V * H)  # what ZeRO-3 must gather at once
+    return counts
+
+
+def zero2_model_states(params: int, gpus_per_node: int, nodes: int, cpu_offload: bool) -> tuple[int, int]:
+    """(cpu_bytes, gpu_bytes) per DeepSpeed's ZeRO-2 estimator."""
+    total_gpus = nodes * gpus_per_node
+    if cpu_offload:
+        gpu = PARAM16 * params
+        cpu = params * max(4 * total_gpus, 16) * ADDITIONAL_BUFFER_FACTOR
+    else:
+        gpu = PARAM16 * params + int(STATE_BYTES * params / total_gpus)
+        cpu = params * 4 * gpus_per_node * ADDITIONAL_BUFFER_FACTOR
+    return int(cpu), int(gpu)
+
+
+def zero3_model_states(
+    params: int,
+    largest_layer: int,
+    gpus_per_node: int,
+    nodes: int,
+    cpu_offload: bool,
+    cpu_offload_params: bool,
+    zero_init: bool = False,
+) -> tuple[int, int]:
+    """(cpu_bytes, gpu_bytes) per DeepSpeed's ZeRO-3 estimator (our loop builds the model before
+    the engine, so `zero_init=False` by default)."""
+    total_gpus = nodes * gpus_per_node
+    gpus_factor = 1 / nodes
+    largest = 4 * largest_layer
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu = largest
+            per_param = 18 * gpus_factor if zero_init else max(4 * gpus_per_node, 18 * gpus_factor)
+        else:
+            gpu = largest + int(2 * params / total_gpus)
+            per_param = 16 * gpus_factor if zero_init else max(4 * gpus_per_node, 16 * gpus_factor)
+        cpu = params * per_param * ADDITIONAL_BUFFER_FACTOR
+    else:
+        gpu = largest + int(STATE_BYTES * params / total_gpus)
+        cpu = (largest_layer if zero_init else params) * 4 * gpus_per_node * ADDITIONAL_BUFFER_FACTOR
+    return int(cpu), int(gpu)
+
+
+def model_state_bytes(
+    stage: int,
+    params: int,
+    largest_layer: int,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+) -> tuple[int, int]:
+    """(cpu_bytes, gpu_bytes) of parameters, gradients and Adam states for a ZeRO stage.
+
+    Stage 0 keeps everything on every GPU (2 + 18 bytes/param); stage 1 partitions the fp32
+    master weights and Adam moments (4 + 8 of the 18) across GPUs; stages 2 and 3 are DeepSpeed's
+    estimators. On one GPU, stages 1-3 without offload partition over a world of one and save nothing.
+    """
+    total_gpus = gpus_per_node * nodes
+    host_baseline = int(params * 4 * gpus_per_node * ADDITIONAL_BUFFER_FACTOR)  # fp32 copy while loading
+    if stage == 0:
+        return host_baseline, (PARAM16 + STATE_BYTES) * params
+    if stage == 1:
+        return host_baseline, (PARAM16 + 6) * params + int(12 * params / total_gpus)
+    if stage == 2:
+        return zero2_model_states(params, gpus_per_node, nodes, offload_optimizer)
+    if stage == 3:
+        return zero3_model_states(params, largest_layer, gpus_per_node, nodes, offload_optimizer, offload_params)
+    raise ValueError(f"ZeRO stage {stage} does not exist; use 0, 1, 2 or 3")
+
+
+def activation_bytes(
+    micro_batch: int,
+    seq_len: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+    intermediate_size: int,
+    concept_num: int,
+    vocab_size: int,
+    num_attention_heads: int,
+    mlm_probability: float = 0.15,
+    bytes_per_element: int = 2,
+    fused_attention: bool = True,
+    gradient_checkpointing: bool = False,
+    num_decoder_layers: int = 1,
+    **_ignored,
+) -> int:
+    """Activations kept for backward in one training micro-step of our architecture.
+
+    Token side (the part linear in N): embeddings (~4·B·N·H: sum, norm, dropout) and, per layer,
+    the normed tokens and their key/value projection (3·B·N·H); with the math SDPA kernel (no fused
+    kernel) also the attention probabilities B·heads·C·N. Concept side per layer: ~(20·H + 4·I)
+    per concept. Decoder at the M = p·N masked positions: ~(12·H + 4·I) per query, and the
+    fp32 logits plus their gradient at those positions (8·V bytes each). Gradient checkpointing
+    keeps only each layer's concept input and recomputes the rest (one layer live at a time).
+    """
+    B, N, H, I, C, V = micro_batch, seq_len, hidden_size, intermediate_size, concept_num, vocab_size  # noqa: E741
+    token_per_layer = 3 * B * N * H + (0 if fused_attention else B * num_attention_heads * C * N)
+    concept_per_layer = B * C * (20 * H + 4 * I)
+    per_layer = token_per_layer + concept_per_layer
+    layers = (num_hidden_layers * B * C * H + per_layer) if gradient_checkpointing else num_hidden_layers * per_layer
+    masked = max(1, round(mlm_probability * N)) * B
+    decoder = num_decoder_layers * masked * (12 * H + 4 * I)
+    elements = 4 * B * N * H + layers + decoder
+    return int(elements * bytes_per_element + masked * V * 8)
+
+
+@dataclass
+class MemoryEstimate:
+    gpu_model_states: int
+    cpu_model_states: int
+    activations: int
+    workspace: int  # CUDA context, allocator fragmentation, communication buckets
+
+    @property
+    def gpu_peak(self) -> int:
+        return self.gpu_model_states + self.activations + self.workspace
+
+    def as_gib(self) -> dict[str, float]:
+        return {
+            "gpu_model_states_gib": round(self.gpu_model_states / GIB, 3),
+            "cpu_model_states_gib": round(self.cpu_model_states / GIB, 3),
+            "activations_gib": round(self.activations / GIB, 3),
+            "workspace_gib": round(self.workspace / GIB, 3),
+            "gpu_peak_gib": round(self.gpu_peak / GIB, 3),
+        }
+
+
+def estimate_training_memory(
+    model_config: dict,
+    micro_batch: int,
+    seq_len: int,
+    zero_stage: int = 0,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    mixed_precision: str = "bf16",
+    gradient_checkpointing: bool = False,
+    mlm_probability: float = 0.15,
+) -> MemoryEstimate:
+    """Estimated per-GPU peak of a training step: model states + activations + a fixed workspace."""
+    counts = parameter_count(**model_config)
+    cpu_states, gpu_states = model_state_bytes(
+        zero_stage, counts["total"], counts["largest_layer"], gpus_per_node, nodes, offload_optimizer, offload_params
+    )
+    activations = activation_bytes(
+        micro_batch,
+        seq_len,
+        bytes_per_element=4 if mixed_precision in (None, "no") else 2,
+        gradient_checkpointing=gradient_checkpointing,
+        mlm_probability=mlm_probability,
+        **model_config,
+    )
+    workspace = int(0.75 * GIB)  # CUDA context + allocator slack, measured on typical setups
+    return MemoryEstimate(gpu_states, cpu_states, activations, workspace)

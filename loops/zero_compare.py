@@ -1,0 +1,296 @@
+"""ZeRO memory comparison runs: the same model, batch and sequence length under each ds config.
+
+    python loops/zero_compare.py --configs zero0,zero2,zero2_offload,zero3_offload --preset large \\
+        --micro_batch 8 --seq_len 512 --steps 10 --memory_budget 10GB
+    python loops/zero_compare.py --configs zero2,zero2_offload --find_max --memory_budget 10GB
+
+Each config runs `loops/mlm.py` in its own `accelerate launch` process for `--warmup_steps`
+plus `--steps` optimizer steps. Measured: peak CUDA memory allocated and reserved (max over
+ranks, where CUDA exists), peak host RSS (max over ranks), median step time, tokens/s and the
+final loss; beside them the analytic estimate (`concept_encoder.memory`: DeepSpeed's ZeRO
+estimators plus our activation model) and its error against the measurement. A config that
+fails (OOM, missing op) gets a row with the error and the comparison goes on.
+Writes `Cache/reports/zero_compare_<time>.{csv,md,png}` and prints the markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from concept_encoder.config import PRESETS  # noqa: E402
+from concept_encoder.memory import GIB, estimate_training_memory  # noqa: E402
+
+PRESET_ORDER = ["micro", "tiny", "small", "base", "large", "xl"]
+COLUMNS = [
+    "config", "preset", "status", "cuda_peak_allocated_gb", "cuda_peak_reserved_gb", "rss_gb",
+    "est_gpu_peak_gb", "est_model_states_gpu_gb", "est_model_states_cpu_gb", "est_activations_gb",
+    "est_error_pct", "median_step_s", "tokens_per_s", "final_loss", "error",
+]  # fmt: skip
+
+
+def parse_size_gb(text: str | None) -> float | None:
+    """`10GB`, `10`, `24GiB`, `512MB` → GiB as float."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*([\d.]+)\s*(GB|GIB|G|MB|MIB|M)?\s*", text.upper())
+    if not match:
+        raise argparse.ArgumentTypeError(f"memory size {text!r}: use e.g. 10GB or 512MB")
+    value = float(match.group(1))
+    return value / 1024 if (match.group(2) or "GB").startswith("M") else value
+
+
+def ds_settings(config_path: Path) -> tuple[int, bool, bool]:
+    zero = json.loads(config_path.read_text()).get("zero_optimization", {})
+    offload_opt = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
+    offload_par = zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme")
+    return int(zero.get("stage", 0)), offload_opt, offload_par
+
+
+def launch_command(args, config: str, preset: str, run_dir: Path, port: int) -> list[str]:
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1"]
+    accelerate += ["--num_processes", str(args.num_processes), "--main_process_port", str(port)]
+    accelerate += ["--dynamo_backend", "no"]
+    if config == "none":
+        accelerate += ["--multi_gpu"] if args.num_processes > 1 else []
+    else:
+        accelerate += ["--use_deepspeed", "--deepspeed_config_file", str(ROOT / "ds_configs" / f"{config}.json")]
+        accelerate += ["--deepspeed_multinode_launcher", "standard"]
+    loop = [str(ROOT / "loops" / "mlm.py"), "--preset", preset, "--dataset", args.dataset]
+    loop += ["--tokenizer", args.tokenizer, "--max_seq_length", str(args.seq_len)]
+    loop += ["--per_device_train_batch_size", str(args.micro_batch)]
+    loop += ["--max_steps", str(args.warmup_steps + args.steps), "--logging_steps", "1", "--eval_steps", "0"]
+    loop += ["--max_eval_batches", "1", "--save_steps", "0", "--report_to", "none", "--progress_bar", "false"]
+    loop += ["--output_dir", str(run_dir.parent), "--run_name", run_dir.name, "--mixed_precision", args.mixed_precision]
+    if args.memory_budget is not None:
+        loop += ["--cuda_memory_budget_gb", str(args.memory_budget)]
+    return accelerate + loop
+
+
+def last_error(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if re.search(r"(Error|error:|Exception|out of memory)", line)]
+    return (lines[-1] if lines else text.strip().splitlines()[-1] if text.strip() else "unknown failure")[:300]
+
+
+def measure(args, config: str, preset: str, report_dir: Path, port: int) -> dict:
+    """One `accelerate launch` of the loop under `config`; its measurements and the estimate."""
+    run_dir = report_dir / "runs" / f"{config}-{preset}"
+    row: dict = {"config": config, "preset": preset}
+    log_path = report_dir / "logs" / f"{config}-{preset}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        done = subprocess.run(
+            launch_command(args, config, preset, run_dir, port),
+            cwd=args.workdir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
+        log_path.write_text(done.stdout + "\n" + done.stderr)
+        failed = done.returncode != 0
+        error = last_error(done.stderr) if failed else ""
+    except subprocess.TimeoutExpired:
+        failed, error = True, f"timed out after {args.timeout}s"
+    metrics_path = run_dir / "metrics.jsonl"
+    records = []
+    if metrics_path.exists():
+        records = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
+    train = [r for r in records if r.get("kind") == "train"]
+    timed = train[args.warmup_steps :] or train
+    if failed or not timed:
+        row.update(status="failed", error=error or "no metrics written")
+    else:
+        step_s = statistics.median(r["step_time_s"] for r in timed)
+        tokens_per_step = timed[-1]["tokens_seen"] / timed[-1]["step"]
+        row.update(
+            status="ok",
+            median_step_s=round(step_s, 4),
+            tokens_per_s=round(tokens_per_step / step_s, 1),
+            final_loss=round(train[-1]["loss"], 4),
+            rss_gb=max(r["rss_gb"] for r in train),
+            cuda_peak_allocated_gb=max(
+                (r["cuda_peak_allocated_gb"] for r in train if "cuda_peak_allocated_gb" in r), default=None
+            ),
+            cuda_peak_reserved_gb=max(
+                (r["cuda_peak_reserved_gb"] for r in train if "cuda_peak_reserved_gb" in r), default=None
+            ),
+        )
+    row.update(estimate(args, config, preset, run_dir, row))
+    return row
+
+
+def estimate(args, config: str, preset: str, run_dir: Path, measured: dict) -> dict:
+    config_path = run_dir / "config.json"
+    vocab = json.loads(config_path.read_text())["model_config"]["vocab_size"] if config_path.exists() else 30522
+    model_config = {**PRESETS[preset], "vocab_size": vocab}
+    model_config["max_position_embeddings"] = max(model_config["max_position_embeddings"], args.seq_len)
+    stage, offload_opt, offload_par = (
+        (0, False, False) if config == "none" else ds_settings(ROOT / "ds_configs" / f"{config}.json")
+    )
+    est = estimate_training_memory(
+        model_config,
+        args.micro_batch,
+        args.seq_len,
+        zero_stage=stage,
+        offload_optimizer=offload_opt,
+        offload_params=offload_par,
+        gpus_per_node=args.num_processes,
+        mixed_precision=args.mixed_precision,
+    )
+    out = {
+        "est_gpu_peak_gb": round(est.gpu_peak / GIB, 3),
+        "est_model_states_gpu_gb": round(est.gpu_model_states / GIB, 3),
+        "est_model_states_cpu_gb": round(est.cpu_model_states / GIB, 3),
+        "est_activations_gb": round(est.activations / GIB, 3),
+    }
+    if measured.get("cuda_peak_reserved_gb"):
+        out["est_error_pct"] = round(100 * (out["est_gpu_peak_gb"] / measured["cuda_peak_reserved_gb"] - 1), 1)
+    return out
+
+
+def format_markdown(rows: list[dict], args, has_cuda: bool) -> str:
+    lines = [
+        f"ZeRO comparison: preset {args.preset if not args.find_max else 'largest that fits'}, micro-batch "
+        f"{args.micro_batch}, seq {args.seq_len}, {args.num_processes} process(es), {args.mixed_precision}, "
+        f"{args.steps} timed steps after {args.warmup_steps} warm-up"
+        + (f", CUDA capped at {args.memory_budget:g} GiB" if args.memory_budget else ""),
+        "",
+    ]
+    if not has_cuda:
+        lines += ["No CUDA on this machine: GPU columns are unavailable (—); host RSS and step time are measured.", ""]
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        lines.append("| " + " | ".join("—" if row.get(c) in (None, "") else str(row[c]) for c in COLUMNS) + " |")
+    lines += [
+        "",
+        "est_*: analytic estimate per GPU (DeepSpeed's ZeRO-2/3 estimators + our activation model + 0.75 GiB "
+        "workspace); est_error_pct compares it with the measured CUDA peak reserved.",
+    ]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, has_cuda: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    labels = [f"{r['config']}\n{r['preset']}" for r in rows]
+    fig, (ax_mem, ax_tp) = plt.subplots(1, 2, figsize=(13, 4.5))
+    series = [("est_gpu_peak_gb", "estimated GPU peak")]
+    if has_cuda:
+        series = [
+            ("cuda_peak_allocated_gb", "CUDA peak allocated"),
+            ("cuda_peak_reserved_gb", "CUDA peak reserved"),
+        ] + series
+    series.append(("rss_gb", "host RSS (max rank)"))
+    width = 0.8 / len(series)
+    for i, (key, name) in enumerate(series):
+        values = [r.get(key) or 0 for r in rows]
+        ax_mem.bar([x + i * width for x in range(len(rows))], values, width, label=name)
+    ax_mem.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels, fontsize=8)
+    ax_mem.set_ylabel("GiB")
+    ax_mem.set_title("memory per configuration")
+    ax_mem.legend(fontsize=8)
+    ax_tp.bar([f"{r['config']}\n{r['preset']}" for r in ok], [r["tokens_per_s"] for r in ok], color="tab:green")
+    ax_tp.set_ylabel("tokens/s")
+    ax_tp.set_title("throughput (failed configs omitted)")
+    ax_tp.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="zero0,zero1,zero2,zero2_offload,zero3,zero3_offload",
+                        help="comma-separated ds config names (ds_configs/<name>.json), or `none` for plain DDP")  # fmt: skip
+    parser.add_argument("--preset", default="small", choices=list(PRESETS))
+    parser.add_argument("--micro_batch", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per config")
+    parser.add_argument("--warmup_steps", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--num_processes", type=int, default=1)
+    parser.add_argument("--mixed_precision", default=None, choices=["no", "bf16", "fp16"],
+                        help="default: bf16 with CUDA, no without")  # fmt: skip
+    parser.add_argument("--memory_budget", type=parse_size_gb, default=None, help="cap CUDA memory, e.g. 10GB")
+    parser.add_argument("--find_max", action="store_true", help="largest preset that completes under each config")
+    parser.add_argument("--dataset", default="embedded")
+    parser.add_argument("--tokenizer", default="train:wordpiece:8000")
+    parser.add_argument("--out_dir", default="Cache/reports")
+    parser.add_argument("--workdir", default=str(ROOT), help="where the runs' Cache/ (data, tokenizers) lives")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    parser.add_argument("--port", type=int, default=29720)
+    args = parser.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.configs if c != "none" and not (ROOT / "ds_configs" / f"{c}.json").exists()]
+    if unknown:
+        parser.error(
+            f"unknown ds config(s) {unknown}; choose from {sorted(p.stem for p in (ROOT / 'ds_configs').glob('*.json'))}"
+        )
+    if "zero3_nvme" in args.configs and "REPLACE" in (ROOT / "ds_configs/zero3_nvme.json").read_text():
+        parser.error("zero3_nvme.json still holds its placeholder nvme_path; set it to a fast local NVMe folder first")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    from tqdm.auto import tqdm
+
+    has_cuda = torch.cuda.is_available()
+    args.mixed_precision = args.mixed_precision or ("bf16" if has_cuda else "no")
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(args.out_dir)
+    report_dir = out_dir / f"zero_compare_{stamp}"
+    report_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    jobs = [(c, p) for c in args.configs for p in ([args.preset] if not args.find_max else PRESET_ORDER)]
+    bar = tqdm(total=len(jobs), desc="zero-compare", unit="run")
+    for i, config in enumerate(args.configs):
+        best = None
+        for preset in [args.preset] if not args.find_max else PRESET_ORDER:
+            bar.set_postfix_str(f"{config} {preset}")
+            row = measure(args, config, preset, report_dir, args.port + i)
+            bar.update(1)
+            if not args.find_max:
+                rows.append(row)
+            elif row["status"] == "ok":
+                best = row
+            else:
+                bar.update(len(PRESET_ORDER) - PRESET_ORDER.index(preset) - 1)
+                break  # larger presets need more memory
+        if args.find_max:
+            rows.append(best or {"config": config, "preset": "—", "status": "failed", "error": "nothing fits"})
+    bar.close()
+
+    csv_path, md_path, png_path = (out_dir / f"zero_compare_{stamp}.{ext}" for ext in ("csv", "md", "png"))
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    markdown = format_markdown(rows, args, has_cuda)
+    md_path.write_text(markdown + "\n")
+    plot(rows, png_path, has_cuda)
+    print(markdown)
+    print(f"\nwrote {csv_path}, {md_path}, {png_path} (run logs in {report_dir})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
