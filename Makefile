@@ -16,7 +16,7 @@ BATCH     ?= 16
 ARGS      ?=
 LAUNCH    := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
-.PHONY: install test lint format clean train
+.PHONY: install test lint format clean train train-cpu train-3080 train-3090 train-multigpu zero-compare plan
 
 install: $(VENV)/.installed
 
@@ -46,3 +46,31 @@ clean:
 train: install
 	$(LAUNCH) loops/mlm.py --preset $(PRESET) --max_steps $(STEPS) --dataset $(DATASET) \
 		--tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)
+
+# Hardware profiles (launch/profiles.yaml): the plan check runs first and launches only a sound plan.
+#   make train-3080 DATASET=wikitext:wikitext-103-raw-v1 STEPS=20000 ARGS="--run_name wiki --save_steps 1000"
+PLAN      := $(PY) launch/check_plan.py
+PLAN_RUN   = $(PLAN) --run --dataset $(DATASET) --tokenizer $(TOKENIZER) --max_steps $(STEPS) $(ARGS)
+
+train-cpu: install
+	$(PLAN_RUN) --profile cpu
+
+train-3080: install
+	$(PLAN_RUN) --profile rtx3080_10gb
+
+train-3090: install
+	$(PLAN_RUN) --profile rtx3090_24gb
+
+# GPUS: how many GPUs of this machine to use (default: the profile's 4)
+train-multigpu: install
+	$(PLAN_RUN) --profile multi_gpu $(if $(GPUS),--gpus $(GPUS) --num_processes $(GPUS))
+
+# Check a plan without launching: make plan PROFILE=rtx3080_10gb ARGS="--preset large --suggest"
+PROFILE ?= rtx3080_10gb
+plan: install
+	$(PLAN) --profile $(PROFILE) --dataset $(DATASET) --tokenizer $(TOKENIZER) $(ARGS)
+
+# ZeRO memory comparison: make zero-compare ZC_ARGS="--preset large --seq_len 512 --memory_budget 10GB"
+ZC_ARGS ?= --configs zero0,zero2,zero2_offload,zero3,zero3_offload --preset small --steps 5
+zero-compare: install
+	$(PY) loops/zero_compare.py $(ZC_ARGS)

@@ -150,14 +150,15 @@ def activation_bytes(
 
     Token side (the part linear in N): embeddings (~4·B·N·H: sum, norm, dropout) and, per layer,
     the normed tokens and their key/value projection (3·B·N·H); with the math SDPA kernel (no fused
-    kernel) also the attention probabilities B·heads·C·N. Concept side per layer: ~(20·H + 4·I)
-    per concept. Decoder at the M = p·N masked positions: ~(12·H + 4·I) per query, and the
+    kernel) also the attention probabilities B·heads·C·N. Concept side per layer, per concept, in
+    the accounting of Korthikanti et al. (2022) for 16-bit activations: two attention blocks
+    (~11·H bytes each) and the gated FFN (~5·H + 8·I bytes), i.e. ~(14·H + 4·I) elements. Decoder at the M = p·N masked positions: ~(12·H + 4·I) per query, and the
     fp32 logits plus their gradient at those positions (8·V bytes each). Gradient checkpointing
     keeps only each layer's concept input and recomputes the rest (one layer live at a time).
     """
     B, N, H, I, C, V = micro_batch, seq_len, hidden_size, intermediate_size, concept_num, vocab_size  # noqa: E741
     token_per_layer = 3 * B * N * H + (0 if fused_attention else B * num_attention_heads * C * N)
-    concept_per_layer = B * C * (20 * H + 4 * I)
+    concept_per_layer = B * C * (14 * H + 4 * I)
     per_layer = token_per_layer + concept_per_layer
     layers = (num_hidden_layers * B * C * H + per_layer) if gradient_checkpointing else num_hidden_layers * per_layer
     masked = max(1, round(mlm_probability * N)) * B

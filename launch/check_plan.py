@@ -1,0 +1,796 @@
+"""Launch plan checker: catch a bad (multi-)GPU plan in about a second, before it burns hours.
+
+    python launch/check_plan.py --profile rtx3080_10gb --dataset wikitext:wikitext-103-raw-v1
+    python launch/check_plan.py --accelerate_config launch/multi_gpu.yaml --preset large \\
+        --per_device_train_batch_size 16 --gpus 4 --gpu_memory 24GB
+    python launch/check_plan.py --profile rtx3080_10gb --suggest          # ds configs that fit, cheapest first
+    python launch/check_plan.py --profile cpu --run -- --max_steps 50     # check, then launch if sound
+
+Takes the loop's own arguments (flags or `--config run.yaml`), an accelerate config and a ds
+config, or a hardware profile from `launch/profiles.yaml`, plus `--gpus/--gpu_memory/--nodes`
+for a machine you are not on. Every check is OK / WARNING / ERROR with a reason and a fix;
+exit 0 without ERROR, 1 with one, 2 on usage errors. It ends with the exact launch command.
+
+It imports neither torch, transformers nor DeepSpeed: the memory model and presets are read
+from their files alone (`concept_encoder/memory.py`, `concept_encoder/presets.py`), which are
+plain arithmetic and data; importing the package would cost seconds of torch start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES_FILE = ROOT / "launch" / "profiles.yaml"
+HEADROOM = 0.85  # above this share of the GPU budget: WARNING
+OK, WARNING, ERROR = "OK", "WARNING", "ERROR"
+
+
+def load_file_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"_plan_{name}", ROOT / "concept_encoder" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+PRESETS = load_file_module("presets").PRESETS
+memory = load_file_module("memory")
+
+
+class UsageError(Exception):
+    """Bad command line or unreadable input: exit code 2."""
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    reason: str
+    fix: str = ""
+
+
+@dataclass
+class Plan:
+    profile: str | None = None
+    accelerate_config: str | None = None
+    ds_config: str | None = None
+    world_size: int = 1
+    gpus_per_node: int = 0  # declared or visible; 0 = a CPU plan
+    nodes: int = 1
+    gpu_memory_gb: float | None = None
+    gpu_capability: float | None = None
+    host_memory_gb: float | None = None
+    preset: str = "small"
+    micro_batch: int = 16
+    grad_accum: int = 1
+    seq_len: int = 128
+    mixed_precision: str = "no"
+    dataset: str = "embedded"
+    tokenizer: str = "train:wordpiece:8000"
+    model_name_or_path: str | None = None
+    resume_from_checkpoint: str | None = None
+    output_dir: str = "Cache/runs"
+    run_name: str | None = None
+    gradient_checkpointing: bool = False
+    mlm_probability: float = 0.15
+    loop_args: list[str] = field(default_factory=list)
+
+
+def parse_size_gb(text: str) -> float:
+    match = re.fullmatch(r"\s*([\d.]+)\s*(GB|GIB|G|MB|MIB|M)?\s*", str(text).upper())
+    if not match:
+        raise UsageError(f"memory size {text!r}: use e.g. 10GB or 512MB")
+    value = float(match.group(1))
+    return value / 1024 if (match.group(2) or "GB").startswith("M") else value
+
+
+def str_to_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "y"):
+        return True
+    if text.lower() in ("0", "false", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch/check_plan.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    where = p.add_argument_group("where it runs")
+    where.add_argument("--profile", help=f"a profile of {PROFILES_FILE.relative_to(ROOT)}")
+    where.add_argument("--accelerate_config", help="accelerate config YAML (launch/*.yaml)")
+    where.add_argument("--ds_config", help="DeepSpeed JSON (default: the one the accelerate config names)")
+    where.add_argument("--num_processes", type=int, help="world size (default: the accelerate config's)")
+    where.add_argument("--gpus", type=int, help="GPUs per machine of the planned machine (default: visible ones)")
+    where.add_argument("--gpu_memory", help="memory of each planned GPU, e.g. 10GB (default: the visible GPU's)")
+    where.add_argument("--gpu_capability", type=float, help="CUDA compute capability of the planned GPU, e.g. 8.6")
+    where.add_argument("--nodes", type=int, help="machines (default: the accelerate config's num_machines)")
+    where.add_argument("--host_memory", help="host RAM per machine, e.g. 64GB (default: this machine's)")
+    loop = p.add_argument_group("the loop's arguments (the same flags as loops/mlm.py; others pass through)")
+    loop.add_argument("--config", help="the loop's YAML argument file")
+    loop.add_argument("--preset")
+    loop.add_argument("--per_device_train_batch_size", type=int)
+    loop.add_argument("--gradient_accumulation_steps", type=int)
+    loop.add_argument("--max_seq_length", type=int)
+    loop.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"])
+    loop.add_argument("--dataset")
+    loop.add_argument("--tokenizer")
+    loop.add_argument("--model_name_or_path")
+    loop.add_argument("--resume_from_checkpoint")
+    loop.add_argument("--output_dir")
+    loop.add_argument("--run_name")
+    loop.add_argument("--gradient_checkpointing", type=str_to_bool, nargs="?", const=True)
+    loop.add_argument("--mlm_probability", type=float)
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="machine-readable output")
+    out.add_argument("--suggest", action="store_true", help="list the ds configs that fit the budget, cheapest first")
+    out.add_argument("--run", action="store_true", help="launch the plan when it has no ERROR")
+    return p
+
+
+LOOP_KEYS = {
+    "preset": "preset",
+    "per_device_train_batch_size": "micro_batch",
+    "gradient_accumulation_steps": "grad_accum",
+    "max_seq_length": "seq_len",
+    "mixed_precision": "mixed_precision",
+    "dataset": "dataset",
+    "tokenizer": "tokenizer",
+    "model_name_or_path": "model_name_or_path",
+    "resume_from_checkpoint": "resume_from_checkpoint",
+    "output_dir": "output_dir",
+    "run_name": "run_name",
+    "gradient_checkpointing": "gradient_checkpointing",
+    "mlm_probability": "mlm_probability",
+}
+PROFILE_KEYS = {
+    "preset": "preset",
+    "micro_batch": "micro_batch",
+    "grad_accum": "grad_accum",
+    "seq_len": "seq_len",
+    "mixed_precision": "mixed_precision",
+    "gpu_memory_gb": "gpu_memory_gb",
+    "gpu_capability": "gpu_capability",
+    "host_memory_gb": "host_memory_gb",
+}
+
+
+def read_yaml(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise UsageError(f"{what} {path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise UsageError(f"{what} {path}: not valid YAML ({error})") from error
+    if not isinstance(data, dict):
+        raise UsageError(f"{what} {path}: expected a mapping")
+    return data
+
+
+def visible_gpus() -> list[dict]:
+    """GPUs `nvidia-smi` reports (name, memory GiB, compute capability); none when it is absent."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,compute_cap", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 3:
+            gpus.append({"name": parts[0], "memory_gb": float(parts[1]) / 1024, "capability": float(parts[2])})
+    return gpus
+
+
+def host_memory_gb() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def resolve_plan(args) -> tuple[Plan, dict, dict | None]:
+    """Profile → accelerate config → ds config → loop YAML → CLI flags, later ones winning."""
+    plan = Plan()
+    profile: dict = {}
+    if args.profile:
+        profiles = read_yaml(PROFILES_FILE, "profiles file")
+        if args.profile not in profiles:
+            raise UsageError(f"unknown profile {args.profile!r}; choose one of {sorted(profiles)}")
+        profile = profiles[args.profile]
+        plan.profile = args.profile
+        for key, attr in PROFILE_KEYS.items():
+            if profile.get(key) is not None:
+                setattr(plan, attr, profile[key])
+        plan.gpus_per_node = profile.get("gpus", 0) or 0
+        plan.nodes = profile.get("nodes", 1)
+        plan.world_size = profile.get("processes", 1)
+        plan.accelerate_config = profile.get("accelerate_config")
+        plan.ds_config = profile.get("ds_config")
+    if args.accelerate_config:
+        plan.accelerate_config = args.accelerate_config
+        plan.ds_config = None
+    accelerate_cfg: dict = {}
+    if plan.accelerate_config:
+        accelerate_cfg = read_yaml(ROOT / plan.accelerate_config, "accelerate config")
+        if not args.profile:
+            plan.world_size = accelerate_cfg.get("num_processes", 1)
+            plan.nodes = accelerate_cfg.get("num_machines", 1)
+        if plan.ds_config is None:
+            plan.ds_config = (accelerate_cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if args.ds_config:
+        plan.ds_config = args.ds_config
+    ds_cfg = None
+    if plan.ds_config:
+        path = Path(plan.ds_config) if Path(plan.ds_config).is_absolute() else ROOT / plan.ds_config
+        if not path.is_file():
+            raise UsageError(f"ds config {plan.ds_config}: no such file")
+        try:
+            ds_cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise UsageError(f"ds config {plan.ds_config}: not valid JSON ({error})") from error
+    if args.config:
+        values = read_yaml(Path(args.config), "loop config")
+        for key, attr in LOOP_KEYS.items():
+            if key in values:
+                setattr(plan, attr, values[key])
+    for key, attr in LOOP_KEYS.items():
+        value = getattr(args, key)
+        if value is not None:
+            setattr(plan, attr, value)
+    if args.num_processes:
+        plan.world_size = args.num_processes
+    if args.nodes:
+        plan.nodes = args.nodes
+    gpus = visible_gpus()
+    if args.gpus is not None:
+        plan.gpus_per_node = args.gpus
+    elif gpus and not args.profile:
+        plan.gpus_per_node = len(gpus)
+    if args.gpu_memory:
+        plan.gpu_memory_gb = parse_size_gb(args.gpu_memory)
+    elif gpus and plan.gpu_memory_gb is None:
+        plan.gpu_memory_gb = round(min(g["memory_gb"] for g in gpus), 1)
+    if args.gpu_capability:
+        plan.gpu_capability = args.gpu_capability
+    elif gpus and plan.gpu_capability is None:
+        plan.gpu_capability = min(g["capability"] for g in gpus)
+    if args.host_memory:
+        plan.host_memory_gb = parse_size_gb(args.host_memory)
+    elif plan.host_memory_gb is None:
+        plan.host_memory_gb = host_memory_gb()  # planning for this machine
+    return plan, accelerate_cfg, ds_cfg
+
+
+def zero_settings(ds_cfg: dict | None) -> tuple[int, bool, bool, dict]:
+    zero = (ds_cfg or {}).get("zero_optimization", {})
+    opt = zero.get("offload_optimizer", {}) or {}
+    par = zero.get("offload_param", {}) or {}
+    return (
+        int(zero.get("stage", 0)),
+        opt.get("device", "none") in ("cpu", "nvme"),
+        par.get("device", "none")
+        in (
+            "cpu",
+            "nvme",
+        ),
+        zero,
+    )
+
+
+def tokenizer_info(spec: str) -> dict:
+    """What can be learned offline about a tokenizer: vocab size, pad/mask presence."""
+    match = re.fullmatch(r"train:(wordpiece|bpe):(\d+)", spec)
+    if match:
+        return {"kind": "trained", "vocab_size": int(match.group(2)), "pad": True, "mask": True}
+    if spec.startswith("train:"):
+        return {"kind": "invalid"}
+    path = Path(spec).expanduser()
+    if not path.exists():
+        return {"kind": "hub"}
+    info: dict = {"kind": "local"}
+    tok_json = path / "tokenizer.json"
+    if tok_json.exists():
+        data = json.loads(tok_json.read_text())
+        vocab = (data.get("model") or {}).get("vocab") or {}
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+        ids += [t["id"] for t in data.get("added_tokens", [])]
+        info["vocab_size"] = max(ids) + 1 if ids else None
+    specials = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (path / name).exists():
+            specials.update(json.loads((path / name).read_text()))
+    info["pad"] = bool(specials.get("pad_token"))
+    info["mask"] = bool(specials.get("mask_token"))
+    return info
+
+
+def model_config(plan: Plan, vocab_size: int | None) -> dict:
+    if plan.model_name_or_path and (Path(plan.model_name_or_path) / "config.json").exists():
+        return json.loads((Path(plan.model_name_or_path) / "config.json").read_text())
+    config = dict(PRESETS.get(plan.preset, PRESETS["small"]))
+    config["vocab_size"] = vocab_size or 30522
+    # the loop grows a fresh preset's position table to the sequence length
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], plan.seq_len)
+    return config
+
+
+def check_batch(plan: Plan, ds_cfg) -> list[Check]:
+    checks = []
+    global_batch = plan.micro_batch * plan.grad_accum * plan.world_size
+    reason = f"global batch {global_batch} = micro {plan.micro_batch} × accumulation {plan.grad_accum} × world {plan.world_size}"
+    problems = []
+    for key, expected in (
+        ("train_micro_batch_size_per_gpu", plan.micro_batch),
+        ("gradient_accumulation_steps", plan.grad_accum),
+        ("train_batch_size", global_batch),
+    ):
+        value = (ds_cfg or {}).get(key, "auto")
+        if value != "auto" and value != expected:
+            problems.append(f"ds config {key}={value} but the plan gives {expected}")
+    if problems:
+        checks.append(
+            Check("batch arithmetic", ERROR, "; ".join(problems), 'set those keys to "auto" in the ds config')
+        )
+    else:
+        checks.append(Check("batch arithmetic", OK, reason + (" (ds config: auto)" if ds_cfg else "")))
+    if plan.micro_batch < 1 or plan.grad_accum < 1 or plan.world_size < 1:
+        checks.append(Check("batch sizes", ERROR, "batch sizes and world size must be >= 1", "fix the numbers"))
+    if plan.gpus_per_node:
+        slots = plan.gpus_per_node * plan.nodes
+        if plan.world_size > slots:
+            checks.append(
+                Check(
+                    "world size vs GPUs",
+                    ERROR,
+                    f"{plan.world_size} processes but only {slots} GPUs ({plan.gpus_per_node}/machine × {plan.nodes})",
+                    f"--num_processes {slots}, or more machines",
+                )
+            )
+        elif plan.world_size < slots:
+            checks.append(
+                Check(
+                    "world size vs GPUs",
+                    WARNING,
+                    f"{plan.world_size} processes for {slots} GPUs: {slots - plan.world_size} would idle",
+                    f"--num_processes {slots}",
+                )
+            )
+        else:
+            checks.append(Check("world size vs GPUs", OK, f"one process per GPU ({slots})"))
+    else:
+        checks.append(Check("world size vs GPUs", OK, f"CPU plan with {plan.world_size} process(es) (gloo)"))
+    return checks
+
+
+def check_zero(plan: Plan, ds_cfg, estimate) -> list[Check]:
+    if ds_cfg is None:
+        return [Check("ZeRO / offload", OK, "no DeepSpeed: plain accelerate (DDP when several processes)")]
+    stage, offload_opt, offload_par, zero = zero_settings(ds_cfg)
+    checks = []
+    if offload_par and stage != 3:
+        checks.append(
+            Check(
+                "ZeRO / offload",
+                ERROR,
+                f"offload_param needs ZeRO stage 3, the ds config has stage {stage}",
+                "use ds_configs/zero3_offload.json, or drop offload_param",
+            )
+        )
+    else:
+        what = ", ".join(x for x, on in (("optimizer", offload_opt), ("parameters", offload_par)) if on) or "nothing"
+        checks.append(Check("ZeRO / offload", OK, f"stage {stage}, offloads {what}"))
+    if offload_opt:
+        has_ds = importlib.util.find_spec("deepspeed") is not None
+        compiler = shutil.which("g++") or shutil.which("c++")
+        if not has_ds or not compiler:
+            missing = "DeepSpeed is not installed" if not has_ds else "no C++ compiler (g++) to JIT-build CPU Adam"
+            checks.append(
+                Check(
+                    "CPU Adam op",
+                    ERROR,
+                    missing,
+                    "install g++ (apt-get install g++) and deepspeed, or prebuild: DS_BUILD_CPU_ADAM=1 pip install deepspeed",
+                )
+            )
+        else:
+            checks.append(Check("CPU Adam op", OK, f"buildable here with {compiler} (JIT on first use, then cached)"))
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key) or {}
+        if section.get("device") == "nvme":
+            path = Path(section.get("nvme_path", ""))
+            if "REPLACE" in str(path) or not path.is_dir():
+                checks.append(
+                    Check(
+                        f"NVMe path ({key})",
+                        ERROR,
+                        f"{path} does not exist",
+                        "set nvme_path to a fast local NVMe folder",
+                    )
+                )
+            elif not os.access(path, os.W_OK):
+                checks.append(Check(f"NVMe path ({key})", ERROR, f"{path} is not writable", "fix its permissions"))
+            else:
+                checks.append(Check(f"NVMe path ({key})", OK, f"{path} is writable"))
+    if plan.host_memory_gb:
+        need = estimate.cpu_model_states / memory.GIB
+        share = need / plan.host_memory_gb
+        status = ERROR if share > 1 else WARNING if share > HEADROOM else OK
+        checks.append(
+            Check(
+                "host RAM for model states",
+                status,
+                f"~{need:.1f} GiB of {plan.host_memory_gb:.1f} GiB per machine (DeepSpeed's estimator)",
+                "" if status == OK else "less offload, a smaller preset, or more RAM",
+            )
+        )
+    return checks
+
+
+def check_precision(plan: Plan, ds_cfg) -> list[Check]:
+    checks = []
+    ds_bf16 = ((ds_cfg or {}).get("bf16") or {}).get("enabled", False)
+    ds_fp16 = ((ds_cfg or {}).get("fp16") or {}).get("enabled", False)
+    if ds_bf16 is True and ds_fp16 is True:
+        return [
+            Check("precision", ERROR, "the ds config enables both bf16 and fp16", "enable only one (bf16 on Ampere+)")
+        ]
+    effective = "bf16" if ds_bf16 is True else "fp16" if ds_fp16 is True else plan.mixed_precision
+    if ds_bf16 is True and plan.mixed_precision == "fp16" or ds_fp16 is True and plan.mixed_precision == "bf16":
+        checks.append(
+            Check(
+                "precision",
+                ERROR,
+                f"ds config fixes {effective} but --mixed_precision is {plan.mixed_precision}",
+                'set "enabled": "auto" in the ds config',
+            )
+        )
+        return checks
+    if effective == "bf16" and plan.gpu_capability is not None and plan.gpu_capability < 8.0:
+        checks.append(
+            Check(
+                "precision",
+                ERROR,
+                f"bf16 needs compute capability >= 8.0, the GPU has {plan.gpu_capability}",
+                "--mixed_precision fp16 (with loss scaling) on this GPU",
+            )
+        )
+    else:
+        note = f" on compute capability {plan.gpu_capability}" if plan.gpu_capability else ""
+        checks.append(Check("precision", OK, f"{effective}{note}"))
+    return checks
+
+
+def check_shapes(plan: Plan, config: dict, tok: dict) -> list[Check]:
+    checks = []
+    if plan.model_name_or_path is None and plan.preset not in PRESETS:
+        return [Check("model", ERROR, f"unknown preset {plan.preset!r}", f"choose one of {sorted(PRESETS)}")]
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    if hidden % heads:
+        checks.append(
+            Check("hidden % heads", ERROR, f"hidden_size={hidden} is not divisible by {heads} heads", "change either")
+        )
+    else:
+        checks.append(Check("hidden % heads", OK, f"{hidden} / {heads} heads = {hidden // heads} per head"))
+    max_pos = config["max_position_embeddings"]
+    if plan.seq_len > max_pos:
+        checks.append(
+            Check(
+                "sequence length",
+                ERROR,
+                f"max_seq_length={plan.seq_len} > max_position_embeddings={max_pos} of {plan.model_name_or_path}",
+                f"--max_seq_length {max_pos}",
+            )
+        )
+    else:
+        checks.append(Check("sequence length", OK, f"{plan.seq_len} <= {max_pos} positions"))
+    if tok["kind"] == "invalid":
+        checks.append(
+            Check("tokenizer", ERROR, f"{plan.tokenizer!r} is not train:<wordpiece|bpe>:<vocab>", "fix the spec")
+        )
+    elif tok["kind"] == "hub":
+        checks.append(
+            Check("tokenizer", WARNING, f"{plan.tokenizer} looks like a Hub name: not checked (no network use)", "")
+        )
+    else:
+        if not (tok.get("pad") and tok.get("mask")):
+            missing = " and ".join(x for x in ("pad", "mask") if not tok.get(x))
+            checks.append(
+                Check(
+                    "tokenizer", ERROR, f"{plan.tokenizer} has no {missing} token", "add it, or train one (train:...)"
+                )
+            )
+        vocab = tok.get("vocab_size")
+        if vocab and plan.model_name_or_path and vocab > config["vocab_size"]:
+            checks.append(
+                Check(
+                    "vocabulary",
+                    ERROR,
+                    f"tokenizer has {vocab} tokens, the model's vocab_size is {config['vocab_size']}",
+                    "use the model's own tokenizer or resize the embeddings",
+                )
+            )
+        elif tok.get("pad") and tok.get("mask"):
+            checks.append(Check("tokenizer", OK, f"{tok['kind']}, ~{vocab or '?'} tokens, pad and mask present"))
+    return checks
+
+
+def check_paths(plan: Plan) -> list[Check]:
+    checks = []
+    if plan.dataset == "embedded":
+        checks.append(Check("dataset", OK, "embedded corpus (no network)"))
+    elif Path(plan.dataset).expanduser().exists():
+        path = Path(plan.dataset).expanduser()
+        empty = path.is_file() and path.stat().st_size == 0 or path.is_dir() and not any(path.iterdir())
+        checks.append(
+            Check("dataset", ERROR, f"{path} is empty", "point --dataset at text files")
+            if empty
+            else Check("dataset", OK, f"local {path}")
+        )
+    elif plan.dataset.startswith((".", "/", "~")) or Path(plan.dataset).suffix in (
+        ".txt",
+        ".jsonl",
+        ".json",
+        ".parquet",
+    ):
+        checks.append(Check("dataset", ERROR, f"{plan.dataset}: no such file or folder", "fix the path"))
+    else:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
+        checks.append(
+            Check(
+                "dataset",
+                WARNING,
+                f"Hub dataset {plan.dataset}: not checked by the plan check{' (offline mode is on)' if offline else ''}",
+                "make sure the training machine can reach the Hub, or pass a local path",
+            )
+        )
+    if plan.model_name_or_path and not (Path(plan.model_name_or_path) / "config.json").exists():
+        checks.append(
+            Check("model path", ERROR, f"{plan.model_name_or_path} holds no config.json", "a save_pretrained folder")
+        )
+    out = Path(plan.output_dir).expanduser()
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        checks.append(Check("output dir", ERROR, f"{out}: {probe} is a file, not a folder", "choose --output_dir"))
+    elif not os.access(probe, os.W_OK):
+        checks.append(Check("output dir", ERROR, f"{out} is not writable (checked {probe})", "choose --output_dir"))
+    else:
+        checks.append(Check("output dir", OK, f"{out} writable"))
+    resume = plan.resume_from_checkpoint
+    if resume and resume != "auto":
+        path = Path(resume).expanduser()
+        known = ("train_state.json", "latest", "model.safetensors", "pytorch_model.bin", "optimizer.bin")
+        if not path.is_dir():
+            checks.append(
+                Check("resume checkpoint", ERROR, f"{path} does not exist", "a <run>/checkpoints/step_N folder")
+            )
+        elif not any((path / name).exists() for name in known):
+            checks.append(
+                Check(
+                    "resume checkpoint",
+                    ERROR,
+                    f"{path} is neither an accelerate state nor a DeepSpeed tag folder",
+                    "a <run>/checkpoints/step_N folder",
+                )
+            )
+        elif out.resolve() == path.resolve() or out.resolve() in path.resolve().parents and plan.run_name:
+            checks.append(
+                Check(
+                    "resume checkpoint",
+                    ERROR,
+                    "the output dir is the resume dir",
+                    "write to another --output_dir/--run_name",
+                )
+            )
+        else:
+            checks.append(Check("resume checkpoint", OK, f"{path}"))
+    elif resume == "auto":
+        checks.append(Check("resume checkpoint", OK, "auto: newest checkpoint of the run if any, else a fresh start"))
+    return checks
+
+
+def plan_estimate(plan: Plan, config: dict, ds_cfg):
+    stage, offload_opt, offload_par, _ = zero_settings(ds_cfg)
+    return memory.estimate_training_memory(
+        config,
+        plan.micro_batch,
+        plan.seq_len,
+        zero_stage=stage,
+        offload_optimizer=offload_opt,
+        offload_params=offload_par,
+        gpus_per_node=max(plan.gpus_per_node, 1) if plan.gpus_per_node else max(plan.world_size, 1),
+        nodes=plan.nodes,
+        mixed_precision=plan.mixed_precision,
+        gradient_checkpointing=plan.gradient_checkpointing,
+        mlm_probability=plan.mlm_probability,
+    )
+
+
+def check_memory(plan: Plan, estimate) -> list[Check]:
+    peak = estimate.gpu_peak / memory.GIB
+    parts = estimate.as_gib()
+    detail = (
+        f"model states {parts['gpu_model_states_gib']:.2f} + activations {parts['activations_gib']:.2f} "
+        f"+ workspace {parts['workspace_gib']:.2f}"
+    )
+    if plan.gpu_memory_gb is None:
+        return [Check("GPU memory", OK, f"no GPU planned; a GPU would need ~{peak:.2f} GiB ({detail})")]
+    share = peak / plan.gpu_memory_gb
+    fix = "--suggest for configs that fit; or lower the micro-batch, use --gradient_checkpointing, or offload"
+    if share > 1:
+        return [Check("GPU memory", ERROR, f"~{peak:.2f} GiB > {plan.gpu_memory_gb:g} GiB budget ({detail})", fix)]
+    if share > HEADROOM:
+        return [
+            Check(
+                "GPU memory", WARNING, f"~{peak:.2f} GiB is {share:.0%} of {plan.gpu_memory_gb:g} GiB ({detail})", fix
+            )
+        ]
+    return [Check("GPU memory", OK, f"~{peak:.2f} GiB of {plan.gpu_memory_gb:g} GiB ({share:.0%}; {detail})")]
+
+
+def suggest(plan: Plan, config: dict) -> list[dict]:
+    """Every ds config (and plain DDP) with its estimated peak: those that fit first, and among them
+    no offload before optimizer offload before parameter offload (offload costs step time), then
+    by estimated peak memory."""
+    rows = []
+    candidates = [("none", None)] + [
+        (p.stem, json.loads(p.read_text())) for p in sorted((ROOT / "ds_configs").glob("*.json"))
+    ]
+    for name, cfg in candidates:
+        if name == "zero3_nvme":
+            continue  # a template until its nvme_path is set
+        stage, offload_opt, offload_par, _ = zero_settings(cfg)
+        est = plan_estimate(plan, config, cfg)
+        peak = est.gpu_peak / memory.GIB
+        fits = plan.gpu_memory_gb is None or peak <= HEADROOM * plan.gpu_memory_gb
+        rows.append(
+            {
+                "ds_config": name,
+                "zero_stage": stage,
+                "offload": "params+optimizer" if offload_par else "optimizer" if offload_opt else "none",
+                "_cost": 2 if offload_par else 1 if offload_opt else 0,
+                "est_gpu_peak_gib": round(peak, 2),
+                "est_host_gib": round(est.cpu_model_states / memory.GIB, 2),
+                "fits": fits,
+            }
+        )
+    rows.sort(key=lambda r: (not r["fits"], r["_cost"], r["est_gpu_peak_gib"]))
+    for row in rows:
+        del row["_cost"]
+    return rows
+
+
+def launch_command(plan: Plan, args) -> list[str]:
+    cmd = ["accelerate", "launch"]
+    if plan.accelerate_config:
+        cmd += ["--config_file", plan.accelerate_config]
+    if args.ds_config:
+        cmd += ["--deepspeed_config_file", plan.ds_config]
+    if args.num_processes or (plan.profile and plan.world_size != 1 and not plan.accelerate_config):
+        cmd += ["--num_processes", str(plan.world_size)]
+    if args.nodes:
+        cmd += ["--num_machines", str(plan.nodes)]
+    cmd += ["loops/mlm.py"]
+    if args.config:
+        cmd += ["--config", args.config]
+    cmd += ["--preset", plan.preset, "--per_device_train_batch_size", str(plan.micro_batch)]
+    cmd += ["--gradient_accumulation_steps", str(plan.grad_accum), "--max_seq_length", str(plan.seq_len)]
+    cmd += ["--mixed_precision", plan.mixed_precision, "--dataset", plan.dataset, "--tokenizer", plan.tokenizer]
+    for flag, value in (
+        ("--model_name_or_path", plan.model_name_or_path),
+        ("--resume_from_checkpoint", plan.resume_from_checkpoint),
+        ("--run_name", plan.run_name),
+    ):
+        if value:
+            cmd += [flag, value]
+    if plan.output_dir != "Cache/runs":
+        cmd += ["--output_dir", plan.output_dir]
+    if plan.gradient_checkpointing:
+        cmd += ["--gradient_checkpointing", "true"]
+    return cmd + plan.loop_args
+
+
+def run_checks(plan: Plan, ds_cfg) -> tuple[list[Check], dict, object]:
+    tok = tokenizer_info(plan.tokenizer)
+    config = model_config(plan, tok.get("vocab_size"))
+    estimate = plan_estimate(plan, config, ds_cfg)
+    checks = check_batch(plan, ds_cfg)
+    checks += check_zero(plan, ds_cfg, estimate)
+    checks += check_precision(plan, ds_cfg)
+    checks += check_shapes(plan, config, tok)
+    checks += check_paths(plan)
+    checks += check_memory(plan, estimate)
+    return checks, config, estimate
+
+
+def format_table(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for c in checks:
+        lines.append(f"{c.status:<8} {c.name:<{width}}  {c.reason}")
+        if c.fix and c.status != OK:
+            lines.append(f"{'':<8} {'':<{width}}  fix: {c.fix}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    try:
+        plan, _, ds_cfg = resolve_plan(args)
+    except UsageError as error:
+        print(f"usage error: {error}", file=sys.stderr)
+        return 2
+    plan.loop_args = unknown + passthrough
+    checks, config, estimate = run_checks(plan, ds_cfg)
+    command = launch_command(plan, args)
+    errors = sum(c.status == ERROR for c in checks)
+    suggestions = suggest(plan, config) if args.suggest else None
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "plan": asdict(plan),
+                    "estimate": estimate.as_gib(),
+                    "checks": [asdict(c) for c in checks],
+                    "errors": errors,
+                    "command": shlex.join(command),
+                    **({"suggest": suggestions} if suggestions is not None else {}),
+                },
+                indent=2,
+            )
+        )
+    else:
+        where = plan.profile or plan.accelerate_config or "this machine"
+        print(f"Launch plan: {where} · {plan.world_size} process(es) · preset {plan.preset} · ds {plan.ds_config}\n")
+        print(format_table(checks))
+        if suggestions is not None:
+            print(
+                f"\nds configs for a {plan.gpu_memory_gb or '?'} GiB GPU (fits = under {HEADROOM:.0%}), cheapest first:"
+            )
+            for r in suggestions:
+                mark = "fits " if r["fits"] else "over "
+                print(f"  {mark} {r['ds_config']:<14} stage {r['zero_stage']}  offload={r['offload']:<16}  "
+                      f"~{r['est_gpu_peak_gib']:.2f} GiB GPU, ~{r['est_host_gib']:.2f} GiB host")  # fmt: skip
+        verdict = f"{errors} error(s): fix them before launching" if errors else "plan is sound"
+        print(f"\n{verdict}\n\n  {shlex.join(command)}")
+    if errors:
+        return 1
+    if args.run:
+        executable = shutil.which("accelerate") or str(Path(sys.executable).with_name("accelerate"))
+        os.chdir(ROOT)  # the accelerate configs name ds configs relative to the project root
+        os.execv(executable, [executable, *command[1:]])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

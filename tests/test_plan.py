@@ -1,0 +1,174 @@
+"""launch/check_plan.py: one broken plan per ERROR class, sound profiles, --json, --suggest, light imports."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import launch.check_plan as check_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+XL_3080 = ["--profile", "rtx3080_10gb"]
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    code = check_plan.main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def ds_file(tmp_path, **changes) -> str:
+    config = json.loads((ROOT / "ds_configs/zero2.json").read_text())
+    for key, value in changes.items():
+        config[key] = value
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def model_dir(tmp_path, **fields) -> str:
+    config = {
+        "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "intermediate_size": 128, "concept_num": 8, "max_position_embeddings": 512,
+    }  # fmt: skip
+    config.update(fields)
+    path = tmp_path / "model"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def tokenizer_dir(tmp_path, vocab: int, specials: dict) -> str:
+    path = tmp_path / "tok"
+    path.mkdir()
+    (path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(vocab)}}}))
+    (path / "special_tokens_map.json").write_text(json.dumps(specials))
+    return str(path)
+
+
+BROKEN = {
+    "batch arithmetic": (
+        lambda t: ["--profile", "cpu", "--ds_config", ds_file(t, train_micro_batch_size_per_gpu=4)],
+        "train_micro_batch_size_per_gpu=4 but the plan gives 8",
+    ),
+    "world size vs GPUs": (lambda t: ["--gpus", "2", "--num_processes", "4"], "4 processes but only 2 GPUs"),
+    "ZeRO / offload": (
+        lambda t: ["--ds_config", ds_file(t, zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}})],
+        "offload_param needs ZeRO stage 3",
+    ),
+    "NVMe path (offload_optimizer)": (
+        lambda t: ["--ds_config", "ds_configs/zero3_nvme.json"],
+        "/REPLACE/WITH/FAST/NVME/PATH does not exist",
+    ),
+    "host RAM for model states": (lambda t: [*XL_3080, "--host_memory", "4GB"], "of 4.0 GiB per machine"),
+    "precision": (
+        lambda t: ["--ds_config", ds_file(t, bf16={"enabled": True}, fp16={"enabled": True})],
+        "both bf16 and fp16",
+    ),
+    "bf16 capability": (
+        lambda t: ["--mixed_precision", "bf16", "--gpus", "1", "--gpu_memory", "16GB", "--gpu_capability", "7.5"],
+        "bf16 needs compute capability >= 8.0",
+    ),
+    "hidden % heads": (
+        lambda t: ["--model_name_or_path", model_dir(t, hidden_size=30, num_attention_heads=4)],
+        "hidden_size=30 is not divisible by 4 heads",
+    ),
+    "sequence length": (
+        lambda t: ["--model_name_or_path", model_dir(t, max_position_embeddings=64), "--max_seq_length", "128"],
+        "max_seq_length=128 > max_position_embeddings=64",
+    ),
+    "tokenizer specials": (
+        lambda t: ["--tokenizer", tokenizer_dir(t, 100, {"pad_token": "[PAD]"})],
+        "has no mask token",
+    ),
+    "vocabulary": (
+        lambda t: [
+            "--tokenizer",
+            tokenizer_dir(t, 2000, {"pad_token": "[PAD]", "mask_token": "[MASK]"}),
+            "--model_name_or_path",
+            model_dir(t),
+        ],
+        "tokenizer has 2000 tokens, the model's vocab_size is 1000",
+    ),  # fmt: skip
+    "dataset": (lambda t: ["--dataset", "./no/such/corpus.txt"], "no such file or folder"),
+    "output dir": (lambda t: ["--output_dir", str(Path(__file__)) + "/runs"], "is a file, not a folder"),
+    "resume missing": (lambda t: ["--resume_from_checkpoint", str(t / "nothing")], "does not exist"),
+    "resume not a checkpoint": (
+        lambda t: ["--resume_from_checkpoint", str(t)],
+        "neither an accelerate state nor a DeepSpeed tag folder",
+    ),
+    "GPU memory": (lambda t: [*XL_3080, "--gpu_memory", "3GB"], "GiB budget"),
+    "unknown preset": (lambda t: ["--preset", "huge"], "unknown preset 'huge'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_each_error_class_exits_1_with_its_reason(case, tmp_path, capsys):
+    make_args, reason = BROKEN[case]
+    code, out = run(capsys, *make_args(tmp_path))
+    assert code == 1, out
+    error_lines = [line for line in out.splitlines() if line.startswith("ERROR")]
+    assert any(reason in line for line in error_lines), f"{reason!r} not in:\n{out}"
+
+
+def test_cpu_adam_unbuildable_is_an_error(monkeypatch, capsys):
+    monkeypatch.setattr(check_plan.shutil, "which", lambda name: None)
+    code, out = run(capsys, *XL_3080)
+    assert code == 1 and "no C++ compiler (g++) to JIT-build CPU Adam" in out
+
+
+@pytest.mark.parametrize("profile", ["cpu", "single_gpu", "rtx3080_10gb", "rtx3090_24gb", "multi_gpu", "multi_node"])
+def test_every_profile_is_a_sound_plan(profile, capsys):
+    code, out = run(capsys, "--profile", profile)
+    assert code == 0, out
+    assert "plan is sound" in out
+    command = out.strip().splitlines()[-1].strip()
+    assert command.startswith("accelerate launch --config_file launch/") and "loops/mlm.py" in command
+
+
+def test_json_has_one_entry_per_check(capsys):
+    code, out = run(capsys, *XL_3080, "--json")
+    data = json.loads(out)
+    assert code == 0 and data["errors"] == 0
+    names = [c["name"] for c in data["checks"]]
+    assert len(names) == len(set(names)) and {"batch arithmetic", "GPU memory", "precision"} <= set(names)
+    assert all(c["status"] in ("OK", "WARNING", "ERROR") for c in data["checks"])
+    assert data["command"].startswith("accelerate launch")
+
+
+def test_suggest_orders_by_offload_then_estimated_memory(capsys):
+    code, out = run(capsys, *XL_3080, "--preset", "large", "--suggest", "--json")
+    rows = json.loads(out)["suggest"]
+    assert {r["ds_config"] for r in rows} >= {"zero0", "zero2", "zero2_offload", "zero3_offload"}
+    fits = [r["fits"] for r in rows]
+    assert fits == sorted(fits, reverse=True)  # everything that fits comes first
+    level = {"none": 0, "optimizer": 1, "params+optimizer": 2}
+    fitting = [r for r in rows if r["fits"]]
+    assert [level[r["offload"]] for r in fitting] == sorted(level[r["offload"]] for r in fitting)
+    for lvl in level.values():
+        peaks = [r["est_gpu_peak_gib"] for r in fitting if level[r["offload"]] == lvl]
+        assert peaks == sorted(peaks)
+    xl = json.loads(run(capsys, *XL_3080, "--suggest", "--json")[1])["suggest"]
+    assert [r["ds_config"] for r in xl if r["fits"]][0] == "zero2_offload"  # xl needs offload on 10 GB
+
+
+def test_usage_errors_exit_2(capsys):
+    assert check_plan.main(["--profile", "no_such_profile"]) == 2
+    assert "unknown profile 'no_such_profile'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        check_plan.main(["--num_processes", "many"])
+    assert exit_info.value.code == 2
+
+
+def test_static_checks_import_no_heavy_machinery():
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['check_plan.py', '--profile', 'rtx3080_10gb']\n"
+        "try:\n    runpy.run_path('launch/check_plan.py', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'transformers', 'deepspeed', 'accelerate') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout
