@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make the project root importab
 
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
 from concept_encoder.data import build_collator, check_tokenizer, prepare_data
+from concept_encoder.metrics import HEALTH_KEYS, concept_health, format_health_table
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.checkpoint import (
     TrainState,
@@ -49,6 +50,7 @@ from concept_encoder.training.deepspeed_setup import (
     fill_deepspeed_auto_values,
     outside_zero3,
 )
+from concept_encoder.training.objective import ConceptObjective, build_concept_objective
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.setup import (
     apply_memory_budget,
@@ -143,7 +145,15 @@ def windows(loader, accumulation: int, state: TrainState, finish_batch):
         state.batches_in_epoch = 0
 
 
-def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm: float) -> dict:
+def train_step(
+    accelerator,
+    model,
+    optimizer,
+    window: list[dict],
+    max_grad_norm: float,
+    concept: ConceptObjective | None = None,
+    step: int = 0,
+) -> dict:
     """One optimizer step over `window` (the micro-batches of one accumulation window).
 
     Each micro-batch's loss is its masked-token CE *sum* divided by the masked-token count of
@@ -156,14 +166,25 @@ def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm:
     scale = accelerator.num_processes * len(window) / window_labelled
     loss_sum = torch.zeros((), device=accelerator.device)
     tokens = torch.zeros((), device=accelerator.device)
+    terms: dict[str, torch.Tensor] = {}
     for batch in window:
         with accelerator.accumulate(model):
             out = model(**batch)
             ce_sum = out.loss.float() * out.num_labelled
-            accelerator.backward(ce_sum * scale)
+            objective = ce_sum * scale
+            if concept is not None and concept.active:
+                objective, micro_terms = concept(objective, out.concepts, step)
+                for name, value in micro_terms.items():
+                    if name != "mlm":
+                        terms[name] = terms.get(name, 0.0) + value / len(window)
+            accelerator.backward(objective)
             loss_sum += ce_sum.detach()
             tokens += batch["attention_mask"].sum()
     totals = accelerator.reduce(torch.stack([loss_sum, tokens.float()]), reduction="sum")
+    if terms:
+        names = sorted(terms)
+        means = accelerator.reduce(torch.stack([terms[n].to(accelerator.device) for n in names]), reduction="mean")
+        terms = {n: float(v) for n, v in zip(names, means, strict=True)}
     loss = (totals[0] / window_labelled).item()
     grad_norm = None
     if math.isfinite(loss):
@@ -173,7 +194,10 @@ def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm:
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
             grad_norm = model.get_global_grad_norm()  # DeepSpeed clips inside its step; read the real norm
     optimizer.zero_grad(set_to_none=True)
+    if concept is not None:
+        concept.step(accelerator, apply=math.isfinite(loss))
     return {
+        "terms": terms,
         "loss": loss,
         "labelled": int(window_labelled.item()),
         "tokens": int(totals[1].item()),
@@ -184,12 +208,15 @@ def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm:
 @torch.no_grad()
 def evaluate(accelerator, model, loader, eval_collator, collator_state: dict, max_batches: int | None) -> dict:
     """Loss, perplexity and masked-token accuracy over the validation set, weighted by masked-token
-    count and gathered across ranks (duplicate samples that even out the last batch are dropped).
+    count and gathered across ranks (duplicate samples that even out the last batch are dropped),
+    plus the concept-health metrics (`concept_encoder.metrics`) averaged over batches and ranks.
     The eval collator restarts from the same state, so every evaluation sees the same masks."""
     eval_collator.load_state_dict(collator_state)
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+    health = torch.zeros(len(HEALTH_KEYS), dtype=torch.float64, device=accelerator.device)
+    batches = 0
     for i, batch in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
@@ -203,6 +230,10 @@ def evaluate(accelerator, model, loader, eval_collator, collator_state: dict, ma
         rows = labelled.nonzero()[:, 0]  # sample of each labelled position, matching the logits' order
         per_sample.index_add_(0, rows, torch.stack([ce.double(), torch.ones_like(ce).double(), correct], dim=1))
         totals += accelerator.gather_for_metrics(per_sample).sum(dim=0)
+        values = concept_health(out.concepts)
+        health += torch.tensor([float(values[k]) for k in HEALTH_KEYS], dtype=torch.float64, device=health.device)
+        batches += 1
+    health = accelerator.reduce(health / max(batches, 1), reduction="mean")
     model.train(was_training)
     loss = (totals[0] / totals[1].clamp(min=1)).item()
     return {
@@ -210,6 +241,7 @@ def evaluate(accelerator, model, loader, eval_collator, collator_state: dict, ma
         "eval_perplexity": math.exp(min(loss, 50.0)),
         "eval_accuracy": (totals[2] / totals[1].clamp(min=1)).item(),
         "eval_masked_tokens": int(totals[1].item()),
+        **{f"health/{k}": round(float(v), 6) for k, v in zip(HEALTH_KEYS, health, strict=True)},
     }
 
 
@@ -259,6 +291,9 @@ def save_final(
             **(last_eval or {}),
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        health = {k.split("/", 1)[1]: v for k, v in (last_eval or {}).items() if k.startswith("health/")}
+        if health:
+            logger.info("concept health at the last evaluation:\n%s", format_health_table(health))
         logger.info("run dir: %s", run_dir)
         if not preempted:
             logger.info("final model: %s (AutoModelForMaskedLM.from_pretrained loads it)", final_dir)
@@ -286,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     # 7. model config, loss config, model
     model = build_model(model_args, data_args, data.tokenizer)
     counts = log_model_info(model, {"preset": model_args.preset, "decoder": model.config.decoder_type})
-    logger.info("loss: sparse masked-token cross-entropy, mean over the masked tokens of each optimizer step")
+    concept = build_concept_objective(args, model.config, state.device)
     # 8. attention-kernel probe (main process, the model's real forward)
     eval_collator = build_collator(
         data.tokenizer,
@@ -351,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer = accelerator.prepare(model, optimizer)
     train_loader = accelerator.prepare_data_loader(train_loader, device_placement=False)  # masked on CPU first
     eval_loader = accelerator.prepare_data_loader(eval_loader, device_placement=False)
-    accelerator.register_for_checkpointing(scheduler)
+    accelerator.register_for_checkpointing(scheduler, concept)
     per_rank = {"collator": data.collator}
     progress_state = TrainState()
     if resume is not None:
@@ -379,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     while progress_state.step < args.max_steps:
         started = time.perf_counter()
-        step = train_step(accelerator, model, optimizer, next(window_source), args.max_grad_norm)
+        step = train_step(
+            accelerator, model, optimizer, next(window_source), args.max_grad_norm, concept, progress_state.step
+        )
         if math.isfinite(step["loss"]):
             scheduler.step()
             progress_state.bad_steps = 0
@@ -413,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                 "masked_tokens_per_s": interval["labelled"] / interval["time"],
                 "step_time_s": interval["time"] / interval["steps"],
                 "tokens_seen": progress_state.tokens_seen,
+                **{f"concept/{k}": v for k, v in step["terms"].items()},
                 **peak_memory_over_ranks(accelerator),
             }
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,7 +143,9 @@ def test_gradient_accumulation_matches_a_larger_batch():
 
 def test_non_finite_loss_stops_with_the_step(monkeypatch):
     monkeypatch.setattr(
-        mlm, "train_step", lambda *a, **k: {"loss": float("nan"), "labelled": 1, "tokens": 1, "grad_norm": None}
+        mlm,
+        "train_step",
+        lambda *a, **k: {"loss": float("nan"), "labelled": 1, "tokens": 1, "grad_norm": None, "terms": {}},
     )
     with pytest.raises(mlm.NonFiniteLossError, match="3 consecutive steps, last at step 3"):
         run("--run_name", "nan", "--max_steps", "10", "--max_bad_steps", "3")
@@ -198,3 +201,69 @@ def test_yaml_config_with_cli_override(tmp_path):
         parse_args(["--no_such_flag", "1"])
     with pytest.raises(ValueError, match="preset='huge' is unknown"):
         parse_args(["--preset", "huge"])
+
+
+def records(run_name: str, kind: str) -> list[dict]:
+    return [r for r in read_metrics(Path("runs") / run_name / "metrics.jsonl") if r["kind"] == kind]
+
+
+def test_concept_losses_kendall_gal_resume_exactly_and_health_is_logged():
+    args = ["--max_steps", "6", "--save_steps", "3", "--eval_steps", "3"]
+    args += ["--concept_losses", "orthogonality,uniformity", "--loss_weighting", "kendall_gal"]
+    run("--run_name", "kg_full", *args)
+    full = records("kg_full", "train")
+    assert {"concept/orthogonality", "concept/uniformity", "concept/log_var/mlm"} <= set(full[0])
+    log_vars = [r["concept/log_var/orthogonality"] for r in full]
+    assert log_vars[0] != log_vars[-1]  # the uncertainty weights are trained
+
+    resumed_dir = Path("runs/kg_resumed/checkpoints")
+    resumed_dir.mkdir(parents=True)
+    shutil.copytree(Path("runs/kg_full/checkpoints/step_0000003"), resumed_dir / "step_0000003")
+    run("--run_name", "kg_resumed", *args, "--resume_from_checkpoint", "auto")
+    resumed = records("kg_resumed", "train")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]
+    assert [r["concept/log_var/orthogonality"] for r in resumed] == log_vars[3:]
+
+    evals = records("kg_full", "eval")
+    for key in (
+        "effective_rank",
+        "effective_rank_fraction",
+        "batch_mean_effective_rank",
+        "max_cosine",
+        "collapsed_dims",
+    ):
+        assert math.isfinite(evals[-1][f"health/{key}"])
+    assert 1.0 <= evals[-1]["health/effective_rank"] <= 16  # micro preset: C = 16
+
+
+def test_fixed_concept_weight_warms_up_linearly():
+    run("--run_name", "warm", "--max_steps", "5", "--concept_losses", "vicreg", "--concept_loss_weight", "0.2",
+        "--concept_loss_warmup_steps", "4")  # fmt: skip
+    weights = [r["concept/weight/vicreg"] for r in records("warm", "train")]
+    assert weights == pytest.approx([0.0, 0.05, 0.1, 0.15, 0.2])  # step k uses min(1, (k-1)/4) × 0.2
+
+
+def test_unknown_concept_loss_is_an_error_before_training():
+    with pytest.raises(ValueError, match=r"unknown concept loss\(es\) \['orthogonal'\]"):
+        run("--run_name", "bad_loss", "--max_steps", "2", "--concept_losses", "orthogonal")
+    assert not Path("runs/bad_loss").exists()
+
+
+def test_health_cli_reports_and_rejects_non_finite_weights(tmp_path):
+    final = Path("runs/learn/final")
+    if not final.exists():
+        run("--run_name", "learn", "--max_steps", "3")
+    cmd = [sys.executable, "-m", "concept_encoder.health", str(final), "--max_seq_length", "64", "--batches", "2"]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=Path.cwd(), env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| effective_rank |" in out.stdout and "all finite" in out.stdout
+
+    model = AutoModelForMaskedLM.from_pretrained(final)
+    with torch.no_grad():
+        model.encoder.concepts[0, 0] = float("nan")
+    model.save_pretrained(tmp_path / "broken")
+    cmd[3] = str(tmp_path / "broken")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 1 and "encoder.concepts" in out.stderr

@@ -78,6 +78,14 @@ class TrainingArguments:
     report_to: str = field(default="wandb", metadata={"help": "wandb or none"})
     wandb_project: str = field(default="concept-encoder", metadata={"help": "W&B project"})
     progress_bar: bool = field(default=True, metadata={"help": "tqdm progress bar on the main process"})
+    concept_losses: str = field(
+        default="", metadata={"help": "comma-separated concept regularisers, e.g. orthogonality,uniformity"}
+    )
+    loss_weighting: str = field(default="fixed", metadata={"help": "fixed, learnable or kendall_gal"})
+    concept_loss_weight: float = field(default=0.1, metadata={"help": "fixed weighting: weight of each concept loss"})
+    concept_loss_warmup_steps: int = field(
+        default=0, metadata={"help": "fixed weighting: linear warm-up of the concept weights, in optimizer steps"}
+    )
     cuda_memory_budget_gb: float | None = field(
         default=None, metadata={"help": "cap this process's CUDA memory (e.g. 10 to emulate an RTX 3080)"}
     )
@@ -105,6 +113,10 @@ class TrainingArguments:
             raise ValueError(f"report_to={self.report_to!r}: choose wandb or none")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+
+    @property
+    def concept_loss_names(self) -> list[str]:
+        return [name.strip() for name in self.concept_losses.split(",") if name.strip()]
 
     @property
     def num_warmup_steps(self) -> int:

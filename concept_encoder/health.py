@@ -1,0 +1,95 @@
+"""`python -m concept_encoder.health <model folder> [--dataset ...]`: is a saved model healthy?
+
+Loads a `save_pretrained` folder (e.g. `Cache/runs/<run>/final`), fails with exit code 1 if any
+parameter is NaN/Inf, then runs a few masked validation batches through it and prints the
+concept-health table (effective rank, cosines, collapsed dimensions) and the masked-token loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from .data import DataArguments, DataSourceError, prepare_data
+from .heads import ConceptEncoderForMaskedLM
+from .metrics import HEALTH_KEYS, concept_health, format_health_table
+
+
+def non_finite_parameters(model: torch.nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+
+
+@torch.no_grad()
+def measure(model: ConceptEncoderForMaskedLM, batches: list[dict]) -> dict[str, float]:
+    """Concept health averaged over `batches`, plus their masked-token loss (weighted by count)."""
+    sums = dict.fromkeys(HEALTH_KEYS, 0.0)
+    loss_sum = labelled = 0.0
+    for batch in batches:
+        out = model(**batch)
+        for key, value in concept_health(out.concepts).items():
+            sums[key] += float(value)
+        loss_sum += float(out.loss) * int(out.num_labelled)
+        labelled += int(out.num_labelled)
+    result = {key: value / len(batches) for key, value in sums.items()}
+    result["collapsed_dims"] = round(result["collapsed_dims"], 2)
+    result["masked_token_loss"] = loss_sum / max(labelled, 1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m concept_encoder.health", description=__doc__)
+    parser.add_argument("model", help="a save_pretrained folder, e.g. Cache/runs/<run>/final")
+    parser.add_argument("--dataset", default="embedded", help="text to probe with (as for the loop)")
+    parser.add_argument("--tokenizer", default=None, help="default: the model folder's own tokenizer")
+    parser.add_argument("--max_seq_length", type=int, default=128)
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--cache_dir", default="Cache")
+    args = parser.parse_args(argv)
+
+    path = Path(args.model)
+    if not (path / "config.json").exists():
+        print(
+            f"error: {path} holds no config.json; pass a save_pretrained folder such as Cache/runs/<run>/final",
+            file=sys.stderr,
+        )
+        return 2
+    model = ConceptEncoderForMaskedLM.from_pretrained(path).eval()
+    bad = non_finite_parameters(model)
+    if bad:
+        print(f"error: {len(bad)} parameter tensor(s) hold NaN/Inf: {', '.join(bad[:10])}", file=sys.stderr)
+        return 1
+    tokenizer = args.tokenizer or str(path)
+    seq_len = min(args.max_seq_length, model.config.max_position_embeddings)
+    try:
+        data = prepare_data(
+            DataArguments(dataset=args.dataset, tokenizer=tokenizer, max_seq_length=seq_len),
+            cache_dir=args.cache_dir,
+            seed=0,
+        )
+    except (DataSourceError, ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    split = data.validation if len(data.validation) else data.train
+    n = min(len(split), args.batches * args.batch_size)
+    batches = [
+        data.collator([split[j] for j in range(i, min(i + args.batch_size, n))]) for i in range(0, n, args.batch_size)
+    ]
+    result = measure(model, batches)
+    print(f"model {path}  ({sum(p.numel() for p in model.parameters()):,} parameters, all finite)")
+    print(
+        f"probe {args.dataset}: {n} examples of {seq_len} tokens, C={model.config.concept_num}, H={model.config.hidden_size}\n"
+    )
+    print(format_health_table(result))
+    if not math.isfinite(result["masked_token_loss"]):
+        print("error: the masked-token loss is not finite", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The loop's view of the concept regularisers: a `LossManager` plus an optimizer for its own weights."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..losses import LossManager
+
+logger = logging.getLogger("concept_encoder")
+
+
+class ConceptObjective:
+    """Adds the concept losses to each micro-batch objective and trains the learned loss weights.
+
+    The `learnable` and `kendall_gal` weights belong to the `LossManager`, not to the model, so
+    neither DDP nor DeepSpeed (which own the model's parameters only) would average or step them.
+    They get their own small AdamW here, stepped with the model's optimizer after their gradients
+    are averaged over ranks. `state_dict()` covers both, for `register_for_checkpointing`.
+    """
+
+    def __init__(self, manager: LossManager, learning_rate: float, device: torch.device):
+        self.manager = manager.to(device)
+        params = list(manager.parameters())
+        self.optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0) if params else None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.manager.concept_losses)
+
+    def __call__(self, objective: torch.Tensor, concepts: torch.Tensor, step: int):
+        """`objective []` (the micro-batch's scaled MLM term), `concepts [B,C,H]` → (total [], terms)."""
+        return self.manager(objective, concepts, step)
+
+    def step(self, accelerator, apply: bool) -> None:
+        if self.optimizer is None:
+            return
+        for param in self.manager.parameters():
+            if param.grad is not None:
+                param.grad = accelerator.reduce(param.grad, reduction="mean")
+        if apply:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        return {
+            "manager": self.manager.state_dict(),
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.manager.load_state_dict(state["manager"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+def build_concept_objective(args, model_config, device) -> ConceptObjective:
+    """Step 7's loss config: `--concept_losses`, `--loss_weighting`, weights and warm-up; logged."""
+    manager = LossManager(
+        args.concept_loss_names,
+        concept_num=model_config.concept_num,
+        hidden_size=model_config.hidden_size,
+        weighting=args.loss_weighting,
+        concept_loss_weight=args.concept_loss_weight,
+        warmup_steps=args.concept_loss_warmup_steps,
+    )
+    logger.info(
+        "loss: sparse masked-token cross-entropy (mean over the masked tokens of each optimizer step)%s",
+        f" + concept losses {manager.concept_losses} weighted {manager.weighting!r} ({manager.extra_repr()})"
+        if manager.concept_losses
+        else "",
+    )
+    return ConceptObjective(manager, args.learning_rate, device)
