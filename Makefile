@@ -16,7 +16,7 @@ BATCH     ?= 16
 ARGS      ?=
 LAUNCH    := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
-.PHONY: install test lint format clean train train-cpu train-3080 train-3090 train-multigpu zero-compare plan
+.PHONY: install test lint format clean bench train train-cpu train-3080 train-3090 train-multigpu zero-compare plan
 
 install: $(VENV)/.installed
 
@@ -74,3 +74,10 @@ plan: install
 ZC_ARGS ?= --configs zero0,zero2,zero2_offload,zero3,zero3_offload --preset small --steps 5
 zero-compare: install
 	$(PY) loops/zero_compare.py $(ZC_ARGS)
+
+# Benchmarks (CPU sizes; add BENCH_ARGS=--full on a GPU). Results: printed tables + Cache/reports/bench/*.json
+BENCH_OUT ?= Cache/reports/bench
+bench: install
+	$(PY) benchmarks/scaling.py --json $(BENCH_OUT)/scaling.json $(BENCH_ARGS)
+	$(PY) benchmarks/loop_overhead.py --json $(BENCH_OUT)/loop_overhead.json $(BENCH_ARGS)
+	$(PY) benchmarks/decode_memory.py --json $(BENCH_OUT)/decode_memory.json $(BENCH_ARGS)

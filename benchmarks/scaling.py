@@ -1,0 +1,246 @@
+"""Sequence-length scaling: a full MLM training step of the Concept Encoder against BERT of equal shape.
+
+    python benchmarks/scaling.py                     # CPU grid (small shape, N = 512 … 8192, batch 1)
+    python benchmarks/scaling.py --full --json out.json   # GPU grid (base shape, larger batches)
+
+Models, all with the same hidden size, layers, heads, intermediate size and vocabulary, dropout off:
+- `concept`: `ConceptEncoderForMaskedLM` (C concepts, sparse decoding at the masked positions);
+- `bert`: `transformers.BertForMaskedLM` as users run it (SDPA attention, full-vocabulary MLM head);
+- `bert_sparse`: the same `BertModel` (SDPA) with our sparse masked-position head, so its ratio to
+  `concept` isolates the attention architecture from the decoding trick.
+A step is forward + backward + AdamW step on the same input ids and masked positions (15%).
+Timings are medians of interleaved repeats after warm-up; peak memory is measured per model at
+`--memory_lengths` in a fresh subprocess. FLOPs are analytic (matmuls only, ×3 for forward + backward): our latent
+layers are counted on C rows, not N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    device,
+    in_subprocess,
+    interleaved_medians,
+    machine,
+    markdown_table,
+    peak_memory_of,
+    write_json,
+)
+from concept_encoder import ConceptEncoderConfig, ConceptEncoderForMaskedLM  # noqa: E402
+from concept_encoder.heads import MaskedLMHead  # noqa: E402
+from concept_encoder.presets import PRESETS  # noqa: E402
+
+MODELS = ("concept", "bert", "bert_sparse")
+MASK_RATE = 0.15
+
+
+class BertWithSparseHead(nn.Module):
+    """`BertModel` (SDPA) + the Concept Encoder's MLM head applied only at labelled positions."""
+
+    def __init__(self, bert_config, head_config: ConceptEncoderConfig):
+        super().__init__()
+        from transformers import BertModel
+
+        self.bert = BertModel(bert_config, add_pooling_layer=False)
+        self.head = MaskedLMHead(head_config)
+        self.head.decoder.weight = self.bert.embeddings.word_embeddings.weight  # tied, like ours
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """`input_ids [B,N]`, `labels [B,N]` → mean CE `[]` over the labelled positions."""
+        hidden = self.bert(input_ids).last_hidden_state  # [B,N,H]
+        keep = labels.ne(-100)
+        return F.cross_entropy(self.head(hidden[keep]).float(), labels[keep])
+
+
+def shapes(preset: str, vocab_size: int, max_len: int) -> dict:
+    return {**PRESETS[preset], "vocab_size": vocab_size, "max_position_embeddings": max_len}
+
+
+def build(name: str, shape: dict) -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    ours = ConceptEncoderConfig(**shape, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if name == "concept":
+        return ConceptEncoderForMaskedLM(ours)
+    bert_config = BertConfig(
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        num_hidden_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["num_attention_heads"],
+        intermediate_size=shape["intermediate_size"],
+        max_position_embeddings=shape["max_position_embeddings"],
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="sdpa",
+    )
+    if name == "bert":
+        return BertForMaskedLM(bert_config)
+    return BertWithSparseHead(bert_config, ours)
+
+
+def batch(shape: dict, batch_size: int, seq_len: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seq_len)
+    ids = torch.randint(5, shape["vocab_size"], (batch_size, seq_len), generator=g)
+    labelled = torch.rand(batch_size, seq_len, generator=g) < MASK_RATE
+    labels = torch.where(labelled, ids, -100)
+    return ids.to(dev), labels.to(dev)
+
+
+def make_step(name: str, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, precision: str):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            out = model(input_ids=ids, labels=labels)
+            loss = out if isinstance(out, torch.Tensor) else out.loss
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def flops_per_step(name: str, shape: dict, batch_size: int, seq_len: int) -> float:
+    """Analytic matmul FLOPs of forward + backward (3 × forward) for one step."""
+    H, L, C, V = (shape[k] for k in ("hidden_size", "num_hidden_layers", "concept_num", "vocab_size"))
+    inner = shape["intermediate_size"]
+    N, M = seq_len, MASK_RATE * seq_len
+    head = 2 * M * H * H + 2 * M * H * V  # transform + vocabulary projection at the masked positions
+    if name == "concept":
+        layer = 4 * N * H * H + 4 * C * N * H  # token K/V projection + cross-attention scores/values
+        layer += 2 * C * H * H + 2 * C * H * H  # concept query and output projections
+        layer += 8 * C * H * H + 4 * C * C * H  # concept self-attention
+        layer += 6 * C * H * inner  # gated FFN on C rows
+        decoder = 2 * M * H * H + 4 * C * H * H + 4 * M * C * H + 2 * M * H * H + 6 * M * H * inner
+        forward = L * layer + decoder + head
+    else:
+        layer = 8 * N * H * H + 4 * N * N * H + 4 * N * H * inner  # QKV+O, attention, 2-matrix FFN
+        forward = L * layer + (head if name == "bert_sparse" else 2 * N * H * H + 2 * N * H * V)
+    return 3 * forward * batch_size
+
+
+def measure_memory(name: str, shape: dict, batch_size: int, seq_len: int, precision: str) -> float:
+    dev = device()
+    model = build(name, shape).to(dev)
+    step = make_step(name, model, *batch(shape, batch_size, seq_len, dev), precision)
+    step()  # optimizer states exist after the first step
+    gc.collect()
+    return peak_memory_of(step)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="GPU grid: base shape, batch 8")
+    parser.add_argument("--preset", default=None, help="model shape (default: tiny on CPU, base with --full)")
+    parser.add_argument("--lengths", default="512,1024,2048,4096,8192")
+    parser.add_argument("--batch_size", type=int, default=None, help="default 1 (CPU) or 8 (--full)")
+    parser.add_argument("--vocab_size", type=int, default=30522)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--precision", default=None, choices=["fp32", "bf16"], help="default bf16 on CUDA")
+    parser.add_argument("--no_memory", action="store_true", help="skip the per-model peak-memory subprocesses")
+    parser.add_argument("--memory_lengths", default="1024,8192", help="lengths whose peak memory is measured")
+    parser.add_argument("--json", default=None, help="write results (ratios included) to this path")
+    parser.add_argument("--plot", default=str(Path(__file__).with_name("scaling.png")))
+    parser.add_argument("--measure", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.preset = args.preset or ("base" if args.full else "small")
+    args.batch_size = args.batch_size or (8 if args.full else 1)
+    args.precision = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
+    args.lengths = [int(n) for n in args.lengths.split(",")]
+    args.memory_lengths = [int(n) for n in args.memory_lengths.split(",")]
+    return args
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for name, label in (
+        ("concept", "Concept Encoder"),
+        ("bert_sparse", "BERT + sparse head"),
+        ("bert", "BertForMaskedLM"),
+    ):
+        ax.plot([r["N"] for r in rows], [r[f"{name}_step_s"] for r in rows], "o-", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel("training step time (s)")
+    ax.set_title("MLM training step vs sequence length")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    shape = shapes(args.preset, args.vocab_size, max(args.lengths))
+    if args.measure:
+        name, n = args.measure[0], int(args.measure[1])
+        print(json.dumps({"peak_gb": measure_memory(name, shape, args.batch_size, n, args.precision)}))
+        return 0
+    dev = device()
+    torch.manual_seed(0)
+    models = {name: build(name, shape).to(dev) for name in MODELS}
+    rows = []
+    for n in args.lengths:
+        ids, labels = batch(shape, args.batch_size, n, dev)
+        steps = {name: make_step(name, model, ids, labels, args.precision) for name, model in models.items()}
+        times = interleaved_medians(steps, repeats=args.repeats)
+        row = {"N": n}
+        for name in MODELS:
+            row[f"{name}_step_s"] = times[name]
+            row[f"{name}_tokens_per_s"] = args.batch_size * n / times[name]
+            row[f"{name}_gflops"] = flops_per_step(name, shape, args.batch_size, n) / 1e9
+            row[f"{name}_achieved_gflops_per_s"] = row[f"{name}_gflops"] / times[name]
+            if not args.no_memory and n in args.memory_lengths:
+                result = in_subprocess(Path(__file__), "--measure", name, str(n), "--preset", args.preset,
+                                       "--batch_size", str(args.batch_size), "--precision", args.precision,
+                                       "--vocab_size", str(args.vocab_size), "--lengths", ",".join(map(str, args.lengths)),
+                                       "--memory_lengths", str(n))  # fmt: skip
+                row[f"{name}_peak_gb"] = result["peak_gb"]
+        row["speedup_vs_bert_sparse"] = times["bert_sparse"] / times["concept"]
+        row["speedup_vs_bert"] = times["bert"] / times["concept"]
+        rows.append(row)
+        print(
+            f"N={n}: "
+            + ", ".join(f"{k}={v:.3g}" for k, v in row.items() if k.endswith("step_s") or k.startswith("speedup")),
+            file=sys.stderr,
+        )
+    step_at = {r["N"]: r["concept_step_s"] for r in rows}
+    growth = step_at[8192] / step_at[1024] if {1024, 8192} <= set(step_at) else None
+    columns = ["N", "concept_step_s", "bert_sparse_step_s", "bert_step_s", "speedup_vs_bert_sparse", "speedup_vs_bert",
+               "concept_tokens_per_s", "concept_gflops", "bert_sparse_gflops", "concept_achieved_gflops_per_s",
+               "bert_sparse_achieved_gflops_per_s"]  # fmt: skip
+    if not args.no_memory:
+        columns += ["concept_peak_gb", "bert_sparse_peak_gb", "bert_peak_gb"]
+    print(f"Sequence-length scaling · {machine()} · shape {args.preset} {PRESETS[args.preset]} · vocab "
+          f"{args.vocab_size} · batch {args.batch_size} · {args.precision} · median of {args.repeats}\n")  # fmt: skip
+    print(markdown_table(rows, columns))
+    if growth is not None:
+        print(f"\nconcept step(8192) / step(1024) = {growth:.2f} (8x the tokens)")
+    plot(rows, args.plot)
+    write_json(
+        args.json, {"machine": machine(), "args": vars(args), "rows": rows, "concept_growth_8192_over_1024": growth}
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
