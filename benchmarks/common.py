@@ -97,8 +97,11 @@ def peak_memory_of(run: Callable[[], object]) -> float:
 
 def in_subprocess(script: Path, *args: str, timeout: int = 1800) -> dict:
     """Run `script --measure ...` in a fresh interpreter; it prints one JSON line last."""
+    # A fixed mmap threshold makes glibc return every large tensor to the system when it is freed, so
+    # RSS follows live memory and the sampler in `peak_memory_of` sees each step's own peak.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     out = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
     )
     if out.returncode != 0:
         raise RuntimeError(f"{script.name} {' '.join(args)} failed:\n{out.stderr[-2000:]}")
