@@ -254,6 +254,13 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     has_cuda = torch.cuda.is_available()
+    if args.find_max and not (has_cuda and args.memory_budget):
+        print(
+            "error: --find_max searches the largest preset that fits a CUDA memory budget: it needs a GPU and "
+            "--memory_budget (on a CPU every preset up to xl would just run, for hours)",
+            file=sys.stderr,
+        )
+        return 2
     args.mixed_precision = args.mixed_precision or ("bf16" if has_cuda else "no")
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out_dir)
