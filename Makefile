@@ -28,16 +28,16 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: install
-	$(VENV)/bin/ruff check concept_encoder loops tests
+	$(VENV)/bin/ruff check concept_encoder loops launch benchmarks tests
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check concept_encoder loops tests
-	$(VENV)/bin/ruff format --check concept_encoder loops tests
+	$(VENV)/bin/ruff check concept_encoder loops launch benchmarks tests
+	$(VENV)/bin/ruff format --check concept_encoder loops launch benchmarks tests
 
 format: install
-	$(VENV)/bin/ruff check --fix concept_encoder loops tests
-	$(VENV)/bin/ruff format concept_encoder loops tests
+	$(VENV)/bin/ruff check --fix concept_encoder loops launch benchmarks tests
+	$(VENV)/bin/ruff format concept_encoder loops launch benchmarks tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a script: make the project root importab
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
-from concept_encoder.data import build_collator, check_tokenizer, prepare_data
+from concept_encoder.data import check_tokenizer, collator_for, prepare_data
 from concept_encoder.metrics import HEALTH_KEYS, concept_health, format_health_table
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.checkpoint import (
@@ -323,15 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = log_model_info(model, {"preset": model_args.preset, "decoder": model.config.decoder_type})
     concept = build_concept_objective(args, model.config, state.device)
     # 8. attention-kernel probe (main process, the model's real forward)
-    eval_collator = build_collator(
-        data.tokenizer,
-        masking=data_args.masking,
-        mlm_probability=data_args.mlm_probability,
-        mean_span_length=data_args.mean_span_length,
-        max_span_length=data_args.max_span_length,
-        pad_to_multiple_of=data_args.pad_to_multiple_of,
-        seed=args.seed + 1,
-    )
+    eval_collator = collator_for(data_args, data.tokenizer, seed=args.seed + 1)  # same masks at every eval
     eval_collator_state = eval_collator.state_dict()
     probe_attention_kernels(model.to(state.device), eval_collator([data.validation[0]]), state)
     # 9. optional torch.compile

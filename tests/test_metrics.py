@@ -2,6 +2,7 @@
 
 import math
 
+import concept_cases
 import pytest
 import torch
 
@@ -22,16 +23,11 @@ B, C, H = 4, 8, 16
 
 
 def orthonormal(batch: int = B, concept_num: int = C, hidden: int = H, seed: int = 0) -> torch.Tensor:
-    """`[B,C,H]`: each sample's C rows are a random orthonormal set (needs C <= H)."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.linalg.qr(torch.randn(batch, hidden, concept_num, generator=g)).Q  # [B,H,C]
-    return q.transpose(1, 2).contiguous()
+    return concept_cases.orthonormal(batch, concept_num, hidden, seed)
 
 
 def identical(batch: int = B, concept_num: int = C, hidden: int = H, seed: int = 0) -> torch.Tensor:
-    """`[B,C,H]`: within each sample all C rows are the same random vector."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, 1, hidden, generator=g).expand(batch, concept_num, hidden).clone()
+    return concept_cases.identical(batch, concept_num, hidden, seed)
 
 
 def test_identical_concepts_are_rank_one():

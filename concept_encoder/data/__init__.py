@@ -90,7 +90,13 @@ def prepare_data(args: DataArguments, cache_dir: str | Path = "Cache", seed: int
         num_proc=args.preprocessing_num_workers,
         validation_split_percentage=args.validation_split_percentage,
     )
-    collator = build_collator(
+    collator = collator_for(args, tokenizer, seed)
+    return PreparedData(tokenizer, processed["train"], processed["validation"], collator, stats)
+
+
+def collator_for(args: DataArguments, tokenizer, seed: int | None):
+    """The masking collator `args` asks for (strategy, rate, spans, padding), drawing from `seed`."""
+    return build_collator(
         tokenizer,
         masking=args.masking,
         mlm_probability=args.mlm_probability,
@@ -99,7 +105,6 @@ def prepare_data(args: DataArguments, cache_dir: str | Path = "Cache", seed: int
         pad_to_multiple_of=args.pad_to_multiple_of,
         seed=seed,
     )
-    return PreparedData(tokenizer, processed["train"], processed["validation"], collator, stats)
 
 
 __all__ = [
@@ -112,6 +117,7 @@ __all__ = [
     "SpanMaskingCollator",
     "WholeWordMaskingCollator",
     "build_collator",
+    "collator_for",
     "check_tokenizer",
     "embedded_documents",
     "load_raw_dataset",
