@@ -597,17 +597,17 @@ def check_paths(plan: Plan) -> list[Check]:
                     "a <run>/checkpoints/step_N folder",
                 )
             )
-        elif out.resolve() == path.resolve() or out.resolve() in path.resolve().parents and plan.run_name:
+        elif out.resolve() == path.resolve() or path.resolve() in out.resolve().parents:
             checks.append(
                 Check(
                     "resume checkpoint",
                     ERROR,
-                    "the output dir is the resume dir",
-                    "write to another --output_dir/--run_name",
+                    f"--output_dir {out} is (inside) the checkpoint being resumed: new runs would write into it",
+                    "keep --output_dir at the runs folder (e.g. Cache/runs); a resumed run continues in its own run dir",
                 )
             )
         else:
-            checks.append(Check("resume checkpoint", OK, f"{path}"))
+            checks.append(Check("resume checkpoint", OK, f"{path} (the run continues in {path.parent.parent})"))
     elif resume == "auto":
         checks.append(Check("resume checkpoint", OK, "auto: newest checkpoint of the run if any, else a fresh start"))
     return checks

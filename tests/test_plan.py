@@ -47,6 +47,13 @@ def tokenizer_dir(tmp_path, vocab: int, specials: dict) -> str:
     return str(path)
 
 
+def checkpoint_dir(tmp_path) -> str:
+    path = tmp_path / "runs" / "r1" / "checkpoints" / "step_0000010"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "train_state.json").write_text("{}")
+    return str(path)
+
+
 BROKEN = {
     "batch arithmetic": (
         lambda t: ["--profile", "cpu", "--ds_config", ds_file(t, train_micro_batch_size_per_gpu=4)],
@@ -97,6 +104,10 @@ BROKEN = {
     "resume not a checkpoint": (
         lambda t: ["--resume_from_checkpoint", str(t)],
         "neither an accelerate state nor a DeepSpeed tag folder",
+    ),
+    "output dir is the resume dir": (
+        lambda t: ["--resume_from_checkpoint", checkpoint_dir(t), "--output_dir", checkpoint_dir(t)],
+        "is (inside) the checkpoint being resumed",
     ),
     "GPU memory": (lambda t: [*XL_3080, "--gpu_memory", "3GB"], "GiB budget"),
     "unknown preset": (lambda t: ["--preset", "huge"], "unknown preset 'huge'"),
@@ -172,3 +183,11 @@ def test_static_checks_import_no_heavy_machinery():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "HEAVY []" in out.stdout
+
+
+def test_resuming_into_the_runs_folder_is_sound(tmp_path, capsys):
+    code, out = run(
+        capsys, "--resume_from_checkpoint", checkpoint_dir(tmp_path), "--output_dir", str(tmp_path / "runs")
+    )
+    assert code == 0, out
+    assert "the run continues in" in out
