@@ -65,6 +65,13 @@ def build_concept_objective(args, model_config, device) -> ConceptObjective:
         concept_loss_weight=args.concept_loss_weight,
         warmup_steps=args.concept_loss_warmup_steps,
     )
+    if manager.concept_losses and model_config.hidden_dropout_prob > 0:
+        logger.warning(
+            "concept losses with hidden_dropout_prob=%s: the model can satisfy them with dropout noise alone "
+            "(concepts spread in training, collapsed in eval; seen on the embedded corpus). "
+            "Consider --hidden_dropout_prob 0 and read the eval health metrics, which run without dropout.",
+            model_config.hidden_dropout_prob,
+        )
     logger.info(
         "loss: sparse masked-token cross-entropy (mean over the masked tokens of each optimizer step)%s",
         f" + concept losses {manager.concept_losses} weighted {manager.weighting!r} ({manager.extra_repr()})"
