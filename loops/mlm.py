@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make the project root importab
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
-from concept_encoder.data import check_tokenizer, collator_for, prepare_data
+from concept_encoder.data import DataSourceError, check_tokenizer, collator_for, prepare_data
 from concept_encoder.metrics import HEALTH_KEYS, concept_health, format_health_table
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.checkpoint import (
@@ -482,4 +483,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (ValueError, DataSourceError, NonFiniteLossError) as error:
+        if os.environ.get("CONCEPT_ENCODER_TRACEBACK"):
+            raise
+        print(f"error: {error}\n(set CONCEPT_ENCODER_TRACEBACK=1 for the traceback)", file=sys.stderr)
+        sys.exit(1)
