@@ -9,6 +9,7 @@ follow the same byte accounting. Parameter counts are tested equal to the built 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -16,6 +17,25 @@ ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default for host-side buffers
 # Bytes per parameter under mixed precision with Adam: 16-bit params (2) and grads (2), fp32 grads (4),
 # fp32 master params (4) and Adam moments (8). DeepSpeed's estimators count "2 + 18".
 PARAM16, STATE_BYTES = 2, 18
+
+
+def parse_size_gb(text: str) -> float:
+    """`10GB`, `10`, `24GiB`, `512MB` → GiB as a float; ValueError naming the text otherwise."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*(GB|GIB|G|MB|MIB|M)?\s*", str(text).upper())
+    if not match:
+        raise ValueError(f"memory size {text!r}: use e.g. 10GB or 512MB")
+    value = float(match.group(1))
+    return value / 1024 if (match.group(2) or "GB").startswith("M") else value
+
+
+def zero_settings(ds_config: dict | None) -> tuple[int, bool, bool]:
+    """A DeepSpeed config dict → (ZeRO stage, optimizer offloaded?, parameters offloaded?)."""
+    zero = (ds_config or {}).get("zero_optimization", {}) or {}
+
+    def offloaded(key: str) -> bool:
+        return (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")
+
+    return int(zero.get("stage", 0)), offloaded("offload_optimizer"), offloaded("offload_param")
 
 
 def parameter_count(

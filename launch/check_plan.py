@@ -90,11 +90,10 @@ class Plan:
 
 
 def parse_size_gb(text: str) -> float:
-    match = re.fullmatch(r"\s*([\d.]+)\s*(GB|GIB|G|MB|MIB|M)?\s*", str(text).upper())
-    if not match:
-        raise UsageError(f"memory size {text!r}: use e.g. 10GB or 512MB")
-    value = float(match.group(1))
-    return value / 1024 if (match.group(2) or "GB").startswith("M") else value
+    try:
+        return memory.parse_size_gb(text)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
 
 
 def str_to_bool(text: str) -> bool:
@@ -284,22 +283,6 @@ def resolve_plan(args) -> tuple[Plan, dict, dict | None]:
     return plan, accelerate_cfg, ds_cfg
 
 
-def zero_settings(ds_cfg: dict | None) -> tuple[int, bool, bool, dict]:
-    zero = (ds_cfg or {}).get("zero_optimization", {})
-    opt = zero.get("offload_optimizer", {}) or {}
-    par = zero.get("offload_param", {}) or {}
-    return (
-        int(zero.get("stage", 0)),
-        opt.get("device", "none") in ("cpu", "nvme"),
-        par.get("device", "none")
-        in (
-            "cpu",
-            "nvme",
-        ),
-        zero,
-    )
-
-
 def tokenizer_info(spec: str) -> dict:
     """What can be learned offline about a tokenizer: vocab size, pad/mask presence."""
     match = re.fullmatch(r"train:(wordpiece|bpe):(\d+)", spec)
@@ -388,7 +371,8 @@ def check_batch(plan: Plan, ds_cfg) -> list[Check]:
 def check_zero(plan: Plan, ds_cfg, estimate) -> list[Check]:
     if ds_cfg is None:
         return [Check("ZeRO / offload", OK, "no DeepSpeed: plain accelerate (DDP when several processes)")]
-    stage, offload_opt, offload_par, zero = zero_settings(ds_cfg)
+    stage, offload_opt, offload_par = memory.zero_settings(ds_cfg)
+    zero = ds_cfg.get("zero_optimization", {}) or {}
     checks = []
     if offload_par and stage != 3:
         checks.append(
@@ -614,7 +598,7 @@ def check_paths(plan: Plan) -> list[Check]:
 
 
 def plan_estimate(plan: Plan, config: dict, ds_cfg):
-    stage, offload_opt, offload_par, _ = zero_settings(ds_cfg)
+    stage, offload_opt, offload_par = memory.zero_settings(ds_cfg)
     return memory.estimate_training_memory(
         config,
         plan.micro_batch,
@@ -663,7 +647,7 @@ def suggest(plan: Plan, config: dict) -> list[dict]:
     for name, cfg in candidates:
         if name == "zero3_nvme":
             continue  # a template until its nvme_path is set
-        stage, offload_opt, offload_par, _ = zero_settings(cfg)
+        stage, offload_opt, offload_par = memory.zero_settings(cfg)
         est = plan_estimate(plan, config, cfg)
         peak = est.gpu_peak / memory.GIB
         fits = plan.gpu_memory_gb is None or peak <= HEADROOM * plan.gpu_memory_gb

@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from concept_encoder.config import PRESETS  # noqa: E402
-from concept_encoder.memory import GIB, estimate_training_memory  # noqa: E402
+from concept_encoder.memory import GIB, estimate_training_memory, parse_size_gb, zero_settings  # noqa: E402
 
 PRESET_ORDER = ["micro", "tiny", "small", "base", "large", "xl"]
 COLUMNS = [
@@ -41,22 +41,11 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def parse_size_gb(text: str | None) -> float | None:
-    """`10GB`, `10`, `24GiB`, `512MB` → GiB as float."""
-    if text is None:
-        return None
-    match = re.fullmatch(r"\s*([\d.]+)\s*(GB|GIB|G|MB|MIB|M)?\s*", text.upper())
-    if not match:
-        raise argparse.ArgumentTypeError(f"memory size {text!r}: use e.g. 10GB or 512MB")
-    value = float(match.group(1))
-    return value / 1024 if (match.group(2) or "GB").startswith("M") else value
-
-
-def ds_settings(config_path: Path) -> tuple[int, bool, bool]:
-    zero = json.loads(config_path.read_text()).get("zero_optimization", {})
-    offload_opt = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
-    offload_par = zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme")
-    return int(zero.get("stage", 0)), offload_opt, offload_par
+def size_argument(text: str) -> float:
+    try:
+        return parse_size_gb(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def launch_command(args, config: str, preset: str, run_dir: Path, port: int) -> list[str]:
@@ -139,7 +128,9 @@ def estimate(args, config: str, preset: str, run_dir: Path, measured: dict) -> d
     model_config = {**PRESETS[preset], "vocab_size": vocab}
     model_config["max_position_embeddings"] = max(model_config["max_position_embeddings"], args.seq_len)
     stage, offload_opt, offload_par = (
-        (0, False, False) if config == "none" else ds_settings(ROOT / "ds_configs" / f"{config}.json")
+        (0, False, False)
+        if config == "none"
+        else zero_settings(json.loads((ROOT / "ds_configs" / f"{config}.json").read_text()))
     )
     est = estimate_training_memory(
         model_config,
@@ -228,7 +219,7 @@ def parse_args(argv=None):
     parser.add_argument("--num_processes", type=int, default=1)
     parser.add_argument("--mixed_precision", default=None, choices=["no", "bf16", "fp16"],
                         help="default: bf16 with CUDA, no without")  # fmt: skip
-    parser.add_argument("--memory_budget", type=parse_size_gb, default=None, help="cap CUDA memory, e.g. 10GB")
+    parser.add_argument("--memory_budget", type=size_argument, default=None, help="cap CUDA memory, e.g. 10GB")
     parser.add_argument("--find_max", action="store_true", help="largest preset that completes under each config")
     parser.add_argument("--dataset", default="embedded")
     parser.add_argument("--tokenizer", default="train:wordpiece:8000")

@@ -1,5 +1,8 @@
 """The memory model: exact parameter counts, DeepSpeed's estimators restated, sane activation scaling."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
@@ -11,9 +14,13 @@ from concept_encoder.memory import (
     estimate_training_memory,
     model_state_bytes,
     parameter_count,
+    parse_size_gb,
     zero2_model_states,
     zero3_model_states,
+    zero_settings,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -62,3 +69,14 @@ def test_activations_grow_linearly_in_sequence_length():
     assert checkpointed < 0.75 * a2  # 5 of 6 layers no longer hold their token-side activations
     est = estimate_training_memory(shape, 8, 512, zero_stage=2, offload_optimizer=True)
     assert est.gpu_peak == est.gpu_model_states + est.activations + est.workspace
+
+
+def test_size_parsing_and_zero_settings_of_the_shipped_configs():
+    assert parse_size_gb("10GB") == 10 and parse_size_gb("512MB") == 0.5 and parse_size_gb(24) == 24
+    with pytest.raises(ValueError, match="memory size 'ten'"):
+        parse_size_gb("ten")
+    configs = {p.stem: json.loads(p.read_text()) for p in (ROOT / "ds_configs").glob("*.json")}
+    assert zero_settings(configs["zero0"]) == (0, False, False)
+    assert zero_settings(configs["zero2_offload"]) == (2, True, False)
+    assert zero_settings(configs["zero3_offload"]) == (3, True, True)
+    assert zero_settings(None) == (0, False, False)

@@ -13,6 +13,8 @@ import os
 import torch
 from accelerate.utils import DistributedType
 
+from ..memory import zero_settings
+
 
 def using_deepspeed() -> bool:
     """Launched by `accelerate launch` with DeepSpeed (known before the Accelerator exists)."""
@@ -50,9 +52,7 @@ def fill_deepspeed_auto_values(accelerator, args) -> None:
 
 
 def offloads_optimizer(accelerator) -> bool:
-    config = deepspeed_config(accelerator) or {}
-    device = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-    return device in ("cpu", "nvme")
+    return zero_settings(deepspeed_config(accelerator))[1]
 
 
 def adamw_class(accelerator):
