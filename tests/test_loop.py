@@ -47,8 +47,12 @@ def run(*extra: str) -> int:
     return mlm.main([*COMMON, "--output_dir", "runs", *extra])
 
 
+def records(run_name: str, kind: str) -> list[dict]:
+    return [r for r in read_metrics(Path("runs") / run_name / "metrics.jsonl") if r["kind"] == kind]
+
+
 def train_losses(run_name: str) -> list[float]:
-    return [r["loss"] for r in read_metrics(Path("runs") / run_name / "metrics.jsonl") if r["kind"] == "train"]
+    return [r["loss"] for r in records(run_name, "train")]
 
 
 def test_tiny_run_learns_and_saves_a_loadable_model():
@@ -201,10 +205,6 @@ def test_yaml_config_with_cli_override(tmp_path):
         parse_args(["--no_such_flag", "1"])
     with pytest.raises(ValueError, match="preset='huge' is unknown"):
         parse_args(["--preset", "huge"])
-
-
-def records(run_name: str, kind: str) -> list[dict]:
-    return [r for r in read_metrics(Path("runs") / run_name / "metrics.jsonl") if r["kind"] == kind]
 
 
 def test_concept_losses_kendall_gal_resume_exactly_and_health_is_logged():
