@@ -35,6 +35,16 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def configure_timing_process() -> None:
+    """Run under the CPU set-up `loops/mlm.py` uses (its thread share, freed memory kept for reuse),
+    so both sides of every ratio are timed as the loop would run them. Not for the peak-memory
+    subprocesses: memory kept for reuse would hide their peaks."""
+    from concept_encoder.training.setup import retain_freed_cpu_memory, use_cpu_cores
+
+    use_cpu_cores()
+    retain_freed_cpu_memory()
+
+
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

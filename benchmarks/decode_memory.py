@@ -24,6 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
+    configure_timing_process,
     device,
     in_subprocess,
     interleaved_medians,
@@ -92,6 +93,7 @@ def main(argv=None) -> int:
         step()  # allocate gradients once, so the peak is that of a steady step
         print(json.dumps({"peak_gb": peak_memory_of(step)}))
         return 0
+    configure_timing_process()
     rows = []
     for vocab in (int(v) for v in args.vocab_sizes.split(",")):
         model, ids, labels = setup(args.preset, vocab, args.batch_size, args.seq_len)

@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine, markdown_table, synchronize, write_json  # noqa: E402
+from benchmarks.common import configure_timing_process, machine, markdown_table, synchronize, write_json  # noqa: E402
 
 
 def loop_tokens_per_s(args, workdir: Path) -> float:
@@ -120,6 +120,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    configure_timing_process()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.workdir or tmp)
         bare, loop = [], []

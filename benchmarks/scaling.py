@@ -23,12 +23,12 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
+    configure_timing_process,
     device,
     in_subprocess,
     interleaved_medians,
@@ -60,7 +60,7 @@ class BertWithSparseHead(nn.Module):
         """`input_ids [B,N]`, `labels [B,N]` → mean CE `[]` over the labelled positions."""
         hidden = self.bert(input_ids).last_hidden_state  # [B,N,H]
         keep = labels.ne(-100)
-        return F.cross_entropy(self.head(hidden[keep]).float(), labels[keep])
+        return self.head(hidden[keep], labels[keep]) / keep.sum().clamp(min=1)
 
 
 def shapes(preset: str, vocab_size: int, max_len: int) -> dict:
@@ -97,6 +97,15 @@ def batch(shape: dict, batch_size: int, seq_len: int, dev) -> tuple[torch.Tensor
     return ids.to(dev), labels.to(dev)
 
 
+def training_loss(name: str, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each model's MLM loss `[]` as it trains: ours as `loops/mlm.py` calls it (no logits kept)."""
+    if name == "concept":
+        return model(input_ids=ids, labels=labels, return_logits=False).loss
+    if name == "bert":
+        return model(input_ids=ids, labels=labels).loss
+    return model(ids, labels)
+
+
 def make_step(name: str, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, precision: str):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -104,8 +113,7 @@ def make_step(name: str, model: nn.Module, ids: torch.Tensor, labels: torch.Tens
     def step():
         optimizer.zero_grad(set_to_none=True)
         with autocast:
-            out = model(input_ids=ids, labels=labels)
-            loss = out if isinstance(out, torch.Tensor) else out.loss
+            loss = training_loss(name, model, ids, labels)
         loss.backward()
         optimizer.step()
 
@@ -195,6 +203,7 @@ def main(argv=None) -> int:
         name, n = args.measure[0], int(args.measure[1])
         print(json.dumps({"peak_gb": measure_memory(name, shape, args.batch_size, n, args.precision)}))
         return 0
+    configure_timing_process()
     dev = device()
     torch.manual_seed(0)
     models = {name: build(name, shape).to(dev) for name in MODELS}

@@ -25,6 +25,7 @@ from transformers.utils import ModelOutput
 from .attention import AttentionBlock, FeedForwardBlock
 from .config import ConceptEncoderConfig
 from .modeling import ConceptEncoder, ConceptEncoderPreTrainedModel, TokenEmbeddings, check_sequence_length
+from .vocab_projection import VocabProjection
 
 IGNORE_INDEX = -100
 
@@ -122,11 +123,12 @@ class MaskedLMHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.decoder = VocabProjection(config.hidden_size, config.vocab_size)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden [...,H]` → logits `[...,V]`."""
-        return self.decoder(self.norm(F.gelu(self.dense(hidden))))
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """`hidden [...,H]` → logits `[...,V]`; with `targets [L]` (`hidden [L,H]`) → summed
+        cross-entropy `[]`, computed without keeping the logits (`vocab_projection`)."""
+        return self.decoder(self.norm(F.gelu(self.dense(hidden))), targets)
 
 
 def gather_labelled(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -165,6 +167,7 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        return_logits: bool = True,
     ) -> ConceptMaskedLMOutput:
         """Masked-language-model forward.
 
@@ -172,10 +175,14 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
             input_ids: `[B,N]` token ids (masked positions hold `[MASK]` or a replacement).
             attention_mask: `[B,N]`, 1 for real tokens, 0 for padding (optional).
             labels: `[B,N]` original ids at positions to predict, `-100` elsewhere (optional).
+            return_logits: with labels, False skips the `[L,V]` logits: the loss is then computed
+                by `vocab_projection.linear_cross_entropy` (same value and gradients, less memory
+                and time; what the training loop uses). Ignored without labels.
 
         Returns:
             `ConceptMaskedLMOutput`: with labels, `loss []` and sparse `logits [L,V]` at the L labelled
-            positions; without labels, `logits [B,N,V]` at every position. Always `concepts [B,C,H]`.
+            positions (None when `return_logits=False`); without labels, `logits [B,N,V]` at every
+            position. Always `concepts [B,C,H]`.
         """
         concepts = self.encoder(input_ids, attention_mask).last_hidden_state  # [B,C,H]
         embeddings = self.encoder.embeddings
@@ -190,11 +197,15 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
         ids, position_ids, targets = gather_labelled(input_ids, labels)  # [B,M] each
         hidden = self.mlm_decoder(concepts, ids, position_ids, embeddings)  # [B,M,H]
         keep = targets.ne(IGNORE_INDEX)  # [B,M]
-        logits = self.lm_head(hidden[keep])  # [L,V]
         num_labelled = keep.sum()
+        if return_logits:
+            logits = self.lm_head(hidden[keep])  # [L,V]
+            loss_sum = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
+        else:
+            logits, loss_sum = None, self.lm_head(hidden[keep], targets[keep])
         # Sum / count (not `mean`) so a batch with nothing labelled gives 0, not NaN, and still
         # touches every parameter (DDP/ZeRO need a gradient for each).
-        loss = F.cross_entropy(logits.float(), targets[keep], reduction="sum") / num_labelled.clamp(min=1)
+        loss = loss_sum / num_labelled.clamp(min=1)
         return ConceptMaskedLMOutput(loss=loss, logits=logits, concepts=concepts, num_labelled=num_labelled)
 
 

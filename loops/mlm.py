@@ -170,7 +170,7 @@ def train_step(
     terms: dict[str, torch.Tensor] = {}
     for batch in window:
         with accelerator.accumulate(model):
-            out = model(**batch)
+            out = model(**batch, return_logits=False)  # loss without the [L,V] logits
             ce_sum = out.loss.float() * out.num_labelled
             objective = ce_sum * scale
             if concept is not None and concept.active:

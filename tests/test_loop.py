@@ -267,3 +267,28 @@ def test_health_cli_reports_and_rejects_non_finite_weights(tmp_path):
     cmd[3] = str(tmp_path / "broken")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 1 and "encoder.concepts" in out.stderr
+
+
+RSS_AFTER_FREE = """
+import psutil, torch
+from concept_encoder.training.setup import retain_freed_cpu_memory
+enabled = retain_freed_cpu_memory()
+before = psutil.Process().memory_info().rss
+x = torch.ones(64 * 2**20)  # 256 MiB, touched
+del x
+print(enabled, (psutil.Process().memory_info().rss - before) / 2**20)
+"""
+
+
+@pytest.mark.parametrize("opt_out", [False, True])
+def test_cpu_runs_keep_freed_tensor_memory_for_reuse_unless_opted_out(opt_out):
+    env = {**os.environ, "CPU_RETAIN_FREED_MEMORY": "0" if opt_out else "1"}
+    out = subprocess.run([sys.executable, "-c", RSS_AFTER_FREE], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    enabled, kept_mib = out.stdout.split()
+    assert enabled == str(not opt_out)
+    if opt_out:
+        assert float(kept_mib) < 64  # glibc unmapped the freed 256 MiB
+    else:
+        assert float(kept_mib) > 192  # kept in the heap, so the next step reuses it without page faults

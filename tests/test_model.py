@@ -94,6 +94,25 @@ def test_sparse_loss_equals_dense_cross_entropy(decoder):
     torch.testing.assert_close(sparse.logits, dense_logits[labels.ne(-100)], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_loss_without_logits_equals_loss_with_logits(decoder):
+    """`return_logits=False` (the training loop's path) changes nothing but the missing logits."""
+    model = ConceptEncoderForMaskedLM(tiny_config(decoder_type=decoder)).train()
+    input_ids, labels = random_batch(seed=2)
+    outputs, grads = [], []
+    for return_logits in (True, False):
+        model.zero_grad()
+        out = model(input_ids, labels=labels, return_logits=return_logits)
+        out.loss.backward()
+        outputs.append(out)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert outputs[1].logits is None and outputs[0].logits.shape == (int(labels.ne(-100).sum()), V)
+    torch.testing.assert_close(outputs[1].loss, outputs[0].loss)
+    assert int(outputs[1].num_labelled) == int(outputs[0].num_labelled)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_no_labelled_position_gives_zero_loss_not_nan():
     model = eval_model(ConceptEncoderForMaskedLM)
     input_ids, _ = random_batch()

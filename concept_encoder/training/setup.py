@@ -6,6 +6,7 @@ attention-kernel probe → optional compile → run dirs → config log + W&B �
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime as dt
 import json
@@ -34,6 +35,7 @@ def setup_distributed() -> PartialState:
     because arguments are parsed after this step.
     """
     use_cpu_cores()
+    retain_freed_cpu_memory()
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or "LOCAL_RANK" in os.environ
     if not launched:
         return PartialState()  # a single process: no process group to create
@@ -60,6 +62,26 @@ def use_cpu_cores() -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     threads = int(os.environ.get("CPU_THREADS", 0)) or max(1, (os.cpu_count() or 1) // max(local, 1))
     torch.set_num_threads(threads)
+
+
+def retain_freed_cpu_memory() -> bool:
+    """On a CPU-only Linux machine, keep freed tensor memory in the process for reuse. Returns whether set.
+
+    glibc serves every allocation above its mmap threshold (32 MiB at most) with a fresh `mmap` and
+    unmaps it on `free`, so a CPU training step page-faults its large activations, logits and
+    gradients anew every time: a third of a `small` step at N=8192 on the development machine
+    (benchmarks/README.md). With mmap allocation and heap trimming off (`mallopt`), freed blocks
+    are reused from the heap instead. The resident size then stays near the step's peak, which
+    every step reaches anyway. `CPU_RETAIN_FREED_MEMORY=0` opts out; GPU machines are left alone.
+    """
+    if torch.cuda.is_available() or os.environ.get("CPU_RETAIN_FREED_MEMORY", "1") == "0":
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt  # glibc only
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def setup_logging(state: PartialState, log_dir: str | Path = "Cache/logs") -> Path | None:

@@ -1,0 +1,69 @@
+"""`linear_cross_entropy`: equal to `cross_entropy(linear(h), t, reduction="sum")` in value and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from concept_encoder import vocab_projection
+from concept_encoder.vocab_projection import VocabProjection, linear_cross_entropy
+
+L, H, V = 29, 16, 53
+
+
+def inputs(bias: bool = True, rows: int = L):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g).mul_(0.3).requires_grad_()
+    b = torch.randn(V, generator=g).requires_grad_() if bias else None
+    targets = torch.randint(0, V, (rows,), generator=g)
+    return hidden, weight, b, targets
+
+
+def loss_and_grads(fn, hidden, weight, bias, targets, autocast: bool = False):
+    params = [p for p in (hidden, weight, bias) if p is not None]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = fn(hidden, weight, bias, targets)
+    return loss, torch.autograd.grad(loss, params)
+
+
+def reference(hidden, weight, bias, targets):
+    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="sum")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_equals_cross_entropy_of_linear_in_float32(bias):
+    args = inputs(bias)
+    loss, grads = loss_and_grads(linear_cross_entropy, *args)
+    ref_loss, ref_grads = loss_and_grads(reference, *args)
+    assert loss.shape == () and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("chunk_elements", [V, 7 * V, 2**24])  # 1-row chunks, 7-row chunks (uneven), one chunk
+def test_chunked_under_bf16_autocast_matches_autocast_cross_entropy(monkeypatch, chunk_elements):
+    monkeypatch.setattr(vocab_projection, "CHUNK_ELEMENTS", chunk_elements)
+    args = inputs()
+    loss, grads = loss_and_grads(linear_cross_entropy, *args, autocast=True)
+    ref_loss, ref_grads = loss_and_grads(reference, *args, autocast=True)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=1e-3)
+    for got, want, param in zip(grads, ref_grads, args[:3], strict=True):
+        assert got.dtype == param.dtype  # gradients come back in each input's own dtype
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_no_rows_gives_zero_loss_and_zero_gradients():
+    hidden, weight, bias, targets = inputs(rows=0)
+    loss, (g_hidden, g_weight, g_bias) = loss_and_grads(linear_cross_entropy, hidden, weight, bias, targets)
+    assert loss.item() == 0.0 and g_hidden.shape == (0, H)
+    assert g_weight.shape == (V, H) and not g_weight.any() and not g_bias.any()
+
+
+def test_vocab_projection_is_a_linear_layer_with_a_loss_path():
+    torch.manual_seed(0)
+    layer = VocabProjection(H, V)
+    hidden, _, _, targets = inputs()
+    torch.testing.assert_close(layer(hidden), F.linear(hidden, layer.weight, layer.bias))
+    torch.testing.assert_close(layer(hidden, targets), reference(hidden, layer.weight, layer.bias, targets))
+    assert set(layer.state_dict()) == {"weight", "bias"}  # checkpoints are those of nn.Linear
