@@ -3,12 +3,14 @@
     python benchmarks/decode_memory.py                      # CPU: tiny shape, vocab 30k and 50k
     python benchmarks/decode_memory.py --full --json out.json
 
-`sparse`: `ConceptEncoderForMaskedLM(input_ids, labels=...)`: decoder, LM head and cross-entropy run
-only at the labelled positions (15%). `dense`: the same model decoding every position to `[B,N,V]`
-logits (`model(input_ids).logits`) and cross-entropy with `ignore_index=-100`, as a full-vocabulary
-head does. Same weights, same labels; the two losses are equal (checked). Peak memory of one
-forward + backward is measured in a fresh subprocess per variant; time is the median of
-interleaved repeats.
+`sparse`: `ConceptEncoderForMaskedLM(input_ids, labels=..., return_logits=False)`, as the training loop
+calls it: decoder, LM head and cross-entropy run only at the labelled positions (15%), and the loss is
+computed without keeping the `[L,V]` logits (`concept_encoder.vocab_projection`).
+`sparse_logits`: the same with the sparse logits returned (the default call, `cross_entropy` on them).
+`dense`: the same model decoding every position to `[B,N,V]` logits (`model(input_ids).logits`) and
+cross-entropy with `ignore_index=-100`, as a full-vocabulary head does. Same weights, same labels;
+the three losses are equal (checked). Peak memory of one forward + backward is measured in a fresh
+subprocess per variant; time is the median of interleaved repeats.
 """
 
 from __future__ import annotations
@@ -50,15 +52,18 @@ def setup(preset: str, vocab: int, batch_size: int, seq_len: int):
     return model, ids.to(dev), labels.to(dev)
 
 
-def loss_fn(variant: str, model, ids, labels):
-    def sparse():
-        return model(ids, labels=labels).loss
+VARIANTS = ("sparse", "sparse_logits", "dense")
 
+
+def loss_fn(variant: str, model, ids, labels):
     def dense():
         logits = model(ids).logits  # [B,N,V]
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
-    fn = sparse if variant == "sparse" else dense
+    def sparse():
+        return model(ids, labels=labels, return_logits=variant == "sparse_logits").loss
+
+    fn = dense if variant == "dense" else sparse
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -97,26 +102,21 @@ def main(argv=None) -> int:
     rows = []
     for vocab in (int(v) for v in args.vocab_sizes.split(",")):
         model, ids, labels = setup(args.preset, vocab, args.batch_size, args.seq_len)
-        (sparse_loss, sparse_step), (dense_loss, dense_step) = (
-            loss_fn(v, model, ids, labels) for v in ("sparse", "dense")
-        )
+        losses, steps = zip(*(loss_fn(v, model, ids, labels) for v in VARIANTS), strict=True)
         with torch.no_grad():
-            torch.testing.assert_close(sparse_loss(), dense_loss(), rtol=1e-4, atol=1e-4)
-        times = interleaved_medians({"sparse": sparse_step, "dense": dense_step}, repeats=args.repeats)
+            for loss in losses[:-1]:
+                torch.testing.assert_close(loss(), losses[-1](), rtol=1e-4, atol=1e-4)
+        times = interleaved_medians(dict(zip(VARIANTS, steps, strict=True)), repeats=args.repeats)
         common = ["--preset", args.preset, "--batch_size", str(args.batch_size), "--seq_len", str(args.seq_len)]
-        peaks = {
-            v: in_subprocess(Path(__file__), "--measure", v, str(vocab), *common)["peak_gb"]
-            for v in ("sparse", "dense")
-        }
+        peaks = {v: in_subprocess(Path(__file__), "--measure", v, str(vocab), *common)["peak_gb"] for v in VARIANTS}
         rows.append(
             {
                 "vocab": vocab,
                 "masked_positions": int(labels.ne(-100).sum()),
-                "sparse_peak_gb": peaks["sparse"],
-                "dense_peak_gb": peaks["dense"],
+                **{f"{v}_peak_gb": peaks[v] for v in VARIANTS},
                 "peak_ratio": peaks["sparse"] / peaks["dense"],
-                "sparse_s": times["sparse"],
-                "dense_s": times["dense"],
+                "sparse_logits_peak_ratio": peaks["sparse_logits"] / peaks["dense"],
+                **{f"{v}_s": times[v] for v in VARIANTS},
                 "speedup": times["dense"] / times["sparse"],
             }
         )

@@ -2,6 +2,8 @@
 
     python benchmarks/scaling.py                     # CPU grid (small shape, N = 512 … 8192, batch 1)
     python benchmarks/scaling.py --full --json out.json   # GPU grid (base shape, larger batches)
+    python benchmarks/scaling.py --profile concept 8192   # torch.profiler table of one model's step
+    python benchmarks/scaling.py --bounds                 # analytic FLOP ratio of every preset (no timing)
 
 Models, all with the same hidden size, layers, heads, intermediate size and vocabulary, dropout off:
 - `concept`: `ConceptEncoderForMaskedLM` (C concepts, sparse decoding at the masked positions);
@@ -35,6 +37,7 @@ from benchmarks.common import (  # noqa: E402
     machine,
     markdown_table,
     peak_memory_of,
+    synchronize,
     write_json,
 )
 from concept_encoder import ConceptEncoderConfig, ConceptEncoderForMaskedLM  # noqa: E402
@@ -139,6 +142,36 @@ def flops_per_step(name: str, shape: dict, batch_size: int, seq_len: int) -> flo
     return 3 * forward * batch_size
 
 
+def flop_bounds(lengths: list[int], vocab_size: int, batch_size: int) -> list[dict]:
+    """Per preset, the analytic FLOP ratio BERT-sparse / ours at each length: the speed-up a step
+    reaches when both models run their matmuls at the same rate."""
+    rows = []
+    for preset in PRESETS:
+        shape = shapes(preset, vocab_size, max(lengths))
+        ratio = {n: flops_per_step("bert_sparse", shape, batch_size, n) / flops_per_step("concept", shape, batch_size, n)
+                 for n in lengths}  # fmt: skip
+        rows.append({"preset": preset, **{f"N={n}": f"{r:.2f}x" for n, r in ratio.items()}})
+    return rows
+
+
+def profile_step(name: str, shape: dict, batch_size: int, seq_len: int, precision: str, top: int = 25) -> str:
+    """torch.profiler's table of one model's training step (after two warm-up steps), by op and input shape."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = device()
+    model = build(name, shape).to(dev)
+    step = make_step(name, model, *batch(shape, batch_size, seq_len, dev), precision)
+    step(), step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        step()
+        synchronize()
+    sort_by = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages(group_by_input_shape=True).table(
+        sort_by=sort_by, row_limit=top, max_name_column_width=40, max_shapes_column_width=60
+    )
+
+
 def measure_memory(name: str, shape: dict, batch_size: int, seq_len: int, precision: str) -> float:
     dev = device()
     model = build(name, shape).to(dev)
@@ -151,7 +184,7 @@ def measure_memory(name: str, shape: dict, batch_size: int, seq_len: int, precis
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="GPU grid: base shape, batch 8")
-    parser.add_argument("--preset", default=None, help="model shape (default: tiny on CPU, base with --full)")
+    parser.add_argument("--preset", default=None, help="model shape (default: small on CPU, base with --full)")
     parser.add_argument("--lengths", default="512,1024,2048,4096,8192")
     parser.add_argument("--batch_size", type=int, default=None, help="default 1 (CPU) or 8 (--full)")
     parser.add_argument("--vocab_size", type=int, default=30522)
@@ -161,6 +194,13 @@ def parse_args(argv=None):
     parser.add_argument("--memory_lengths", default="1024,8192", help="lengths whose peak memory is measured")
     parser.add_argument("--json", default=None, help="write results (ratios included) to this path")
     parser.add_argument("--plot", default=str(Path(__file__).with_name("scaling.png")))
+    parser.add_argument(
+        "--profile",
+        nargs=2,
+        metavar=("MODEL", "N"),
+        help=f"profile one step of MODEL ({', '.join(MODELS)}) at length N",
+    )
+    parser.add_argument("--bounds", action="store_true", help="print the analytic FLOP ratio of every preset and exit")
     parser.add_argument("--measure", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.preset = args.preset or ("base" if args.full else "small")
@@ -203,7 +243,23 @@ def main(argv=None) -> int:
         name, n = args.measure[0], int(args.measure[1])
         print(json.dumps({"peak_gb": measure_memory(name, shape, args.batch_size, n, args.precision)}))
         return 0
+    if args.bounds:
+        print(f"Analytic FLOP ratio, BERT + sparse head / Concept Encoder · vocab {args.vocab_size} · "
+              f"batch {args.batch_size} (the speed-up at equal FLOP/s)\n")  # fmt: skip
+        print(
+            markdown_table(
+                flop_bounds(args.lengths, args.vocab_size, args.batch_size),
+                ["preset"] + [f"N={n}" for n in args.lengths],
+            )
+        )
+        return 0
     configure_timing_process()
+    if args.profile:
+        name, n = args.profile[0], int(args.profile[1])
+        if name not in MODELS:
+            raise SystemExit(f"--profile: unknown model {name!r}; choose one of {', '.join(MODELS)}")
+        print(profile_step(name, shape, args.batch_size, n, args.precision))
+        return 0
     dev = device()
     torch.manual_seed(0)
     models = {name: build(name, shape).to(dev) for name in MODELS}
@@ -225,6 +281,7 @@ def main(argv=None) -> int:
                                        "--memory_lengths", str(n))  # fmt: skip
                 row[f"{name}_peak_gb"] = result["peak_gb"]
         row["speedup_vs_bert_sparse"] = times["bert_sparse"] / times["concept"]
+        row["flop_ratio_vs_bert_sparse"] = row["bert_sparse_gflops"] / row["concept_gflops"]
         row["speedup_vs_bert"] = times["bert"] / times["concept"]
         rows.append(row)
         print(
@@ -234,7 +291,8 @@ def main(argv=None) -> int:
         )
     step_at = {r["N"]: r["concept_step_s"] for r in rows}
     growth = step_at[8192] / step_at[1024] if {1024, 8192} <= set(step_at) else None
-    columns = ["N", "concept_step_s", "bert_sparse_step_s", "bert_step_s", "speedup_vs_bert_sparse", "speedup_vs_bert",
+    columns = ["N", "concept_step_s", "bert_sparse_step_s", "bert_step_s", "speedup_vs_bert_sparse",
+               "flop_ratio_vs_bert_sparse", "speedup_vs_bert",
                "concept_tokens_per_s", "concept_gflops", "bert_sparse_gflops", "concept_achieved_gflops_per_s",
                "bert_sparse_achieved_gflops_per_s"]  # fmt: skip
     if not args.no_memory:

@@ -36,3 +36,23 @@ def test_decode_memory_smoke(tmp_path):
     [row] = json.loads(out.read_text())["rows"]
     assert row["vocab"] == 2000 and row["masked_positions"] > 0
     assert row["sparse_peak_gb"] >= 0 and row["dense_peak_gb"] > 0
+
+
+def test_bounds_table_lists_every_preset_with_its_flop_ratio(capsys):
+    assert scaling.main(["--bounds", "--lengths", "512,8192"]) == 0
+    out = capsys.readouterr().out
+    rows = {
+        line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "preset" not in line
+    }
+    assert set(rows) == set(PRESETS)
+    shape = {**PRESETS["small"], "vocab_size": 30522}
+    ratio = scaling.flops_per_step("bert_sparse", shape, 1, 8192) / scaling.flops_per_step("concept", shape, 1, 8192)
+    assert f"{ratio:.2f}x" in rows["small"]
+
+
+def test_profile_prints_the_profiler_table_and_rejects_unknown_models(capsys):
+    args = ["--preset", "micro", "--vocab_size", "500", "--lengths", "128"]
+    assert scaling.main([*args, "--profile", "concept", "128"]) == 0
+    assert "aten::" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown model 'gpt'; choose one of concept, bert, bert_sparse"):
+        scaling.main([*args, "--profile", "gpt", "128"])
