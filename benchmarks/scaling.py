@@ -46,6 +46,7 @@ from concept_encoder.presets import PRESETS  # noqa: E402
 
 MODELS = ("concept", "bert", "bert_sparse")
 MASK_RATE = 0.15
+SPEEDUP_TARGETS = {512: 1.2, 4096: 6.0, 8192: 12.0}  # over the sparse-head BERT (benchmarks/README.md)
 
 
 class BertWithSparseHead(nn.Module):
@@ -142,6 +143,17 @@ def flops_per_step(name: str, shape: dict, batch_size: int, seq_len: int) -> flo
     return 3 * forward * batch_size
 
 
+def concept_growth(model: nn.Module, shape: dict, args) -> float:
+    """Our step(8192) / step(1024), timed interleaved (1024, 8192, 1024, ...) so the ratio of two
+    lengths is measured in one run like the ratios between models, not across grid rows."""
+    dev = next(model.parameters()).device
+    steps = {
+        n: make_step("concept", model, *batch(shape, args.batch_size, n, dev), args.precision) for n in (1024, 8192)
+    }
+    times = interleaved_medians(steps, repeats=args.repeats + 2)
+    return times[8192] / times[1024]
+
+
 def flop_bounds(lengths: list[int], vocab_size: int, batch_size: int) -> list[dict]:
     """Per preset, the analytic FLOP ratio BERT-sparse / ours at each length: the speed-up a step
     reaches when both models run their matmuls at the same rate."""
@@ -212,27 +224,42 @@ def parse_args(argv=None):
 
 
 def plot(rows: list[dict], path: str) -> None:
+    """Left: step time vs N (log-log), all three models. Right: speed-up over the sparse-head BERT,
+    measured and at equal FLOP/s (the analytic bound)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    lengths = [r["N"] for r in rows]
+    fig, (times, speedup) = plt.subplots(1, 2, figsize=(11, 4.5))
     for name, label in (
         ("concept", "Concept Encoder"),
         ("bert_sparse", "BERT + sparse head"),
         ("bert", "BertForMaskedLM"),
     ):
-        ax.plot([r["N"] for r in rows], [r[f"{name}_step_s"] for r in rows], "o-", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length N")
-    ax.set_ylabel("training step time (s)")
-    ax.set_title("MLM training step vs sequence length")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend()
+        times.plot(lengths, [r[f"{name}_step_s"] for r in rows], "o-", label=label)
+    times.set_ylabel("training step time (s)")
+    times.set_title("MLM training step vs sequence length")
+    speedup.plot(lengths, [r["speedup_vs_bert_sparse"] for r in rows], "o-", label="measured")
+    speedup.plot(lengths, [r["flop_ratio_vs_bert_sparse"] for r in rows], "k--", label="FLOP ratio (equal FLOP/s)")
+    targets = [(n, t) for n, t in SPEEDUP_TARGETS.items() if n in lengths]
+    if targets:
+        speedup.plot(*zip(*targets, strict=True), "rx", markersize=9, label="targets")
+    speedup.set_ylabel("speed-up over BERT + sparse head")
+    speedup.set_title("Concept Encoder speed-up")
+    for ax in (times, speedup):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    speedup.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+    speedup.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    speedup.set_yticks([1, 2, 4, 6, 8, 12])
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -289,8 +316,7 @@ def main(argv=None) -> int:
             + ", ".join(f"{k}={v:.3g}" for k, v in row.items() if k.endswith("step_s") or k.startswith("speedup")),
             file=sys.stderr,
         )
-    step_at = {r["N"]: r["concept_step_s"] for r in rows}
-    growth = step_at[8192] / step_at[1024] if {1024, 8192} <= set(step_at) else None
+    growth = concept_growth(models["concept"], shape, args) if {1024, 8192} <= set(args.lengths) else None
     columns = ["N", "concept_step_s", "bert_sparse_step_s", "bert_step_s", "speedup_vs_bert_sparse",
                "flop_ratio_vs_bert_sparse", "speedup_vs_bert",
                "concept_tokens_per_s", "concept_gflops", "bert_sparse_gflops", "concept_achieved_gflops_per_s",
@@ -301,7 +327,8 @@ def main(argv=None) -> int:
           f"{args.vocab_size} · batch {args.batch_size} · {args.precision} · median of {args.repeats}\n")  # fmt: skip
     print(markdown_table(rows, columns))
     if growth is not None:
-        print(f"\nconcept step(8192) / step(1024) = {growth:.2f} (8x the tokens)")
+        print(f"\nconcept step(8192) / step(1024) = {growth:.2f} (8x the tokens; the two lengths interleaved, "
+              f"median of {args.repeats + 2})")  # fmt: skip
     plot(rows, args.plot)
     write_json(
         args.json, {"machine": machine(), "args": vars(args), "rows": rows, "concept_growth_8192_over_1024": growth}

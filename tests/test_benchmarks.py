@@ -56,3 +56,10 @@ def test_profile_prints_the_profiler_table_and_rejects_unknown_models(capsys):
     assert "aten::" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown model 'gpt'; choose one of concept, bert, bert_sparse"):
         scaling.main([*args, "--profile", "gpt", "128"])
+
+
+def test_growth_is_timed_on_one_model_at_both_lengths():
+    args = scaling.parse_args(["--preset", "micro", "--vocab_size", "500", "--repeats", "1"])
+    shape = scaling.shapes("micro", 500, 8192)
+    growth = scaling.concept_growth(scaling.build("concept", shape), shape, args)
+    assert growth > 1.5  # 8x the tokens cannot cost about the same
