@@ -70,6 +70,7 @@ from concept_encoder.training.setup import (
 from concept_encoder.training.tracking import MetricsWriter, PreemptionFlag, memory_stats, plot_loss_curve
 
 logger = logging.getLogger("concept_encoder")
+STREAM_SHUFFLE_BUFFER = 10_000  # examples held by a streamed dataset's shuffle buffer (`--streaming`)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -140,7 +141,8 @@ def windows(loader, accumulation: int, state: TrainState, finish_batch):
         if not produced and state.batches_in_epoch == 0:
             raise ValueError(
                 "the training set is too small for one optimizer step: lower per_device_train_batch_size "
-                "or gradient_accumulation_steps, or use more data"
+                "or gradient_accumulation_steps, or use more data (with --streaming, the first "
+                "--streaming_validation_documents documents are held out for validation)"
             )
         state.epoch += 1
         state.batches_in_epoch = 0
@@ -326,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     # 8. attention-kernel probe (main process, the model's real forward)
     eval_collator = collator_for(data_args, data.tokenizer, seed=args.seed + 1)  # same masks at every eval
     eval_collator_state = eval_collator.state_dict()
-    probe_attention_kernels(model.to(state.device), eval_collator([data.validation[0]]), state)
+    first_validation_example = next(iter(data.validation))  # also for the export check at the end
+    probe_attention_kernels(model.to(state.device), eval_collator([first_validation_example]), state)
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
     # 10. run dirs + argument guards
@@ -361,14 +364,18 @@ def main(argv: list[str] | None = None) -> int:
     fill_deepspeed_auto_values(accelerator, args)
     optimizer = build_optimizer(model, args, adamw=adamw_class(accelerator))
     scheduler = build_scheduler(optimizer, args)
+    if data.streaming:  # shuffled by the stream's buffer, reseeded each epoch by `loader.set_epoch`
+        train_source, order = data.train.shuffle(seed=args.seed, buffer_size=STREAM_SHUFFLE_BUFFER), {}
+    else:
+        train_source, order = data.train, {"shuffle": True}
     train_loader = DataLoader(
-        data.train,
+        train_source,
         batch_size=args.per_device_train_batch_size,
-        shuffle=True,
         drop_last=True,
         collate_fn=data.collator.collate,  # padding only: masks are drawn when a batch is consumed
         num_workers=args.dataloader_num_workers,
         generator=torch.Generator().manual_seed(args.seed),  # keeps loader seeding off the global RNG
+        **order,
     )
     eval_loader = DataLoader(
         data.validation,
@@ -475,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     preemption.restore()
 
     # 13. final save + W&B finish (main process)
-    probe_ids = torch.as_tensor(data.validation[0]["input_ids"], dtype=torch.long)[None]  # [1,N]
+    probe_ids = torch.as_tensor(first_validation_example["input_ids"], dtype=torch.long)[None]  # [1,N]
     save_final(accelerator, model, data.tokenizer, probe_ids, run_dir, progress_state, preempted, last_eval, wandb_run)
     accelerator.wait_for_everyone()
     accelerator.end_training()

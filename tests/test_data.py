@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset, DatasetDict
+from datasets import Dataset, DatasetDict, IterableDatasetDict
 
 from concept_encoder.data import (
     DataArguments,
@@ -203,6 +203,24 @@ def test_local_txt_jsonl_parquet_round_trip(tmp_path):
         assert raw["train"].column_names == ["text"]
         assert len(raw["validation"]) == 4
         assert sorted(list(raw["train"]["text"]) + list(raw["validation"]["text"])) == sorted(docs), spec
+
+
+def test_streamed_local_file_holds_out_its_first_documents_and_tokenises_lazily(tmp_path, tokenizer):
+    docs = [d.replace("\n", " ") for d in make_documents(30)]
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"content": d, "id": 1}) + "\n")
+    raw = load_raw_dataset(str(tmp_path / "docs.jsonl"), text_field="content", streaming=True,
+                           streaming_validation_documents=4)  # fmt: skip
+    assert isinstance(raw, IterableDatasetDict)
+    assert [r["text"] for r in raw["validation"]] == docs[:4]
+    assert [r["text"] for r in raw["train"]] == docs[4:]
+    processed, stats = preprocess(raw, tokenizer, 32, packing=True, cache_dir=tmp_path / "cache")
+    assert stats == {"streaming": True, "cache_path": None} and not (tmp_path / "cache").exists()
+    blocks = [row["input_ids"] for row in processed["train"]]
+    assert blocks and all(len(b) == 32 for b in blocks)
+    with pytest.raises(ValueError, match="streaming_validation_documents=0 must be at least 1"):
+        DataArguments(streaming=True, streaming_validation_documents=0)
 
 
 def test_bad_sources_give_clear_errors(tmp_path):

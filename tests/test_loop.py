@@ -112,6 +112,27 @@ def test_sigterm_checkpoint_and_exact_resume(monkeypatch):
     assert kept == ["step_0000005", "step_0000006"]  # saves at 3, 5 (signal), 6; rotation keeps the newest 2
 
 
+def test_streaming_run_trains_evaluates_and_resumes_exactly(monkeypatch):
+    """`--streaming`: no length, no indexing, a shuffle buffer; resume still replays the same batches."""
+    args = ["--max_steps", "6", "--save_steps", "3", "--streaming", "true", "--streaming_validation_documents", "30"]
+    run("--run_name", "stream_straight", *args)
+    reference = train_losses("stream_straight")
+    assert len(reference) == 6 and records("stream_straight", "eval")[-1]["eval_masked_tokens"] > 0
+
+    real = sigterm_after(monkeypatch, calls=4)
+    run("--run_name", "stream_split", *args)
+    monkeypatch.setattr(mlm, "train_step", real)
+    run("--run_name", "stream_split", *args, "--resume_from_checkpoint", "auto")
+    assert train_losses("stream_split") == reference
+    assert AutoModelForMaskedLM.from_pretrained("runs/stream_split/final") is not None
+
+
+def test_stream_held_out_whole_is_a_clear_error():
+    with pytest.raises(ValueError, match="too small for one optimizer step.*--streaming_validation_documents"):
+        run("--run_name", "stream_empty", "--max_steps", "2", "--streaming", "true",
+            "--streaming_validation_documents", "100000")  # fmt: skip
+
+
 def test_gradient_accumulation_matches_a_larger_batch():
     torch.manual_seed(0)
     config = config_from_preset("micro", vocab_size=300, hidden_dropout_prob=0.0)
@@ -177,19 +198,22 @@ def test_init_order(monkeypatch):
     assert calls.count("train_step") == 2
 
 
-def test_two_process_cpu_run_ranks_agree(workdir):
+@pytest.mark.parametrize("streaming", [False, True])
+def test_two_process_cpu_run_ranks_agree(workdir, streaming):
+    name = "ddp_stream" if streaming else "ddp"
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
-        str(ROOT / "loops" / "mlm.py"), *COMMON, "--output_dir", "runs", "--run_name", "ddp", "--max_steps", "4",
+        str(ROOT / "loops" / "mlm.py"), *COMMON, "--output_dir", "runs", "--run_name", name, "--max_steps", "4",
+        "--streaming", str(streaming).lower(), "--streaming_validation_documents", "30",
     ]  # fmt: skip
     out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    ranks = [json.loads((workdir / "runs/ddp/ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((workdir / "runs" / name / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0]["eval_loss"] is not None
-    record = [r for r in read_metrics(workdir / "runs/ddp/metrics.jsonl") if r["kind"] == "train"][0]
+    record = [r for r in read_metrics(workdir / "runs" / name / "metrics.jsonl") if r["kind"] == "train"][0]
     assert record["tokens_seen"] == 2 * 8 * 64  # two ranks, each a micro-batch of 8 × 64 tokens
-    config = json.loads((workdir / "runs/ddp/config.json").read_text())
+    config = json.loads((workdir / "runs" / name / "config.json").read_text())
     assert config["system"]["world_size"] == 2 and config["system"]["backend"] == "gloo"
 
 

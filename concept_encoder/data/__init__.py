@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from datasets import IterableDataset
+
 from .collators import (
     MASKING_STRATEGIES,
     MLMCollator,
@@ -43,7 +45,16 @@ class DataArguments:
     validation_split_percentage: float = field(
         default=5.0, metadata={"help": "held-out percent of documents when the source has no validation split"}
     )
-    streaming: bool = field(default=False, metadata={"help": "stream a Hub dataset instead of downloading it"})
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "stream the source (Hub or local files) instead of loading it whole: tokenised lazily, not cached"
+        },
+    )
+    streaming_validation_documents: int = field(
+        default=1000,
+        metadata={"help": "streaming a source without a validation split: hold out its first N documents"},
+    )
     masking: str = field(default="mlm", metadata={"help": f"masking strategy: one of {MASKING_STRATEGIES}"})
     mlm_probability: float = field(default=0.15, metadata={"help": "fraction of tokens to predict"})
     mean_span_length: float = field(default=3.0, metadata={"help": "span masking: mean of the geometric lengths"})
@@ -54,6 +65,8 @@ class DataArguments:
     def __post_init__(self):
         if self.masking not in MASKING_STRATEGIES:
             raise ValueError(f"masking={self.masking!r} is unknown; choose one of {MASKING_STRATEGIES}")
+        if self.streaming_validation_documents < 1:
+            raise ValueError(f"streaming_validation_documents={self.streaming_validation_documents} must be at least 1")
         if self.max_seq_length < 2:
             raise ValueError(f"max_seq_length={self.max_seq_length} must be at least 2")
         if not 0 < self.mlm_probability < 1:
@@ -68,10 +81,21 @@ class PreparedData:
     collator: Any
     stats: dict
 
+    @property
+    def streaming(self) -> bool:
+        """True when the splits are `datasets.IterableDataset`s (no length, no indexing)."""
+        return isinstance(self.train, IterableDataset)
+
 
 def prepare_data(args: DataArguments, cache_dir: str | Path = "Cache", seed: int | None = None) -> PreparedData:
     """Load the source, load/train the tokenizer, tokenise + pack (cached), build the collator."""
-    raw = load_raw_dataset(args.dataset, args.text_field, args.validation_split_percentage, args.streaming)
+    raw = load_raw_dataset(
+        args.dataset,
+        args.text_field,
+        args.validation_split_percentage,
+        args.streaming,
+        args.streaming_validation_documents,
+    )
 
     def training_texts():
         for batch in itertools.islice(raw["train"].iter(batch_size=1000), TOKENIZER_TRAINING_DOCS // 1000):

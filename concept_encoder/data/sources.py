@@ -107,16 +107,21 @@ def load_raw_dataset(
     text_field: str = "text",
     validation_split_percentage: float = 5.0,
     streaming: bool = False,
+    streaming_validation_documents: int = 1000,
 ) -> DatasetDict | IterableDatasetDict:
     """Load documents from `spec` as `{train, validation}` with one `text` column.
 
     `spec` is `embedded`, a local file or folder, or a Hub dataset `name` or `name:config`
-    (e.g. `wikitext:wikitext-103-raw-v1`, `JeanKaddour/minipile`).
+    (e.g. `wikitext:wikitext-103-raw-v1`, `JeanKaddour/minipile`). Without a validation split,
+    `validation_split_percentage` of the documents are held out at random, or when streaming (the
+    size is unknown) the first `streaming_validation_documents`.
     """
     if not 0 < validation_split_percentage < 100:
         raise ValueError(f"validation_split_percentage={validation_split_percentage} must be in (0, 100)")
     if spec == EMBEDDED:
         raw = DatasetDict({"train": Dataset.from_dict({"text": embedded_documents()})})
+        if streaming:
+            raw = IterableDatasetDict({"train": raw["train"].to_iterable_dataset()})
     elif Path(spec).expanduser().exists():
         builder, files = local_files(Path(spec).expanduser())
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
@@ -130,10 +135,10 @@ def load_raw_dataset(
             raw = load_dataset(name, config or None, streaming=streaming)
         except Exception as error:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
             raise DataSourceError(unreachable_message("dataset", spec, f"{type(error).__name__}: {error}")) from error
-    return select_text_and_split(raw, text_field, validation_split_percentage, spec)
+    return select_text_and_split(raw, text_field, validation_split_percentage, spec, streaming_validation_documents)
 
 
-def select_text_and_split(raw, text_field: str, percentage: float, spec: str):
+def select_text_and_split(raw, text_field: str, percentage: float, spec: str, streaming_validation_documents: int):
     train = raw["train"]
     columns = train.column_names or []
     if columns and text_field not in columns:
@@ -141,11 +146,10 @@ def select_text_and_split(raw, text_field: str, percentage: float, spec: str):
             f"dataset {spec!r} has no column {text_field!r} (columns: {columns}); pass --text_field with one of them"
         )
     validation = next((raw[s] for s in VALIDATION_SPLIT_NAMES if s in raw), None)
-    if validation is None:
-        if isinstance(raw, IterableDatasetDict):
-            raise DataSourceError(
-                f"streamed dataset {spec!r} has no validation split; pass a dataset that has one, or disable streaming"
-            )
+    if validation is None and isinstance(raw, IterableDatasetDict):
+        validation = train.take(streaming_validation_documents)
+        train = train.skip(streaming_validation_documents)
+    elif validation is None:
         parts = train.train_test_split(test_size=percentage / 100, seed=SPLIT_SEED, shuffle=True)
         train, validation = parts["train"], parts["test"]
 

@@ -195,6 +195,9 @@ def log_data_config(data_args) -> None:
 
 def log_dataset_sizes(data) -> None:
     """Step 6: sizes after load/filter/packing."""
+    if data.streaming:
+        logger.info("train and validation datasets are streamed: sizes unknown, examples tokenised as they are read")
+        return
     logger.info("train dataset: %s examples", f"{len(data.train):,}")
     logger.info("validation dataset: %s examples", f"{len(data.validation):,}")
     for split in ("train", "validation"):
