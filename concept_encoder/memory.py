@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 GIB = 2**30
 ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default for host-side buffers
+VOCAB_CHUNK_ELEMENTS = 2**24  # vocab_projection.CHUNK_ELEMENTS, restated to stay torch-free (a test keeps them equal)
 # Bytes per parameter under mixed precision with Adam: 16-bit params (2) and grads (2), fp32 grads (4),
 # fp32 master params (4) and Adam moments (8). DeepSpeed's estimators count "2 + 18".
 PARAM16, STATE_BYTES = 2, 18
@@ -172,9 +173,12 @@ def activation_bytes(
     the normed tokens and their key/value projection (3·B·N·H); with the math SDPA kernel (no fused
     kernel) also the attention probabilities B·heads·C·N. Concept side per layer, per concept, in
     the accounting of Korthikanti et al. (2022) for 16-bit activations: two attention blocks
-    (~11·H bytes each) and the gated FFN (~5·H + 8·I bytes), i.e. ~(14·H + 4·I) elements. Decoder at the M = p·N masked positions: ~(12·H + 4·I) per query, and the
-    fp32 logits plus their gradient at those positions (8·V bytes each). Gradient checkpointing
-    keeps only each layer's concept input and recomputes the rest (one layer live at a time).
+    (~11·H bytes each) and the gated FFN (~5·H + 8·I bytes), i.e. ~(14·H + 4·I) elements. Decoder
+    at the M = p·N masked positions: ~(12·H + 4·I) per query, and the loss's one `[M,V]` buffer in
+    the compute dtype (`vocab_projection.linear_cross_entropy`, the loop's path: the logits are never
+    kept), plus, for 16-bit compute, its float32 working chunk of at most `VOCAB_CHUNK_ELEMENTS`.
+    Gradient checkpointing keeps only each layer's concept input and recomputes the rest (one layer
+    live at a time).
     """
     B, N, H, I, C, V = micro_batch, seq_len, hidden_size, intermediate_size, concept_num, vocab_size  # noqa: E741
     token_per_layer = 3 * B * N * H + (0 if fused_attention else B * num_attention_heads * C * N)
@@ -184,7 +188,8 @@ def activation_bytes(
     masked = max(1, round(mlm_probability * N)) * B
     decoder = num_decoder_layers * masked * (12 * H + 4 * I)
     elements = 4 * B * N * H + layers + decoder
-    return int(elements * bytes_per_element + masked * V * 8)
+    working_chunk = 0 if bytes_per_element >= 4 else 4 * min(masked * V, VOCAB_CHUNK_ELEMENTS)
+    return int((elements + masked * V) * bytes_per_element + working_chunk)
 
 
 @dataclass
