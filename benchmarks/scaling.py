@@ -111,7 +111,7 @@ def training_loss(name: str, model: nn.Module, ids: torch.Tensor, labels: torch.
 
 
 def make_step(name: str, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, precision: str):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # the loop's AdamW
     autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
     def step():

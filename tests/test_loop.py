@@ -316,3 +316,13 @@ def test_cpu_runs_keep_freed_tensor_memory_for_reuse_unless_opted_out(opt_out):
         assert float(kept_mib) < 64  # glibc unmapped the freed 256 MiB
     else:
         assert float(kept_mib) > 192  # kept in the heap, so the next step reuses it without page faults
+
+
+def test_without_offload_the_loop_steps_torchs_fused_adamw():
+    from concept_encoder.training.deepspeed_setup import adamw_class
+    from concept_encoder.training.optim import build_optimizer
+
+    model = ConceptEncoderForMaskedLM(config_from_preset("micro", vocab_size=100))
+    _, _, args = parse_args([])
+    optimizer = build_optimizer(model, args, adamw=adamw_class(Accelerator()))
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
