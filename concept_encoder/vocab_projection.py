@@ -3,15 +3,16 @@
 `torch.nn.functional.cross_entropy(linear(h), t)` keeps three `[L,V]` tensors alive across a
 training step (the logits, their float copy under autocast, the log-softmax saved for backward)
 and passes over them about ten times. At a 30k vocabulary these are the largest tensors of a
-Concept Encoder step, and on CPU the passes and the page faults of their fresh allocations cost
-more than the vocabulary matmul's arithmetic (benchmarks/README.md).
+Concept Encoder step; in the CPU profile of a `small` step at N=8192 those passes took almost half
+as long as the vocabulary matmuls themselves (benchmarks/README.md).
 
-`linear_cross_entropy` computes the loss and the gradient of the logits in one sweep instead, in
-row chunks: logits of a chunk → max, one `exp`, sum → loss, and `softmax - onehot` written in place
-of the logits. Backward is then two matmuls and a column sum with that single `[L,V]` buffer
-(in the compute dtype). No library does this for CPU and CUDA in eager PyTorch (Liger's fused
-linear cross-entropy is Triton-only), hence our own; the result equals
-`cross_entropy(linear(h), t, reduction="sum")` (tested, values and gradients).
+`linear_cross_entropy` computes the loss and the gradient of the logits in one sweep instead:
+logits → max, one `exp`, sum → loss, and `softmax - onehot` written in place of the logits (all rows
+at once in float32; in row chunks with a float32 working copy for 16-bit compute). Backward is then
+two matmuls and a column sum with that single `[L,V]` buffer (in the compute dtype). No library
+does this for CPU and CUDA in eager PyTorch (Liger's fused linear cross-entropy is Triton-only),
+hence our own; the result equals `cross_entropy(linear(h), t, reduction="sum")` (tested, values
+and gradients).
 """
 
 from __future__ import annotations
