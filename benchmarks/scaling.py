@@ -41,6 +41,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 from concept_encoder import ConceptEncoderConfig, ConceptEncoderForMaskedLM  # noqa: E402
+from concept_encoder.flops import mlm_training_flops  # noqa: E402
 from concept_encoder.heads import MaskedLMHead  # noqa: E402
 from concept_encoder.presets import PRESETS  # noqa: E402
 
@@ -125,22 +126,15 @@ def make_step(name: str, model: nn.Module, ids: torch.Tensor, labels: torch.Tens
 
 
 def flops_per_step(name: str, shape: dict, batch_size: int, seq_len: int) -> float:
-    """Analytic matmul FLOPs of forward + backward (3 × forward) for one step."""
-    H, L, C, V = (shape[k] for k in ("hidden_size", "num_hidden_layers", "concept_num", "vocab_size"))
-    inner = shape["intermediate_size"]
-    N, M = seq_len, MASK_RATE * seq_len
-    head = 2 * M * H * H + 2 * M * H * V  # transform + vocabulary projection at the masked positions
+    """Analytic matmul FLOPs of forward + backward (3 × forward) for one step; ours from
+    `concept_encoder.flops` (latent layers on C rows), BERT's in the same accounting."""
     if name == "concept":
-        layer = 4 * N * H * H + 4 * C * N * H  # token K/V projection + cross-attention scores/values
-        layer += 2 * C * H * H + 2 * C * H * H  # concept query and output projections
-        layer += 8 * C * H * H + 4 * C * C * H  # concept self-attention
-        layer += 6 * C * H * inner  # gated FFN on C rows
-        decoder = 2 * M * H * H + 4 * C * H * H + 4 * M * C * H + 2 * M * H * H + 6 * M * H * inner
-        forward = L * layer + decoder + head
-    else:
-        layer = 8 * N * H * H + 4 * N * N * H + 4 * N * H * inner  # QKV+O, attention, 2-matrix FFN
-        forward = L * layer + (head if name == "bert_sparse" else 2 * N * H * H + 2 * N * H * V)
-    return 3 * forward * batch_size
+        return mlm_training_flops(shape, batch_size, seq_len, MASK_RATE)
+    H, L, V, inner = (shape[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"))
+    N, M = seq_len, MASK_RATE * seq_len
+    layer = 8 * N * H * H + 4 * N * N * H + 4 * N * H * inner  # QKV+O, attention, 2-matrix FFN
+    head = 2 * M * H * H + 2 * M * H * V if name == "bert_sparse" else 2 * N * H * H + 2 * N * H * V
+    return 3 * batch_size * (L * layer + head)
 
 
 def concept_growth(model: nn.Module, shape: dict, args) -> float:

@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the project root importab
 
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
 from concept_encoder.data import DataSourceError, check_tokenizer, collator_for, prepare_data
+from concept_encoder.flops import mlm_training_flops
 from concept_encoder.metrics import HEALTH_KEYS, concept_health, format_health_table
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.checkpoint import (
@@ -87,6 +88,13 @@ def peak_memory_over_ranks(accelerator) -> dict:
     merged = {k: round(float(values[:, i].max()), 3) for i, k in enumerate(keys)}
     merged["rss_gb_ranks"] = [round(float(v), 3) for v in values[:, keys.index("rss_gb")]]
     return merged
+
+
+def throughput(interval: dict, flops_per_token: float, world_size: int, peak_tflops: float | None) -> dict:
+    """Achieved model TFLOP/s per device (`concept_encoder.flops`, matmuls only), and MFU against
+    `--peak_tflops`."""
+    tflops = flops_per_token * interval["tokens"] / interval["time"] / world_size / 1e12
+    return {"tflops_per_s": tflops, **({"mfu": tflops / peak_tflops} if peak_tflops else {})}
 
 
 def build_model(model_args, data_args, tokenizer) -> ConceptEncoderForMaskedLM:
@@ -324,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     # 7. model config, loss config, model
     model = build_model(model_args, data_args, data.tokenizer)
     counts = log_model_info(model, {"preset": model_args.preset, "decoder": model.config.decoder_type})
+    seq_len = data_args.max_seq_length  # packed blocks are full; FLOPs per token at that length
+    flops_per_token = mlm_training_flops(model.config.to_dict(), 1, seq_len, data_args.mlm_probability) / seq_len
     concept = build_concept_objective(args, model.config, state.device)
     # 8. attention-kernel probe (main process, the model's real forward)
     eval_collator = collator_for(data_args, data.tokenizer, seed=args.seed + 1)  # same masks at every eval
@@ -448,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                 "grad_norm": step["grad_norm"],
                 "tokens_per_s": interval["tokens"] / interval["time"],
                 "masked_tokens_per_s": interval["labelled"] / interval["time"],
+                **throughput(interval, flops_per_token, accelerator.num_processes, args.peak_tflops),
                 "step_time_s": interval["time"] / interval["steps"],
                 "tokens_seen": progress_state.tokens_seen,
                 **{f"concept/{k}": v for k, v in step["terms"].items()},

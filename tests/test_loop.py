@@ -18,6 +18,7 @@ from transformers import AutoModelForMaskedLM
 
 import loops.mlm as mlm
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
+from concept_encoder.flops import mlm_training_flops
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.tracking import read_metrics
 
@@ -125,6 +126,17 @@ def test_streaming_run_trains_evaluates_and_resumes_exactly(monkeypatch):
     run("--run_name", "stream_split", *args, "--resume_from_checkpoint", "auto")
     assert train_losses("stream_split") == reference
     assert AutoModelForMaskedLM.from_pretrained("runs/stream_split/final") is not None
+
+
+def test_train_records_carry_model_tflops_and_mfu_against_the_given_peak():
+    run("--run_name", "mfu", "--max_steps", "2", "--peak_tflops", "0.5")
+    config = json.loads(Path("runs/mfu/final/config.json").read_text())
+    flops_per_token = mlm_training_flops(config, 1, 64, 0.15) / 64  # COMMON trains on 64-token blocks
+    for record in records("mfu", "train"):
+        assert record["tflops_per_s"] == pytest.approx(flops_per_token * record["tokens_per_s"] / 1e12)
+        assert record["mfu"] == pytest.approx(record["tflops_per_s"] / 0.5)
+    with pytest.raises(ValueError, match="peak_tflops=0.0 must be > 0"):
+        parse_args(["--peak_tflops", "0"])
 
 
 def test_stream_held_out_whole_is_a_clear_error():

@@ -78,6 +78,11 @@ class TrainingArguments:
     report_to: str = field(default="wandb", metadata={"help": "wandb or none"})
     wandb_project: str = field(default="concept-encoder", metadata={"help": "W&B project"})
     progress_bar: bool = field(default=True, metadata={"help": "tqdm progress bar on the main process"})
+    peak_tflops: float | None = field(
+        default=None,
+        metadata={"help": "one device's peak dense TFLOP/s in the training precision, to log MFU "
+                  "(e.g. 989 for an H100/H200 in bf16, 71 for an RTX 3090 in bf16)"},
+    )  # fmt: skip
     concept_losses: str = field(
         default="", metadata={"help": "comma-separated concept regularisers, e.g. orthogonality,uniformity"}
     )
@@ -113,6 +118,8 @@ class TrainingArguments:
             raise ValueError(f"report_to={self.report_to!r}: choose wandb or none")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"peak_tflops={self.peak_tflops} must be > 0 (or left unset to skip MFU)")
 
     @property
     def concept_loss_names(self) -> list[str]:
