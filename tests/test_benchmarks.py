@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from benchmarks import decode_memory, scaling
 from concept_encoder.presets import PRESETS
@@ -16,6 +17,21 @@ def test_flop_model_is_linear_for_concepts_and_quadratic_for_bert():
     bert = f["bert_sparse"]
     assert bert[2] - bert[1] > 1.2 * (bert[1] - bert[0])  # the N² attention term
     assert f["bert"][0] > f["bert_sparse"][0]  # the dense head decodes every position
+
+
+@pytest.mark.parametrize("name", scaling.MODELS)
+def test_flop_formulas_equal_the_flop_counter_of_each_models_training_step(name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    shape = scaling.shapes("micro", 500, 512)
+    model = scaling.build(name, shape)
+    ids = torch.randint(5, 500, (2, 100))
+    labels = torch.full_like(ids, -100)
+    labels[:, :15] = ids[:, :15]  # exactly MASK_RATE · N labelled positions per sequence
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:  # attention as visible matmuls
+        scaling.training_loss(name, model, ids, labels).backward()
+    assert counter.get_total_flops() == scaling.flops_per_step(name, shape, 2, 100)
 
 
 def test_scaling_smoke(tmp_path, capsys):
