@@ -39,10 +39,9 @@ def configure_timing_process() -> None:
     """Run under the CPU set-up `loops/mlm.py` uses (its thread share, freed memory kept for reuse),
     so both sides of every ratio are timed as the loop would run them. Not for the peak-memory
     subprocesses: memory kept for reuse would hide their peaks."""
-    from concept_encoder.training.setup import retain_freed_cpu_memory, use_cpu_cores
+    from concept_encoder.training.setup import configure_cpu_runtime
 
-    use_cpu_cores()
-    retain_freed_cpu_memory()
+    configure_cpu_runtime()
 
 
 def synchronize() -> None:

@@ -34,8 +34,7 @@ def setup_distributed() -> PartialState:
     see the true world size. The timeout comes from `DDP_TIMEOUT` (seconds, default 1800)
     because arguments are parsed after this step.
     """
-    use_cpu_cores()
-    retain_freed_cpu_memory()
+    configure_cpu_runtime()
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or "LOCAL_RANK" in os.environ
     if not launched:
         return PartialState()  # a single process: no process group to create
@@ -49,6 +48,13 @@ def setup_distributed() -> PartialState:
     if state.device.type == "cuda":
         torch.cuda.set_device(state.device)
     return state
+
+
+def configure_cpu_runtime() -> None:
+    """The CPU set-up of every training process (and of the benchmarks' timing processes): its
+    share of the cores, and freed tensor memory kept for reuse. Both are no-ops on GPU machines."""
+    use_cpu_cores()
+    retain_freed_cpu_memory()
 
 
 def use_cpu_cores() -> None:
