@@ -70,10 +70,11 @@ PROFILE ?= rtx3080_10gb
 plan: install
 	$(PLAN) --profile $(PROFILE) --dataset $(DATASET) --tokenizer $(TOKENIZER) $(ARGS)
 
-# ZeRO memory comparison: make zero-compare ZC_ARGS="--preset large --seq_len 512 --memory_budget 10GB"
+# ZeRO memory comparison: make zero-compare ZC_ARGS="--preset large --max_seq_length 512 --memory_budget 10GB"
+# (its own flags plus any loop flag; see launch/zero_compare.py --help)
 ZC_ARGS ?= --configs zero0,zero2,zero2_offload,zero3,zero3_offload --preset small --steps 5
 zero-compare: install
-	$(PY) loops/zero_compare.py $(ZC_ARGS)
+	$(PY) launch/zero_compare.py $(ZC_ARGS)
 
 # Benchmarks (CPU sizes; add BENCH_ARGS=--full on a GPU). Results: printed tables + Cache/reports/bench/*.json
 BENCH_OUT ?= Cache/reports/bench

@@ -39,7 +39,7 @@ def configure_timing_process() -> None:
     """Run under the CPU set-up `loops/mlm.py` uses (its thread share, freed memory kept for reuse),
     so both sides of every ratio are timed as the loop would run them. Not for the peak-memory
     subprocesses: memory kept for reuse would hide their peaks."""
-    from concept_encoder.training.setup import configure_cpu_runtime
+    from concept_encoder.training.runtime import configure_cpu_runtime
 
     configure_cpu_runtime()
 

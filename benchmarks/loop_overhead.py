@@ -28,18 +28,33 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import configure_timing_process, machine, markdown_table, synchronize, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    configure_timing_process,
+    machine,
+    markdown_table,
+    synchronize,
+    write_json,
+)
+from concept_encoder.training.args import parse_args as parse_loop_args  # noqa: E402
+from concept_encoder.training.plan import LOOP_SCRIPT, PYTHON_ACCELERATE_LAUNCH, launch_command  # noqa: E402
+
+
+def loop_arguments(args, run_name: str, workdir: Path) -> tuple:
+    """The loop's parsed arguments for this benchmark (model, data, training): one source for both sides."""
+    return parse_loop_args([
+        "--preset", args.preset, "--per_device_train_batch_size", str(args.batch_size),
+        "--max_seq_length", str(args.seq_len), "--tokenizer", args.tokenizer, "--run_name", run_name,
+        "--max_steps", str(args.warmup_steps + args.steps), "--logging_steps", str(args.warmup_steps),
+        "--eval_steps", "0", "--max_eval_batches", "1", "--save_steps", "0", "--report_to", "none",
+        "--progress_bar", "false", "--output_dir", str(workdir / "runs"), "--seed", str(args.seed),
+    ])  # fmt: skip
 
 
 def loop_tokens_per_s(args, workdir: Path) -> float:
     run = f"overhead-{time.time_ns()}"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1"]
-    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "loops/mlm.py")]
-    cmd += ["--preset", args.preset, "--per_device_train_batch_size", str(args.batch_size)]
-    cmd += ["--max_seq_length", str(args.seq_len), "--tokenizer", args.tokenizer, "--run_name", run]
-    cmd += ["--max_steps", str(args.warmup_steps + args.steps), "--logging_steps", str(args.warmup_steps)]
-    cmd += ["--eval_steps", "0", "--max_eval_batches", "1", "--save_steps", "0", "--report_to", "none"]
-    cmd += ["--progress_bar", "false", "--output_dir", str(workdir / "runs"), "--seed", str(args.seed)]
+    accelerate = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd = launch_command(accelerate, *loop_arguments(args, run, workdir), launcher=PYTHON_ACCELERATE_LAUNCH,
+                         script=str(ROOT / LOOP_SCRIPT))  # fmt: skip
     out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
@@ -55,19 +70,18 @@ def bare_tokens_per_s(args, workdir: Path) -> float:
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
 
-    from concept_encoder.data import DataArguments, prepare_data
-    from concept_encoder.training.args import ModelArguments
-    from loops.mlm import build_model
+    from concept_encoder.data import prepare_data
+    from concept_encoder.training.model import build_model
 
+    model_args, data_args, _ = loop_arguments(args, "bare", workdir)
     cwd = os.getcwd()
     os.chdir(workdir)  # same Cache/ (tokenizer, packed data) as the loop runs
     try:
         set_seed(args.seed)
-        data_args = DataArguments(tokenizer=args.tokenizer, max_seq_length=args.seq_len)
         data = prepare_data(data_args, cache_dir="Cache", seed=args.seed)
     finally:
         os.chdir(cwd)
-    model = build_model(ModelArguments(preset=args.preset), data_args, data.tokenizer)
+    model = build_model(model_args, data_args, data.tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.01, fused=True)  # as the loop's
     loader = DataLoader(
         data.train,

@@ -1,39 +1,31 @@
 """Concept Encoders: C learned concepts cross-attend to N tokens (O(N·C)) instead of token self-attention.
 
 `python -m concept_encoder` prints the size presets with exact parameter counts.
-Importing this package registers the model with transformers' Auto classes, so
+
+The public names below load on first use (PEP 562), so the torch-free parts (`concept_encoder.memory`,
+`concept_encoder.presets`, `concept_encoder.training.args`) import without torch. The model registers
+with transformers' Auto classes either when it is imported or when transformers loads its Auto
+mappings (`concept_encoder.auto_registration`), so `import concept_encoder` followed by
 `AutoModelForMaskedLM.from_pretrained(path)` works on a saved Concept Encoder.
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForMaskedLM,
-    AutoModelForSequenceClassification,
-)
+from . import auto_registration
+from .lazy import lazy_attributes
 
-from .config import PRESETS, ConceptEncoderConfig, config_from_preset
-from .heads import ConceptEncoderForMaskedLM, ConceptEncoderForSequenceClassification, ConceptMaskedLMOutput
-from .modeling import ConceptEncoder, ConceptEncoderPreTrainedModel
-from .summary import format_preset_table, parameter_counts, preset_parameter_counts
+EXPORTS = {
+    "PRESETS": "presets",
+    "ConceptEncoderConfig": "config",
+    "config_from_preset": "config",
+    "ConceptEncoder": "modeling",
+    "ConceptEncoderPreTrainedModel": "modeling",
+    "ConceptEncoderForMaskedLM": "heads",
+    "ConceptEncoderForSequenceClassification": "heads",
+    "ConceptMaskedLMOutput": "heads",
+    "format_preset_table": "summary",
+    "parameter_counts": "summary",
+    "preset_parameter_counts": "summary",
+}
+__all__ = sorted(EXPORTS)
+__getattr__, __dir__ = lazy_attributes(__name__, EXPORTS)
 
-AutoConfig.register(ConceptEncoderConfig.model_type, ConceptEncoderConfig, exist_ok=True)
-AutoModel.register(ConceptEncoderConfig, ConceptEncoder, exist_ok=True)
-AutoModelForMaskedLM.register(ConceptEncoderConfig, ConceptEncoderForMaskedLM, exist_ok=True)
-AutoModelForSequenceClassification.register(
-    ConceptEncoderConfig, ConceptEncoderForSequenceClassification, exist_ok=True
-)
-
-__all__ = [
-    "PRESETS",
-    "ConceptEncoder",
-    "ConceptEncoderConfig",
-    "ConceptEncoderForMaskedLM",
-    "ConceptEncoderForSequenceClassification",
-    "ConceptEncoderPreTrainedModel",
-    "ConceptMaskedLMOutput",
-    "config_from_preset",
-    "format_preset_table",
-    "parameter_counts",
-    "preset_parameter_counts",
-]
+auto_registration.install()

@@ -8,14 +8,12 @@ construction, before any weight is allocated.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
+from .constants import CLASSIFIER_POOLINGS, DECODER_TYPES
 from .presets import PRESETS
-
-DECODER_TYPES = ("perceiver", "posonly", "weighted")
-CLASSIFIER_POOLINGS = ("weighted", "mean")
 
 
 class ConceptEncoderConfig(PretrainedConfig):
@@ -60,9 +58,9 @@ class ConceptEncoderConfig(PretrainedConfig):
     classifier_dropout: float | None = None
     initializer_range: float = 0.02
     layer_norm_eps: float = 1e-5
-    decoder_type: Literal["perceiver", "posonly", "weighted"] = "perceiver"
+    decoder_type: str = "perceiver"
     num_decoder_layers: int = 1
-    classifier_pooling: Literal["weighted", "mean"] = "weighted"
+    classifier_pooling: str = "weighted"
     pad_token_id: int | None = 0
     unk_token_id: int | None = 1
     cls_token_id: int | None = 2
@@ -129,3 +127,6 @@ def config_from_preset(name: str, **overrides: Any) -> ConceptEncoderConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return ConceptEncoderConfig(**{**PRESETS[name], **overrides})
+
+
+AutoConfig.register(ConceptEncoderConfig.model_type, ConceptEncoderConfig, exist_ok=True)

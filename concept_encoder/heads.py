@@ -19,15 +19,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.utils import ModelOutput
 
 from .attention import AttentionBlock, FeedForwardBlock
 from .config import ConceptEncoderConfig
+from .constants import IGNORE_INDEX
 from .modeling import ConceptEncoder, ConceptEncoderPreTrainedModel, TokenEmbeddings, check_sequence_length
 from .vocab_projection import VocabProjection
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -276,3 +276,10 @@ class ConceptEncoderForSequenceClassification(ConceptEncoderPreTrainedModel):
         if problem_type == "single_label_classification":
             return F.cross_entropy(logits.float(), labels.view(-1))
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+
+
+AutoModel.register(ConceptEncoderConfig, ConceptEncoder, exist_ok=True)
+AutoModelForMaskedLM.register(ConceptEncoderConfig, ConceptEncoderForMaskedLM, exist_ok=True)
+AutoModelForSequenceClassification.register(
+    ConceptEncoderConfig, ConceptEncoderForSequenceClassification, exist_ok=True
+)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .constants import VOCAB_CHUNK_ELEMENTS
+
 GIB = 2**30
 ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default for host-side buffers
-VOCAB_CHUNK_ELEMENTS = 2**24  # vocab_projection.CHUNK_ELEMENTS, restated to stay torch-free (a test keeps them equal)
 # Bytes per parameter under mixed precision with Adam: 16-bit params (2) and grads (2), fp32 grads (4),
 # fp32 master params (4) and Adam moments (8). DeepSpeed's estimators count "2 + 18".
 PARAM16, STATE_BYTES = 2, 18

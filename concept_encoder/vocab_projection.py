@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows per chunk are chosen so a chunk's float32 working copy stays under this many elements
+from .constants import VOCAB_CHUNK_ELEMENTS
+
+# Rows per chunk are chosen so a chunk's float32 working copy stays under VOCAB_CHUNK_ELEMENTS
 # (only used when the compute dtype is not float32; float32 logits are worked on in place).
-CHUNK_ELEMENTS = 2**24
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -39,7 +40,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows, vocab = h.shape[0], w.shape[0]
             grad_logits = torch.empty(rows, vocab, dtype=compute_dtype, device=hidden.device)  # [L,V]
             in_place = compute_dtype == torch.float32
-            chunk = max(1, rows) if in_place else max(1, CHUNK_ELEMENTS // vocab)
+            chunk = max(1, rows) if in_place else max(1, VOCAB_CHUNK_ELEMENTS // vocab)
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, rows, chunk):
                 z = grad_logits[start : start + chunk]  # [R,V] view

@@ -4,16 +4,18 @@
     python launch/check_plan.py --accelerate_config launch/multi_gpu.yaml --preset large \\
         --per_device_train_batch_size 16 --gpus 4 --gpu_memory 24GB
     python launch/check_plan.py --profile rtx3080_10gb --suggest          # ds configs that fit, cheapest first
-    python launch/check_plan.py --profile cpu --run -- --max_steps 50     # check, then launch if sound
+    python launch/check_plan.py --profile cpu --run --max_steps 50        # check, then launch if sound
 
-Takes the loop's own arguments (flags or `--config run.yaml`), an accelerate config and a ds
-config, or a hardware profile from `launch/profiles.yaml`, plus `--gpus/--gpu_memory/--nodes`
-for a machine you are not on. Every check is OK / WARNING / ERROR with a reason and a fix;
-exit 0 without ERROR, 1 with one, 2 on usage errors. It ends with the exact launch command.
+Where it runs comes from a hardware profile of `launch/profiles.yaml`, or an accelerate config
+and a ds config, plus `--gpus/--gpu_memory/--nodes` for a machine you are not on. What runs is
+every flag of `loops/mlm.py` (and `--config run.yaml`), parsed by the loop's own parser
+(`concept_encoder.training.args.parse_args`): the same names, defaults and validation, so a value
+the loop would reject is a usage error here too, and an unknown flag is an error, not passed on.
+A profile's `loop:` section gives the loop's defaults; `--config` and the flags override it.
 
-It imports neither torch, transformers nor DeepSpeed: the memory model and presets are read
-from their files alone (`concept_encoder/memory.py`, `concept_encoder/presets.py`), which are
-plain arithmetic and data; importing the package would cost seconds of torch start-up.
+Every check is OK / WARNING / ERROR with a reason and a fix; exit 0 without ERROR, 1 with one,
+2 on usage errors. It ends with the exact launch command. It imports no torch: the memory model,
+presets, argument dataclasses and derived rules (`concept_encoder.training.plan`) are torch-free.
 """
 
 from __future__ import annotations
@@ -27,27 +29,25 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from concept_encoder import memory  # noqa: E402
+from concept_encoder.data.arguments import DataArguments  # noqa: E402
+from concept_encoder.training.args import ModelArguments, TrainingArguments, parse_args  # noqa: E402
+from concept_encoder.training.plan import deepspeed_batch_values, fresh_model_fields, launch_command  # noqa: E402
+
 PROFILES_FILE = ROOT / "launch" / "profiles.yaml"
+PROFILE_KEYS = {"accelerate_config", "ds_config", "gpus", "gpu_memory_gb", "gpu_capability", "host_memory_gb",
+                "nodes", "processes", "loop"}  # fmt: skip
 HEADROOM = 0.85  # above this share of the GPU budget: WARNING
 OK, WARNING, ERROR = "OK", "WARNING", "ERROR"
-
-
-def load_file_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"_plan_{name}", ROOT / "concept_encoder" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
-PRESETS = load_file_module("presets").PRESETS
-memory = load_file_module("memory")
 
 
 class UsageError(Exception):
@@ -64,6 +64,12 @@ class Check:
 
 @dataclass
 class Plan:
+    """Where the loop runs (machine and launch settings) and what it runs (the loop's parsed arguments)."""
+
+    model: ModelArguments
+    data: DataArguments
+    train: TrainingArguments
+    mixed_precision: str = "no"  # effective: --mixed_precision, else the accelerate config's, else no
     profile: str | None = None
     accelerate_config: str | None = None
     ds_config: str | None = None
@@ -73,20 +79,6 @@ class Plan:
     gpu_memory_gb: float | None = None
     gpu_capability: float | None = None
     host_memory_gb: float | None = None
-    preset: str = "small"
-    micro_batch: int = 16
-    grad_accum: int = 1
-    seq_len: int = 128
-    mixed_precision: str = "no"
-    dataset: str = "embedded"
-    tokenizer: str = "train:wordpiece:8000"
-    model_name_or_path: str | None = None
-    resume_from_checkpoint: str | None = None
-    output_dir: str = "Cache/runs"
-    run_name: str | None = None
-    gradient_checkpointing: bool = False
-    mlm_probability: float = 0.15
-    loop_args: list[str] = field(default_factory=list)
 
 
 def parse_size_gb(text: str) -> float:
@@ -96,17 +88,13 @@ def parse_size_gb(text: str) -> float:
         raise UsageError(str(error)) from error
 
 
-def str_to_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "y"):
-        return True
-    if text.lower() in ("0", "false", "no", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="launch/check_plan.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="launch/check_plan.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # a prefix of a loop flag must not be taken for one of ours
+        epilog="The loop's flags: see `python loops/mlm.py --help`; every one is accepted here.",
     )
     where = p.add_argument_group("where it runs")
     where.add_argument("--profile", help=f"a profile of {PROFILES_FILE.relative_to(ROOT)}")
@@ -118,53 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--gpu_capability", type=float, help="CUDA compute capability of the planned GPU, e.g. 8.6")
     where.add_argument("--nodes", type=int, help="machines (default: the accelerate config's num_machines)")
     where.add_argument("--host_memory", help="host RAM per machine, e.g. 64GB (default: this machine's)")
-    loop = p.add_argument_group("the loop's arguments (the same flags as loops/mlm.py; others pass through)")
-    loop.add_argument("--config", help="the loop's YAML argument file")
-    loop.add_argument("--preset")
-    loop.add_argument("--per_device_train_batch_size", type=int)
-    loop.add_argument("--gradient_accumulation_steps", type=int)
-    loop.add_argument("--max_seq_length", type=int)
-    loop.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"])
-    loop.add_argument("--dataset")
-    loop.add_argument("--tokenizer")
-    loop.add_argument("--model_name_or_path")
-    loop.add_argument("--resume_from_checkpoint")
-    loop.add_argument("--output_dir")
-    loop.add_argument("--run_name")
-    loop.add_argument("--gradient_checkpointing", type=str_to_bool, nargs="?", const=True)
-    loop.add_argument("--mlm_probability", type=float)
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="machine-readable output")
     out.add_argument("--suggest", action="store_true", help="list the ds configs that fit the budget, cheapest first")
     out.add_argument("--run", action="store_true", help="launch the plan when it has no ERROR")
     return p
-
-
-LOOP_KEYS = {
-    "preset": "preset",
-    "per_device_train_batch_size": "micro_batch",
-    "gradient_accumulation_steps": "grad_accum",
-    "max_seq_length": "seq_len",
-    "mixed_precision": "mixed_precision",
-    "dataset": "dataset",
-    "tokenizer": "tokenizer",
-    "model_name_or_path": "model_name_or_path",
-    "resume_from_checkpoint": "resume_from_checkpoint",
-    "output_dir": "output_dir",
-    "run_name": "run_name",
-    "gradient_checkpointing": "gradient_checkpointing",
-    "mlm_probability": "mlm_probability",
-}
-PROFILE_KEYS = {
-    "preset": "preset",
-    "micro_batch": "micro_batch",
-    "grad_accum": "grad_accum",
-    "seq_len": "seq_len",
-    "mixed_precision": "mixed_precision",
-    "gpu_memory_gb": "gpu_memory_gb",
-    "gpu_capability": "gpu_capability",
-    "host_memory_gb": "host_memory_gb",
-}
 
 
 def read_yaml(path: Path, what: str) -> dict:
@@ -210,24 +156,35 @@ def host_memory_gb() -> float | None:
     return None
 
 
-def resolve_plan(args) -> tuple[Plan, dict, dict | None]:
-    """Profile → accelerate config → ds config → loop YAML → CLI flags, later ones winning."""
-    plan = Plan()
-    profile: dict = {}
-    if args.profile:
-        profiles = read_yaml(PROFILES_FILE, "profiles file")
-        if args.profile not in profiles:
-            raise UsageError(f"unknown profile {args.profile!r}; choose one of {sorted(profiles)}")
-        profile = profiles[args.profile]
-        plan.profile = args.profile
-        for key, attr in PROFILE_KEYS.items():
-            if profile.get(key) is not None:
-                setattr(plan, attr, profile[key])
+def read_profile(name: str) -> dict:
+    profiles = read_yaml(PROFILES_FILE, "profiles file")
+    if name not in profiles:
+        raise UsageError(f"unknown profile {name!r}; choose one of {sorted(profiles)}")
+    profile = profiles[name] or {}
+    unknown = sorted(set(profile) - PROFILE_KEYS)
+    if unknown:
+        raise UsageError(f"profile {name!r} has unknown keys {unknown}; valid keys are {sorted(PROFILE_KEYS)}")
+    return profile
+
+
+def resolve_plan(args, loop_argv: list[str]) -> tuple[Plan, dict, dict | None]:
+    """Profile → accelerate config → ds config → the loop's arguments (profile `loop:` defaults, then
+    `--config`, then flags, parsed and validated by the loop's parser) → machine flags."""
+    profile = read_profile(args.profile) if args.profile else {}
+    try:
+        model_args, data_args, train_args = parse_args(loop_argv, defaults=profile.get("loop"))
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    plan = Plan(model_args, data_args, train_args, profile=args.profile)
+    if profile:
         plan.gpus_per_node = profile.get("gpus", 0) or 0
         plan.nodes = profile.get("nodes", 1)
         plan.world_size = profile.get("processes", 1)
         plan.accelerate_config = profile.get("accelerate_config")
         plan.ds_config = profile.get("ds_config")
+        plan.gpu_memory_gb = profile.get("gpu_memory_gb")
+        plan.gpu_capability = profile.get("gpu_capability")
+        plan.host_memory_gb = profile.get("host_memory_gb")
     if args.accelerate_config:
         plan.accelerate_config = args.accelerate_config
         plan.ds_config = None
@@ -239,6 +196,7 @@ def resolve_plan(args) -> tuple[Plan, dict, dict | None]:
             plan.nodes = accelerate_cfg.get("num_machines", 1)
         if plan.ds_config is None:
             plan.ds_config = (accelerate_cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    plan.mixed_precision = train_args.mixed_precision or accelerate_cfg.get("mixed_precision") or "no"
     if args.ds_config:
         plan.ds_config = args.ds_config
     ds_cfg = None
@@ -250,15 +208,6 @@ def resolve_plan(args) -> tuple[Plan, dict, dict | None]:
             ds_cfg = json.loads(path.read_text())
         except json.JSONDecodeError as error:
             raise UsageError(f"ds config {plan.ds_config}: not valid JSON ({error})") from error
-    if args.config:
-        values = read_yaml(Path(args.config), "loop config")
-        for key, attr in LOOP_KEYS.items():
-            if key in values:
-                setattr(plan, attr, values[key])
-    for key, attr in LOOP_KEYS.items():
-        value = getattr(args, key)
-        if value is not None:
-            setattr(plan, attr, value)
     if args.num_processes:
         plan.world_size = args.num_processes
     if args.nodes:
@@ -311,36 +260,32 @@ def tokenizer_info(spec: str) -> dict:
 
 
 def model_config(plan: Plan, vocab_size: int | None) -> dict:
-    if plan.model_name_or_path and (Path(plan.model_name_or_path) / "config.json").exists():
-        return json.loads((Path(plan.model_name_or_path) / "config.json").read_text())
-    config = dict(PRESETS.get(plan.preset, PRESETS["small"]))
-    config["vocab_size"] = vocab_size or 30522
-    # the loop grows a fresh preset's position table to the sequence length
-    config["max_position_embeddings"] = max(config["max_position_embeddings"], plan.seq_len)
-    return config
+    path = plan.model.model_name_or_path
+    if path and (Path(path) / "config.json").exists():
+        return json.loads((Path(path) / "config.json").read_text())
+    return fresh_model_fields(plan.model, plan.data.max_seq_length, vocab_size=vocab_size or 30522)
 
 
 def check_batch(plan: Plan, ds_cfg) -> list[Check]:
     checks = []
-    global_batch = plan.micro_batch * plan.grad_accum * plan.world_size
-    reason = f"global batch {global_batch} = micro {plan.micro_batch} × accumulation {plan.grad_accum} × world {plan.world_size}"
-    problems = []
-    for key, expected in (
-        ("train_micro_batch_size_per_gpu", plan.micro_batch),
-        ("gradient_accumulation_steps", plan.grad_accum),
-        ("train_batch_size", global_batch),
-    ):
-        value = (ds_cfg or {}).get(key, "auto")
-        if value != "auto" and value != expected:
-            problems.append(f"ds config {key}={value} but the plan gives {expected}")
+    if plan.world_size < 1:
+        return [Check("batch arithmetic", ERROR, f"world size {plan.world_size}", "--num_processes >= 1")]
+    values = deepspeed_batch_values(plan.train, plan.world_size)
+    reason = (
+        f"global batch {values['train_batch_size']} = micro {values['train_micro_batch_size_per_gpu']} × "
+        f"accumulation {values['gradient_accumulation_steps']} × world {plan.world_size}"
+    )
+    problems = [
+        f"ds config {key}={(ds_cfg or {}).get(key)} but the plan gives {expected}"
+        for key, expected in values.items()
+        if (ds_cfg or {}).get(key, "auto") not in ("auto", expected)
+    ]
     if problems:
         checks.append(
             Check("batch arithmetic", ERROR, "; ".join(problems), 'set those keys to "auto" in the ds config')
         )
     else:
         checks.append(Check("batch arithmetic", OK, reason + (" (ds config: auto)" if ds_cfg else "")))
-    if plan.micro_batch < 1 or plan.grad_accum < 1 or plan.world_size < 1:
-        checks.append(Check("batch sizes", ERROR, "batch sizes and world size must be >= 1", "fix the numbers"))
     if plan.gpus_per_node:
         slots = plan.gpus_per_node * plan.nodes
         if plan.world_size > slots:
@@ -469,8 +414,6 @@ def check_precision(plan: Plan, ds_cfg) -> list[Check]:
 
 def check_shapes(plan: Plan, config: dict, tok: dict) -> list[Check]:
     checks = []
-    if plan.model_name_or_path is None and plan.preset not in PRESETS:
-        return [Check("model", ERROR, f"unknown preset {plan.preset!r}", f"choose one of {sorted(PRESETS)}")]
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     if hidden % heads:
         checks.append(
@@ -479,35 +422,40 @@ def check_shapes(plan: Plan, config: dict, tok: dict) -> list[Check]:
     else:
         checks.append(Check("hidden % heads", OK, f"{hidden} / {heads} heads = {hidden // heads} per head"))
     max_pos = config["max_position_embeddings"]
-    if plan.seq_len > max_pos:
+    if plan.data.max_seq_length > max_pos:
         checks.append(
             Check(
                 "sequence length",
                 ERROR,
-                f"max_seq_length={plan.seq_len} > max_position_embeddings={max_pos} of {plan.model_name_or_path}",
+                f"max_seq_length={plan.data.max_seq_length} > max_position_embeddings={max_pos} of {plan.model.model_name_or_path}",
                 f"--max_seq_length {max_pos}",
             )
         )
     else:
-        checks.append(Check("sequence length", OK, f"{plan.seq_len} <= {max_pos} positions"))
+        checks.append(Check("sequence length", OK, f"{plan.data.max_seq_length} <= {max_pos} positions"))
     if tok["kind"] == "invalid":
         checks.append(
-            Check("tokenizer", ERROR, f"{plan.tokenizer!r} is not train:<wordpiece|bpe>:<vocab>", "fix the spec")
+            Check("tokenizer", ERROR, f"{plan.data.tokenizer!r} is not train:<wordpiece|bpe>:<vocab>", "fix the spec")
         )
     elif tok["kind"] == "hub":
         checks.append(
-            Check("tokenizer", WARNING, f"{plan.tokenizer} looks like a Hub name: not checked (no network use)", "")
+            Check(
+                "tokenizer", WARNING, f"{plan.data.tokenizer} looks like a Hub name: not checked (no network use)", ""
+            )
         )
     else:
         if not (tok.get("pad") and tok.get("mask")):
             missing = " and ".join(x for x in ("pad", "mask") if not tok.get(x))
             checks.append(
                 Check(
-                    "tokenizer", ERROR, f"{plan.tokenizer} has no {missing} token", "add it, or train one (train:...)"
+                    "tokenizer",
+                    ERROR,
+                    f"{plan.data.tokenizer} has no {missing} token",
+                    "add it, or train one (train:...)",
                 )
             )
         vocab = tok.get("vocab_size")
-        if vocab and plan.model_name_or_path and vocab > config["vocab_size"]:
+        if vocab and plan.model.model_name_or_path and vocab > config["vocab_size"]:
             checks.append(
                 Check(
                     "vocabulary",
@@ -523,38 +471,40 @@ def check_shapes(plan: Plan, config: dict, tok: dict) -> list[Check]:
 
 def check_paths(plan: Plan) -> list[Check]:
     checks = []
-    if plan.dataset == "embedded":
+    if plan.data.dataset == "embedded":
         checks.append(Check("dataset", OK, "embedded corpus (no network)"))
-    elif Path(plan.dataset).expanduser().exists():
-        path = Path(plan.dataset).expanduser()
+    elif Path(plan.data.dataset).expanduser().exists():
+        path = Path(plan.data.dataset).expanduser()
         empty = path.is_file() and path.stat().st_size == 0 or path.is_dir() and not any(path.iterdir())
         checks.append(
             Check("dataset", ERROR, f"{path} is empty", "point --dataset at text files")
             if empty
             else Check("dataset", OK, f"local {path}")
         )
-    elif plan.dataset.startswith((".", "/", "~")) or Path(plan.dataset).suffix in (
+    elif plan.data.dataset.startswith((".", "/", "~")) or Path(plan.data.dataset).suffix in (
         ".txt",
         ".jsonl",
         ".json",
         ".parquet",
     ):
-        checks.append(Check("dataset", ERROR, f"{plan.dataset}: no such file or folder", "fix the path"))
+        checks.append(Check("dataset", ERROR, f"{plan.data.dataset}: no such file or folder", "fix the path"))
     else:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
         checks.append(
             Check(
                 "dataset",
                 WARNING,
-                f"Hub dataset {plan.dataset}: not checked by the plan check{' (offline mode is on)' if offline else ''}",
+                f"Hub dataset {plan.data.dataset}: not checked by the plan check{' (offline mode is on)' if offline else ''}",
                 "make sure the training machine can reach the Hub, or pass a local path",
             )
         )
-    if plan.model_name_or_path and not (Path(plan.model_name_or_path) / "config.json").exists():
+    if plan.model.model_name_or_path and not (Path(plan.model.model_name_or_path) / "config.json").exists():
         checks.append(
-            Check("model path", ERROR, f"{plan.model_name_or_path} holds no config.json", "a save_pretrained folder")
+            Check(
+                "model path", ERROR, f"{plan.model.model_name_or_path} holds no config.json", "a save_pretrained folder"
+            )
         )
-    out = Path(plan.output_dir).expanduser()
+    out = Path(plan.train.output_dir).expanduser()
     probe = out
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -564,7 +514,7 @@ def check_paths(plan: Plan) -> list[Check]:
         checks.append(Check("output dir", ERROR, f"{out} is not writable (checked {probe})", "choose --output_dir"))
     else:
         checks.append(Check("output dir", OK, f"{out} writable"))
-    resume = plan.resume_from_checkpoint
+    resume = plan.train.resume_from_checkpoint
     if resume and resume != "auto":
         path = Path(resume).expanduser()
         known = ("train_state.json", "latest", "model.safetensors", "pytorch_model.bin", "optimizer.bin")
@@ -601,16 +551,16 @@ def plan_estimate(plan: Plan, config: dict, ds_cfg):
     stage, offload_opt, offload_par = memory.zero_settings(ds_cfg)
     return memory.estimate_training_memory(
         config,
-        plan.micro_batch,
-        plan.seq_len,
+        plan.train.per_device_train_batch_size,
+        plan.data.max_seq_length,
         zero_stage=stage,
         offload_optimizer=offload_opt,
         offload_params=offload_par,
         gpus_per_node=max(plan.gpus_per_node, 1) if plan.gpus_per_node else max(plan.world_size, 1),
         nodes=plan.nodes,
         mixed_precision=plan.mixed_precision,
-        gradient_checkpointing=plan.gradient_checkpointing,
-        mlm_probability=plan.mlm_probability,
+        gradient_checkpointing=plan.model.gradient_checkpointing,
+        mlm_probability=plan.data.mlm_probability,
     )
 
 
@@ -668,38 +618,22 @@ def suggest(plan: Plan, config: dict) -> list[dict]:
     return rows
 
 
-def launch_command(plan: Plan, args) -> list[str]:
-    cmd = ["accelerate", "launch"]
+def plan_launch_command(plan: Plan, args) -> list[str]:
+    """`accelerate launch` with the plan's launch settings, then the loop with its resolved arguments."""
+    options = []
     if plan.accelerate_config:
-        cmd += ["--config_file", plan.accelerate_config]
+        options += ["--config_file", plan.accelerate_config]
     if args.ds_config:
-        cmd += ["--deepspeed_config_file", plan.ds_config]
+        options += ["--deepspeed_config_file", plan.ds_config]
     if args.num_processes or (plan.profile and plan.world_size != 1 and not plan.accelerate_config):
-        cmd += ["--num_processes", str(plan.world_size)]
+        options += ["--num_processes", str(plan.world_size)]
     if args.nodes:
-        cmd += ["--num_machines", str(plan.nodes)]
-    cmd += ["loops/mlm.py"]
-    if args.config:
-        cmd += ["--config", args.config]
-    cmd += ["--preset", plan.preset, "--per_device_train_batch_size", str(plan.micro_batch)]
-    cmd += ["--gradient_accumulation_steps", str(plan.grad_accum), "--max_seq_length", str(plan.seq_len)]
-    cmd += ["--mixed_precision", plan.mixed_precision, "--dataset", plan.dataset, "--tokenizer", plan.tokenizer]
-    for flag, value in (
-        ("--model_name_or_path", plan.model_name_or_path),
-        ("--resume_from_checkpoint", plan.resume_from_checkpoint),
-        ("--run_name", plan.run_name),
-    ):
-        if value:
-            cmd += [flag, value]
-    if plan.output_dir != "Cache/runs":
-        cmd += ["--output_dir", plan.output_dir]
-    if plan.gradient_checkpointing:
-        cmd += ["--gradient_checkpointing", "true"]
-    return cmd + plan.loop_args
+        options += ["--num_machines", str(plan.nodes)]
+    return launch_command(options, plan.model, plan.data, plan.train)
 
 
 def run_checks(plan: Plan, ds_cfg) -> tuple[list[Check], dict, object]:
-    tok = tokenizer_info(plan.tokenizer)
+    tok = tokenizer_info(plan.data.tokenizer)
     config = model_config(plan, tok.get("vocab_size"))
     estimate = plan_estimate(plan, config, ds_cfg)
     checks = check_batch(plan, ds_cfg)
@@ -722,21 +656,15 @@ def format_table(checks: list[Check]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    passthrough = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, passthrough = argv[:cut], argv[cut + 1 :]
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--"]  # `--` before loop flags is optional
+    args, loop_argv = build_parser().parse_known_args(argv)
     try:
-        plan, _, ds_cfg = resolve_plan(args)
+        plan, _, ds_cfg = resolve_plan(args, loop_argv)
     except UsageError as error:
         print(f"usage error: {error}", file=sys.stderr)
         return 2
-    plan.loop_args = unknown + passthrough
     checks, config, estimate = run_checks(plan, ds_cfg)
-    command = launch_command(plan, args)
+    command = plan_launch_command(plan, args)
     errors = sum(c.status == ERROR for c in checks)
     suggestions = suggest(plan, config) if args.suggest else None
     if args.json:
@@ -755,7 +683,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         where = plan.profile or plan.accelerate_config or "this machine"
-        print(f"Launch plan: {where} · {plan.world_size} process(es) · preset {plan.preset} · ds {plan.ds_config}\n")
+        print(
+            f"Launch plan: {where} · {plan.world_size} process(es) · preset {plan.model.preset} · ds {plan.ds_config}\n"
+        )
         print(format_table(checks))
         if suggestions is not None:
             print(

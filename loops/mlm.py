@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator, skip_first_batches
 from accelerate.utils import (
     DataLoaderConfiguration,
@@ -36,10 +35,11 @@ from tqdm.auto import tqdm
 if __package__ in (None, ""):  # run as a script: make the project root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
-from concept_encoder.data import DataSourceError, check_tokenizer, collator_for, prepare_data
+from concept_encoder import ConceptEncoderForMaskedLM
+from concept_encoder.constants import IGNORE_INDEX
+from concept_encoder.data import DataSourceError, collator_for, prepare_data
 from concept_encoder.flops import mlm_training_flops
-from concept_encoder.metrics import HEALTH_KEYS, concept_health, format_health_table
+from concept_encoder.health_metrics import format_health_table
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.checkpoint import (
     TrainState,
@@ -52,21 +52,23 @@ from concept_encoder.training.deepspeed_setup import (
     fill_deepspeed_auto_values,
     outside_zero3,
 )
-from concept_encoder.training.objective import ConceptObjective, build_concept_objective
-from concept_encoder.training.optim import build_optimizer, build_scheduler
-from concept_encoder.training.setup import (
-    apply_memory_budget,
-    init_wandb,
+from concept_encoder.training.evaluation import evaluate, health_of
+from concept_encoder.training.logs import (
     log_data_config,
     log_dataset_sizes,
     log_model_info,
     log_system_info,
+    setup_logging,
+)
+from concept_encoder.training.model import build_model
+from concept_encoder.training.objective import ConceptObjective, build_concept_objective
+from concept_encoder.training.optim import build_optimizer, build_scheduler
+from concept_encoder.training.runs import init_wandb, save_run_config, setup_run_dirs
+from concept_encoder.training.runtime import (
+    apply_memory_budget,
     maybe_compile,
     probe_attention_kernels,
-    save_run_config,
     setup_distributed,
-    setup_logging,
-    setup_run_dirs,
 )
 from concept_encoder.training.tracking import MetricsWriter, PreemptionFlag, memory_stats, plot_loss_curve
 
@@ -95,38 +97,6 @@ def throughput(interval: dict, flops_per_token: float, world_size: int, peak_tfl
     `--peak_tflops`."""
     tflops = flops_per_token * interval["tokens"] / interval["time"] / world_size / 1e12
     return {"tflops_per_s": tflops, **({"mfu": tflops / peak_tflops} if peak_tflops else {})}
-
-
-def build_model(model_args, data_args, tokenizer) -> ConceptEncoderForMaskedLM:
-    """A fresh preset (vocabulary and special ids from the tokenizer) or a saved model."""
-    if model_args.model_name_or_path:
-        model = ConceptEncoderForMaskedLM.from_pretrained(model_args.model_name_or_path)
-    else:
-        overrides = dict(
-            vocab_size=len(tokenizer),
-            decoder_type=model_args.decoder_type,
-            pad_token_id=tokenizer.pad_token_id,
-            mask_token_id=tokenizer.mask_token_id,
-            cls_token_id=tokenizer.cls_token_id,
-            sep_token_id=tokenizer.sep_token_id,
-            unk_token_id=tokenizer.unk_token_id,
-        )
-        if model_args.concept_num is not None:
-            overrides["concept_num"] = model_args.concept_num
-        if model_args.hidden_dropout_prob is not None:
-            overrides["hidden_dropout_prob"] = model_args.hidden_dropout_prob
-        config = config_from_preset(model_args.preset, **overrides)
-        config.max_position_embeddings = max(config.max_position_embeddings, data_args.max_seq_length)
-        model = ConceptEncoderForMaskedLM(config)
-    check_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
-    if data_args.max_seq_length > model.config.max_position_embeddings:
-        raise ValueError(
-            f"max_seq_length={data_args.max_seq_length} exceeds the model's max_position_embeddings="
-            f"{model.config.max_position_embeddings}; lower --max_seq_length"
-        )
-    if model_args.gradient_checkpointing:
-        model.activation_checkpointing_enable()
-    return model
 
 
 def windows(loader, accumulation: int, state: TrainState, finish_batch):
@@ -172,7 +142,7 @@ def train_step(
     gradient accumulation and data parallelism apply; the gradient is then exactly that of the
     mean CE over every masked token of the step. Returns global sums for logging.
     """
-    counts = torch.stack([(b["labels"] != -100).sum() for b in window]).sum().float()
+    counts = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in window]).sum().float()
     window_labelled = accelerator.reduce(counts, reduction="sum").clamp(min=1)
     scale = accelerator.num_processes * len(window) / window_labelled
     loss_sum = torch.zeros((), device=accelerator.device)
@@ -213,46 +183,6 @@ def train_step(
         "labelled": int(window_labelled.item()),
         "tokens": int(totals[1].item()),
         "grad_norm": None if grad_norm is None else float(grad_norm),
-    }
-
-
-@torch.no_grad()
-def evaluate(accelerator, model, loader, eval_collator, collator_state: dict, max_batches: int | None) -> dict:
-    """Loss, perplexity and masked-token accuracy over the validation set, weighted by masked-token
-    count and gathered across ranks (duplicate samples that even out the last batch are dropped),
-    plus the concept-health metrics (`concept_encoder.metrics`) averaged over batches and ranks.
-    The eval collator restarts from the same state, so every evaluation sees the same masks."""
-    eval_collator.load_state_dict(collator_state)
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
-    health = torch.zeros(len(HEALTH_KEYS), dtype=torch.float64, device=accelerator.device)
-    batches = 0
-    for i, batch in enumerate(loader):
-        if max_batches is not None and i >= max_batches:
-            break
-        batch = send_to_device(eval_collator.mask(batch), accelerator.device)
-        out = model(**batch)
-        labelled = batch["labels"] != -100
-        targets = batch["labels"][labelled]
-        ce = F.cross_entropy(out.logits.float(), targets, reduction="none")
-        correct = (out.logits.argmax(dim=-1) == targets).double()
-        per_sample = torch.zeros(labelled.shape[0], 3, dtype=torch.float64, device=accelerator.device)
-        rows = labelled.nonzero()[:, 0]  # sample of each labelled position, matching the logits' order
-        per_sample.index_add_(0, rows, torch.stack([ce.double(), torch.ones_like(ce).double(), correct], dim=1))
-        totals += accelerator.gather_for_metrics(per_sample).sum(dim=0)
-        values = concept_health(out.concepts)
-        health += torch.tensor([float(values[k]) for k in HEALTH_KEYS], dtype=torch.float64, device=health.device)
-        batches += 1
-    health = accelerator.reduce(health / max(batches, 1), reduction="mean")
-    model.train(was_training)
-    loss = (totals[0] / totals[1].clamp(min=1)).item()
-    return {
-        "eval_loss": loss,
-        "eval_perplexity": math.exp(min(loss, 50.0)),
-        "eval_accuracy": (totals[2] / totals[1].clamp(min=1)).item(),
-        "eval_masked_tokens": int(totals[1].item()),
-        **{f"health/{k}": round(float(v), 6) for k, v in zip(HEALTH_KEYS, health, strict=True)},
     }
 
 
@@ -302,7 +232,7 @@ def save_final(
             **(last_eval or {}),
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        health = {k.split("/", 1)[1]: v for k, v in (last_eval or {}).items() if k.startswith("health/")}
+        health = health_of(last_eval or {})
         if health:
             logger.info("concept health at the last evaluation:\n%s", format_health_table(health))
         logger.info("run dir: %s", run_dir)

@@ -128,8 +128,8 @@ def test_simulated_two_node_zero3_matches_single_node(workdir):
 
 def test_zero_compare_writes_csv_markdown_and_plot(workdir, tmp_path):
     cmd = [
-        sys.executable, str(ROOT / "loops/zero_compare.py"), "--configs", "zero0,zero2_offload",
-        "--preset", "micro", "--steps", "2", "--warmup_steps", "1", "--seq_len", "64",
+        sys.executable, str(ROOT / "launch/zero_compare.py"), "--configs", "zero0,zero2_offload",
+        "--preset", "micro", "--steps", "2", "--untimed_steps", "1", "--max_seq_length", "64",
         "--tokenizer", "train:wordpiece:2000", "--workdir", str(workdir), "--out_dir", str(tmp_path),
         "--timeout", str(TIMEOUT),
     ]  # fmt: skip

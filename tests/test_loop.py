@@ -289,7 +289,7 @@ def test_health_cli_reports_and_rejects_non_finite_weights(tmp_path):
     final = Path("runs/learn/final")
     if not final.exists():
         run("--run_name", "learn", "--max_steps", "3")
-    cmd = [sys.executable, "-m", "concept_encoder.health", str(final), "--max_seq_length", "64", "--batches", "2"]
+    cmd = [sys.executable, "-m", "concept_encoder.check_health", str(final), "--max_seq_length", "64", "--batches", "2"]
     out = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, cwd=Path.cwd(), env={**os.environ, "PYTHONPATH": str(ROOT)}
     )
@@ -307,7 +307,7 @@ def test_health_cli_reports_and_rejects_non_finite_weights(tmp_path):
 
 RSS_AFTER_FREE = """
 import psutil, torch
-from concept_encoder.training.setup import retain_freed_cpu_memory
+from concept_encoder.training.runtime import retain_freed_cpu_memory
 enabled = retain_freed_cpu_memory()
 before = psutil.Process().memory_info().rss
 x = torch.ones(64 * 2**20)  # 256 MiB, touched

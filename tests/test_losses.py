@@ -1,4 +1,4 @@
-"""Concept losses: known values, spread < collapsed, finite gradients; LossManager weighting and checkpointing."""
+"""Concept losses: known values, spread < collapsed, finite gradients; their weighting into the loss and checkpointing."""
 
 import math
 import warnings
@@ -7,9 +7,9 @@ import concept_cases
 import pytest
 import torch
 
+from concept_encoder.loss_weighting import ConceptRegularizedLoss
 from concept_encoder.losses import (
     CONCEPT_LOSSES,
-    LossManager,
     covariance_loss,
     nearest_neighbour_spread_loss,
     orthogonality_loss,
@@ -158,7 +158,7 @@ def test_losses_are_float32_under_bf16_autocast():
     assert value.item() == pytest.approx(orthogonality_loss(x).item(), rel=1e-6)
 
 
-# ---------------------------------------------------------------- LossManager
+# ---------------------------------------------------------------- ConceptRegularizedLoss
 
 
 def mlm() -> torch.Tensor:
@@ -167,7 +167,7 @@ def mlm() -> torch.Tensor:
 
 def test_empty_loss_list_returns_mlm_loss():
     for weighting in ("fixed", "learnable", "kendall_gal"):
-        manager = LossManager([], concept_num=C, hidden_size=H, weighting=weighting)
+        manager = ConceptRegularizedLoss([], concept_num=C, hidden_size=H, weighting=weighting)
         loss = mlm()
         total, terms = manager(loss, None, step=0)
         assert total is loss
@@ -177,7 +177,7 @@ def test_empty_loss_list_returns_mlm_loss():
 
 @pytest.mark.parametrize(("step", "factor"), [(0, 0.0), (50, 0.5), (100, 1.0), (200, 1.0)])
 def test_fixed_weights_warm_up_linearly(step, factor):
-    manager = LossManager(["orthogonality"], concept_num=C, hidden_size=H, concept_loss_weight=0.4, warmup_steps=100)
+    manager = ConceptRegularizedLoss(["orthogonality"], concept_num=C, hidden_size=H, concept_loss_weight=0.4, warmup_steps=100)
     total, terms = manager(mlm(), identical(), step=step)  # orthogonality of identical concepts = 1
     assert terms["weight/orthogonality"].item() == pytest.approx(0.4 * factor)
     assert terms["orthogonality"].item() == pytest.approx(1.0, abs=1e-5)
@@ -185,7 +185,7 @@ def test_fixed_weights_warm_up_linearly(step, factor):
 
 
 def test_fixed_without_warmup_is_full_weight_from_step_0():
-    manager = LossManager(["orthogonality", "uniformity"], concept_num=C, hidden_size=H, concept_loss_weight=0.5)
+    manager = ConceptRegularizedLoss(["orthogonality", "uniformity"], concept_num=C, hidden_size=H, concept_loss_weight=0.5)
     x = random_concepts()
     total, terms = manager(mlm(), x, step=0)
     expected = 2.5 + 0.5 * (orthogonality_loss(x) + uniformity_loss(x)).item()
@@ -203,7 +203,7 @@ def test_fixed_without_warmup_is_full_weight_from_step_0():
 
 def test_loss_kwargs_reach_the_loss():
     x = random_concepts()
-    manager = LossManager(
+    manager = ConceptRegularizedLoss(
         ["uniformity"], concept_num=C, hidden_size=H, loss_kwargs={"uniformity": {"temperature": 0.5}}
     )
     _, terms = manager(mlm(), x, step=0)
@@ -213,20 +213,20 @@ def test_loss_kwargs_reach_the_loss():
 
 def test_unknown_names_raise_with_the_valid_ones():
     with pytest.raises(ValueError, match="orthogonalty") as info:
-        LossManager(["orthogonalty"], concept_num=C, hidden_size=H)
+        ConceptRegularizedLoss(["orthogonalty"], concept_num=C, hidden_size=H)
     assert "soft_orthogonality" in str(info.value) and "nn_spread" in str(info.value)
     with pytest.raises(ValueError, match="'softmax'.*fixed, learnable, kendall_gal"):
-        LossManager(["uniformity"], concept_num=C, hidden_size=H, weighting="softmax")
+        ConceptRegularizedLoss(["uniformity"], concept_num=C, hidden_size=H, weighting="softmax")
     with pytest.raises(ValueError, match="more than once"):
-        LossManager(["uniformity", "uniformity"], concept_num=C, hidden_size=H)
+        ConceptRegularizedLoss(["uniformity", "uniformity"], concept_num=C, hidden_size=H)
     with pytest.raises(ValueError, match="weighting='fixed' only"):
-        LossManager(["uniformity"], concept_num=C, hidden_size=H, weighting="kendall_gal", warmup_steps=10)
+        ConceptRegularizedLoss(["uniformity"], concept_num=C, hidden_size=H, weighting="kendall_gal", warmup_steps=10)
     with pytest.raises(ValueError, match="not in concept_losses"):
-        LossManager(["uniformity"], concept_num=C, hidden_size=H, loss_kwargs={"variance": {"gamma": 2.0}})
+        ConceptRegularizedLoss(["uniformity"], concept_num=C, hidden_size=H, loss_kwargs={"variance": {"gamma": 2.0}})
 
 
 def test_concepts_must_match_constructor_shape():
-    manager = LossManager(["uniformity"], concept_num=C, hidden_size=H)
+    manager = ConceptRegularizedLoss(["uniformity"], concept_num=C, hidden_size=H)
     with pytest.raises(ValueError, match=f"concept_num={C}"):
         manager(mlm(), torch.randn(2, C + 1, H), step=0)
     with pytest.raises(ValueError, match="required"):
@@ -235,20 +235,20 @@ def test_concepts_must_match_constructor_shape():
 
 def test_orthogonality_with_more_concepts_than_dims_warns():
     with pytest.warns(UserWarning, match="concept_num=32 > hidden_size=16"):
-        LossManager(["orthogonality"], concept_num=32, hidden_size=16)
+        ConceptRegularizedLoss(["orthogonality"], concept_num=32, hidden_size=16)
     with pytest.warns(UserWarning, match="soft_orthogonality"):
-        LossManager(["soft_orthogonality"], concept_num=32, hidden_size=16)
+        ConceptRegularizedLoss(["soft_orthogonality"], concept_num=32, hidden_size=16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        LossManager(["orthogonality"], concept_num=16, hidden_size=16)
-        LossManager(["uniformity", "nn_spread"], concept_num=32, hidden_size=16)
+        ConceptRegularizedLoss(["orthogonality"], concept_num=16, hidden_size=16)
+        ConceptRegularizedLoss(["uniformity", "nn_spread"], concept_num=32, hidden_size=16)
 
 
 def test_learnable_weights_sum_to_number_of_terms():
-    manager = LossManager(["orthogonality", "uniformity"], concept_num=C, hidden_size=H, weighting="learnable")
-    assert manager.weight_logits.shape == (3,)
+    manager = ConceptRegularizedLoss(["orthogonality", "uniformity"], concept_num=C, hidden_size=H, weighting="learnable")
+    assert manager.weighting.weight_logits.shape == (3,)
     with torch.no_grad():
-        manager.weight_logits.copy_(torch.tensor([0.3, -1.0, 2.0]))
+        manager.weighting.weight_logits.copy_(torch.tensor([0.3, -1.0, 2.0]))
     x = random_concepts()
     total, terms = manager(mlm(), x, step=0)
     weights = torch.stack([terms["weight/mlm"], terms["weight/orthogonality"], terms["weight/uniformity"]])
@@ -257,19 +257,19 @@ def test_learnable_weights_sum_to_number_of_terms():
     expected = (weights * torch.stack([terms["mlm"], terms["orthogonality"], terms["uniformity"]])).sum()
     assert total.item() == pytest.approx(expected.item(), abs=1e-5)
     total.backward()
-    assert manager.weight_logits.grad is not None and manager.weight_logits.grad.abs().sum() > 0
+    assert manager.weighting.weight_logits.grad is not None and manager.weighting.weight_logits.grad.abs().sum() > 0
 
 
 def test_learnable_weights_start_equal():
-    manager = LossManager(["variance"], concept_num=C, hidden_size=H, weighting="learnable")
+    manager = ConceptRegularizedLoss(["variance"], concept_num=C, hidden_size=H, weighting="learnable")
     _, terms = manager(mlm(), random_concepts(), step=0)
     assert terms["weight/mlm"].item() == pytest.approx(1.0) and terms["weight/variance"].item() == pytest.approx(1.0)
 
 
 def test_kendall_gal_formula():
-    manager = LossManager(["orthogonality"], concept_num=C, hidden_size=H, weighting="kendall_gal")
+    manager = ConceptRegularizedLoss(["orthogonality"], concept_num=C, hidden_size=H, weighting="kendall_gal")
     with torch.no_grad():
-        manager.log_vars.copy_(torch.tensor([0.5, -0.25]))
+        manager.weighting.log_vars.copy_(torch.tensor([0.5, -0.25]))
     x = identical()  # orthogonality = 1
     total, terms = manager(mlm(), x, step=0)
     expected = math.exp(-0.5) * 2.5 + 0.5 + math.exp(0.25) * 1.0 - 0.25
@@ -280,26 +280,54 @@ def test_kendall_gal_formula():
 
 def test_kendall_gal_log_vars_survive_save_and_load(tmp_path):
     names = ["orthogonality", "uniformity"]
-    manager = LossManager(names, concept_num=C, hidden_size=H, weighting="kendall_gal")
-    assert "log_vars" in manager.state_dict()
+    manager = ConceptRegularizedLoss(names, concept_num=C, hidden_size=H, weighting="kendall_gal")
+    assert "weighting.log_vars" in manager.state_dict()
     optimizer = torch.optim.SGD(manager.parameters(), lr=0.1)
     total, _ = manager(mlm(), random_concepts(), step=0)
     total.backward()
     optimizer.step()
-    trained = manager.log_vars.detach().clone()
+    trained = manager.weighting.log_vars.detach().clone()
     assert trained.abs().min() > 0, "the optimizer step should have moved every log-variance"
 
-    path = tmp_path / "loss_manager.pt"
+    path = tmp_path / "concept_loss.pt"
     torch.save(manager.state_dict(), path)
-    fresh = LossManager(names, concept_num=C, hidden_size=H, weighting="kendall_gal")
-    assert not torch.equal(fresh.log_vars.detach(), trained)
+    fresh = ConceptRegularizedLoss(names, concept_num=C, hidden_size=H, weighting="kendall_gal")
+    assert not torch.equal(fresh.weighting.log_vars.detach(), trained)
     fresh.load_state_dict(torch.load(path, weights_only=True))
-    assert torch.equal(fresh.log_vars.detach(), trained)
+    assert torch.equal(fresh.weighting.log_vars.detach(), trained)
     x = random_concepts(seed=3)
     assert fresh(mlm(), x, step=5)[0].item() == manager(mlm(), x, step=5)[0].item()
 
 
 def test_negative_step_raises():
-    manager = LossManager(["uniformity"], concept_num=C, hidden_size=H, warmup_steps=10)
+    manager = ConceptRegularizedLoss(["uniformity"], concept_num=C, hidden_size=H, warmup_steps=10)
     with pytest.raises(ValueError, match="step=-1"):
         manager(mlm(), random_concepts(), step=-1)
+
+
+@pytest.mark.parametrize(("weighting", "parameter"), [("learnable", "weight_logits"), ("kendall_gal", "log_vars")])
+def test_loop_checkpoint_entry_keeps_the_first_release_format(weighting, parameter):
+    """The loop saves {"manager": {<parameter>: tensor}, "optimizer": ...}, as before the weighting classes
+    existed: a state in that format (written by hand here) loads and drives the loss to the same value."""
+    from types import SimpleNamespace
+
+    from concept_encoder.training.objective import build_concept_objective
+
+    args = SimpleNamespace(
+        concept_loss_names=["orthogonality"], loss_weighting=weighting, concept_loss_weight=0.1,
+        concept_loss_warmup_steps=0, learning_rate=1e-3,
+    )  # fmt: skip
+    config = SimpleNamespace(concept_num=C, hidden_size=H, hidden_dropout_prob=0.0)
+    objective = build_concept_objective(args, config, torch.device("cpu"))
+    state = objective.state_dict()
+    assert set(state) == {"manager", "optimizer"} and list(state["manager"]) == [parameter]
+    first_release_state = {"manager": {parameter: torch.tensor([0.5, -0.25])}, "optimizer": state["optimizer"]}
+    objective.load_state_dict(first_release_state)
+    x = identical()  # orthogonality = 1
+    total, _ = objective(mlm(), x, step=0)
+    w = (2 * torch.tensor([0.5, -0.25]).softmax(0)).tolist()
+    expected = {
+        "learnable": w[0] * 2.5 + w[1] * 1.0,
+        "kendall_gal": math.exp(-0.5) * 2.5 + 0.5 + math.exp(0.25) * 1.0 - 0.25,
+    }[weighting]
+    assert total.item() == pytest.approx(expected, abs=1e-5)

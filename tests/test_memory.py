@@ -80,9 +80,3 @@ def test_size_parsing_and_zero_settings_of_the_shipped_configs():
     assert zero_settings(configs["zero2_offload"]) == (2, True, False)
     assert zero_settings(configs["zero3_offload"]) == (3, True, True)
     assert zero_settings(None) == (0, False, False)
-
-
-def test_vocab_chunk_size_restated_without_torch_matches_the_loss():
-    from concept_encoder import memory, vocab_projection
-
-    assert memory.VOCAB_CHUNK_ELEMENTS == vocab_projection.CHUNK_ELEMENTS

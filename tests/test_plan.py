@@ -1,8 +1,12 @@
 """launch/check_plan.py: one broken plan per ERROR class, sound profiles, --json, --suggest, light imports."""
 
+import argparse
 import json
+import re
+import shlex
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -110,7 +114,6 @@ BROKEN = {
         "is (inside) the checkpoint being resumed",
     ),
     "GPU memory": (lambda t: [*XL_3080, "--gpu_memory", "3GB"], "GiB budget"),
-    "unknown preset": (lambda t: ["--preset", "huge"], "unknown preset 'huge'"),
 }
 
 
@@ -172,13 +175,99 @@ def test_usage_errors_exit_2(capsys):
     assert exit_info.value.code == 2
 
 
-def test_static_checks_import_no_heavy_machinery():
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--learning_rate", "-1"], "learning_rate=-1.0 must be > 0"),
+        (["--masking", "bogus"], "masking='bogus' is unknown; choose one of ('mlm', 'whole_word', 'span')"),
+        (["--no-such-flag"], "unknown argument(s) ['--no-such-flag']"),
+        (["--preset", "huge"], "preset='huge' is unknown"),
+        (["--concept_losses", "orthogonal"], "unknown concept loss(es) ['orthogonal']"),
+    ],
+)
+def test_values_the_loop_rejects_are_usage_errors_with_the_loops_message(argv, message, capsys):
+    from concept_encoder.training.args import parse_args
+
+    with pytest.raises(ValueError) as loop_error:
+        parse_args(argv)
+    assert message in str(loop_error.value)
+    assert check_plan.main(["--profile", "rtx3080_10gb", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"usage error: {loop_error.value}" and "plan is sound" not in captured.out
+
+
+def loop_help_flags() -> set[str]:
+    """The flags `python loops/mlm.py --help` lists (underscore spellings)."""
+    out = subprocess.run(
+        [sys.executable, "loops/mlm.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_]*)(?![\w-])", out.stdout)) - {"--help"}
+
+
+def test_every_flag_of_the_loop_is_accepted_with_the_loops_default(capsys):
+    from concept_encoder.training.args import build_parser
+
+    parser = build_parser()
+    options = {option: action for action in parser._actions for option in action.option_strings}
+    flags = loop_help_flags()
+    assert flags == {o for o in options if o.startswith("--") and "-" not in o[2:]} - {"--help"}, "--help lists it"
+    plan = json.loads(run(capsys, "--json")[1])["plan"]
+    resolved = {**plan["model"], **plan["data"], **plan["train"]}
+    checked = 0
+    for flag in sorted(flags - {"--config"}):
+        action = options[flag]
+        assert resolved[action.dest] == parser.get_default(action.dest), flag  # same default
+        if isinstance(action, argparse._StoreFalseAction) or action.default is None:
+            value = [] if isinstance(action, argparse._StoreFalseAction) else None
+        else:
+            value = [str(action.default).lower() if isinstance(action.default, bool) else str(action.default)]
+        if value is None:
+            continue  # no value to pass that equals an unset default
+        code, out = run(capsys, flag, *value, "--json")
+        assert code == 0, (flag, out)
+        got = {
+            **json.loads(out)["plan"]["model"],
+            **json.loads(out)["plan"]["data"],
+            **json.loads(out)["plan"]["train"],
+        }
+        assert got[action.dest] == (False if value == [] else action.default), flag
+        checked += 1
+    assert checked > 40
+
+
+def test_profile_loop_defaults_then_yaml_config_then_flags(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("per_device_train_batch_size: 4\nlearning_rate: 0.002\n")
+    plan = json.loads(run(capsys, *XL_3080, "--json")[1])["plan"]
+    assert (plan["model"]["preset"], plan["train"]["per_device_train_batch_size"]) == ("xl", 8)  # the profile's
+    plan = json.loads(run(capsys, *XL_3080, "--config", str(config), "--json")[1])["plan"]
+    assert plan["train"]["per_device_train_batch_size"] == 4 and plan["train"]["learning_rate"] == 0.002
+    plan = json.loads(run(capsys, *XL_3080, "--config", str(config), "--per_device_train_batch_size", "2", "--json")[1])
+    assert plan["plan"]["train"]["per_device_train_batch_size"] == 2 and plan["plan"]["model"]["preset"] == "xl"
+
+
+def test_the_launch_command_reparses_to_the_checked_plan(capsys):
+    from concept_encoder.training.args import parse_args
+
+    argv = [*XL_3080, "--preset", "large", "--learning_rate", "3e-4", "--concept_losses", "uniformity", "--json"]
+    data = json.loads(run(capsys, *argv)[1])
+    command = shlex.split(data["command"])
+    loop_argv = command[command.index("loops/mlm.py") + 1 :]
+    model, data_args, train = parse_args(loop_argv)
+    assert asdict(model) == data["plan"]["model"] and asdict(train) == data["plan"]["train"]
+    assert asdict(data_args) == data["plan"]["data"]
+    assert train.learning_rate == 3e-4 and model.preset == "large" and train.per_device_train_batch_size == 8
+
+
+def test_static_checks_import_no_torch():
     code = (
         "import runpy, sys\n"
         "sys.argv = ['check_plan.py', '--profile', 'rtx3080_10gb']\n"
         "try:\n    runpy.run_path('launch/check_plan.py', run_name='__main__')\n"
         "except SystemExit as e:\n    assert e.code == 0, e.code\n"
-        "print('HEAVY', sorted(m for m in ('torch', 'transformers', 'deepspeed', 'accelerate') if m in sys.modules))\n"
+        "heavy = ('torch', 'deepspeed', 'accelerate', 'datasets', 'transformers.modeling_utils')\n"
+        "print('HEAVY', sorted(m for m in heavy if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

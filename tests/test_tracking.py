@@ -8,7 +8,7 @@ import pytest
 from accelerate import PartialState
 
 from concept_encoder.training.args import TrainingArguments
-from concept_encoder.training.setup import init_wandb
+from concept_encoder.training.runs import init_wandb
 
 
 @pytest.fixture

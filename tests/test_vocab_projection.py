@@ -43,7 +43,7 @@ def test_equals_cross_entropy_of_linear_in_float32(bias):
 
 @pytest.mark.parametrize("chunk_elements", [V, 7 * V, 2**24])  # 1-row chunks, 7-row chunks (uneven), one chunk
 def test_chunked_under_bf16_autocast_matches_autocast_cross_entropy(monkeypatch, chunk_elements):
-    monkeypatch.setattr(vocab_projection, "CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(vocab_projection, "VOCAB_CHUNK_ELEMENTS", chunk_elements)
     args = inputs()
     loss, grads = loss_and_grads(linear_cross_entropy, *args, autocast=True)
     ref_loss, ref_grads = loss_and_grads(reference, *args, autocast=True)

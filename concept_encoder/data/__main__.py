@@ -11,6 +11,7 @@ import sys
 import torch
 from transformers import HfArgumentParser
 
+from ..constants import IGNORE_INDEX
 from . import DataArguments, DataSourceError, prepare_data
 
 
@@ -20,7 +21,7 @@ def show_masked(tokenizer, batch: dict, row: int, max_tokens: int = 60) -> str:
     pieces = []
     for token, label in zip(ids.tolist(), labels.tolist(), strict=True):
         shown = tokenizer.convert_ids_to_tokens(token)
-        pieces.append(f"{shown}→{tokenizer.convert_ids_to_tokens(label)}" if label != -100 else shown)
+        pieces.append(f"{shown}→{tokenizer.convert_ids_to_tokens(label)}" if label != IGNORE_INDEX else shown)
     return " ".join(pieces)
 
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     examples = list(data.train.take(2)) if hasattr(data.train, "take") else [data.train[0], data.train[1]]
     torch.manual_seed(extra.seed)
     batch = data.collator(examples)
-    rate = (batch["labels"] != -100).float().mean().item()
+    rate = (batch["labels"] != IGNORE_INDEX).float().mean().item()
     print(f"\n2 masked examples (first 60 tokens, `shown→target` where predicted; batch mask rate {rate:.1%}):")
     for row in range(len(examples)):
         print(f"[{row}] {show_masked(data.tokenizer, batch, row)}\n")

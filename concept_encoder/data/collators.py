@@ -19,8 +19,7 @@ from typing import Any
 import torch
 from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerBase
 
-MASKING_STRATEGIES = ("mlm", "whole_word", "span")
-IGNORE_INDEX = -100
+from ..constants import IGNORE_INDEX, MASKING_STRATEGIES
 
 
 class MLMCollator(DataCollatorForLanguageModeling):

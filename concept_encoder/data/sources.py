@@ -16,7 +16,8 @@ from urllib.parse import urlparse
 
 from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
 
-EMBEDDED = "embedded"
+from ..constants import EMBEDDED_DATASET
+
 LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SPLIT_SEED = 1234  # fixed: the held-out split must not move when the training seed changes
 VALIDATION_SPLIT_NAMES = ("validation", "valid", "dev")
@@ -118,7 +119,7 @@ def load_raw_dataset(
     """
     if not 0 < validation_split_percentage < 100:
         raise ValueError(f"validation_split_percentage={validation_split_percentage} must be in (0, 100)")
-    if spec == EMBEDDED:
+    if spec == EMBEDDED_DATASET:
         raw = DatasetDict({"train": Dataset.from_dict({"text": embedded_documents()})})
         if streaming:
             raw = IterableDatasetDict({"train": raw["train"].to_iterable_dataset()})

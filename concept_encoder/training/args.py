@@ -2,20 +2,25 @@
 
 `parse_args(["--config", "run.yaml", "--learning_rate", "1e-3"])`: YAML values replace the
 defaults, command-line flags replace the YAML. Unknown keys, in the YAML or on the command
-line, are an error.
+line, are an error. Every value is validated in `__post_init__`, before anything heavy runs.
+
+This module imports neither torch nor transformers' model code: the launch plan checker parses
+the loop's flags with this very parser (`parse_args`), so a flag the loop rejects is rejected
+there too, with the same message. `to_argv` is the inverse: the flags that reproduce a parse.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 import yaml
 from transformers import HfArgumentParser
 
-from ..config import DECODER_TYPES, PRESETS
-from ..data import DataArguments
+from ..constants import CONCEPT_LOSS_NAMES, DECODER_TYPES, LOSS_WEIGHTING_NAMES, check_concept_loss_settings
+from ..data.arguments import DataArguments
+from ..presets import PRESETS
 
 
 @dataclass
@@ -84,9 +89,11 @@ class TrainingArguments:
                   "(e.g. 989 for an H100/H200 in bf16, 71 for an RTX 3090 in bf16)"},
     )  # fmt: skip
     concept_losses: str = field(
-        default="", metadata={"help": "comma-separated concept regularisers, e.g. orthogonality,uniformity"}
+        default="", metadata={"help": f"comma-separated concept regularisers from {CONCEPT_LOSS_NAMES}"}
     )
-    loss_weighting: str = field(default="fixed", metadata={"help": "fixed, learnable or kendall_gal"})
+    loss_weighting: str = field(
+        default="fixed", metadata={"help": f"how the losses are weighted: one of {LOSS_WEIGHTING_NAMES}"}
+    )
     concept_loss_weight: float = field(default=0.1, metadata={"help": "fixed weighting: weight of each concept loss"})
     concept_loss_warmup_steps: int = field(
         default=0, metadata={"help": "fixed weighting: linear warm-up of the concept weights, in optimizer steps"}
@@ -120,6 +127,24 @@ class TrainingArguments:
             raise ValueError(f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops={self.peak_tflops} must be > 0 (or left unset to skip MFU)")
+        for name in ("learning_rate", "adam_epsilon"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        for name in ("weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if self.max_bad_steps < 1:
+            raise ValueError(f"max_bad_steps={self.max_bad_steps} must be >= 1")
+        if self.max_eval_batches is not None and self.max_eval_batches < 1:
+            raise ValueError(f"max_eval_batches={self.max_eval_batches} must be >= 1 (or unset for all)")
+        if self.cuda_memory_budget_gb is not None and self.cuda_memory_budget_gb <= 0:
+            raise ValueError(f"cuda_memory_budget_gb={self.cuda_memory_budget_gb} must be > 0 (or unset)")
+        check_concept_loss_settings(
+            self.concept_loss_names, self.loss_weighting, self.concept_loss_weight, self.concept_loss_warmup_steps
+        )
 
     @property
     def concept_loss_names(self) -> list[str]:
@@ -133,26 +158,72 @@ class TrainingArguments:
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainingArguments)
 
 
-def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES) -> tuple:
-    """Parse `argv` (default `sys.argv[1:]`) into one instance of each dataclass in `classes`."""
+def build_parser(classes=ARGUMENT_CLASSES, **kwargs) -> HfArgumentParser:
+    """The loops' parser: one flag per dataclass field (what `loops/mlm.py --help` lists), plus `--config`."""
+    parser = HfArgumentParser(classes, **kwargs)
+    parser.add_argument("--config", default=None, help="YAML file of arguments; command-line flags override it")
+    return parser
+
+
+def read_argument_file(path: str | Path, classes=ARGUMENT_CLASSES, what: str = "--config") -> dict:
+    """A YAML mapping of argument names to values; unknown names are an error naming the valid ones."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} {path}: no such file")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"{what} {path}: not valid YAML ({error})") from error
+    if not isinstance(values, dict):
+        raise ValueError(f"{what} {path}: expected a mapping of argument names to values")
+    check_argument_names(values, classes, f"{what} {path}")
+    return values
+
+
+def check_argument_names(values: dict, classes, where: str) -> None:
+    valid = {f.name for cls in classes for f in fields(cls)}
+    unknown = sorted(set(values) - valid)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; valid keys are {sorted(valid)}")
+
+
+def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, defaults: dict | None = None) -> tuple:
+    """Parse `argv` (default `sys.argv[1:]`) into one instance of each dataclass in `classes`.
+
+    Precedence, lowest first: the dataclass defaults, `defaults` (e.g. a hardware profile's),
+    the `--config` YAML file, the command-line flags. Unknown flags or keys raise `ValueError`;
+    so does any value a dataclass's `__post_init__` rejects. A malformed value (`--max_steps x`)
+    is argparse's usage error (exit code 2).
+    """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(argv)
-    parser = HfArgumentParser(classes)
-    parser.add_argument("--config", default=None, help="YAML file of arguments; command-line flags override it")
+    parser = build_parser(classes)
+    if defaults:
+        check_argument_names(defaults, classes, "defaults")
+        parser.set_defaults(**defaults)
     if known.config:
-        path = Path(known.config)
-        if not path.is_file():
-            raise ValueError(f"--config {known.config}: no such file")
-        values = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"--config {known.config}: expected a mapping of argument names to values")
-        valid = {f.name for cls in classes for f in fields(cls)}
-        unknown = sorted(set(values) - valid)
-        if unknown:
-            raise ValueError(f"--config {known.config}: unknown keys {unknown}; valid keys are {sorted(valid)}")
-        parser.set_defaults(**values)
-    *parsed, _config = parser.parse_args_into_dataclasses(
-        args=rest + (["--config", known.config] if known.config else [])
-    )
-    return tuple(parsed)
+        parser.set_defaults(**read_argument_file(known.config, classes))
+    namespace, unknown = parser.parse_known_args(rest)
+    if unknown:
+        raise ValueError(f"unknown argument(s) {unknown}; run with --help for the valid flags")
+    values = vars(namespace)
+    return tuple(cls(**{f.name: values[f.name] for f in fields(cls) if f.init}) for cls in classes)
+
+
+def field_default(f):
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def to_argv(*instances) -> list[str]:
+    """The command-line flags that make `parse_args` rebuild `instances`: one per non-default field.
+
+    `parse_args(to_argv(*parse_args(argv)))` equals `parse_args(argv)` (tested).
+    """
+    argv: list[str] = []
+    for instance in instances:
+        for f in fields(instance):
+            value = getattr(instance, f.name)
+            if f.init and value != field_default(f):
+                argv += [f"--{f.name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv

@@ -15,6 +15,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from ..memory import zero_settings
+from .plan import deepspeed_batch_values
 
 
 def using_deepspeed() -> bool:
@@ -33,14 +34,7 @@ def fill_deepspeed_auto_values(accelerator, args) -> None:
     config = deepspeed_config(accelerator)
     if config is None:
         return
-    values = {
-        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "train_batch_size": args.per_device_train_batch_size
-        * args.gradient_accumulation_steps
-        * accelerator.num_processes,
-        "gradient_clipping": args.max_grad_norm,
-    }
+    values = {**deepspeed_batch_values(args, accelerator.num_processes), "gradient_clipping": args.max_grad_norm}
     for key, value in values.items():
         if config.get(key, "auto") == "auto":
             config[key] = value

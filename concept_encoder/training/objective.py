@@ -1,4 +1,4 @@
-"""The loop's view of the concept regularisers: a `LossManager` plus an optimizer for its own weights."""
+"""The loop's view of the concept regularisers: a `ConceptRegularizedLoss` plus an optimizer for its own weights."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from ..losses import LossManager
+from ..loss_weighting import ConceptRegularizedLoss
 
 logger = logging.getLogger("concept_encoder")
 
@@ -14,29 +14,29 @@ logger = logging.getLogger("concept_encoder")
 class ConceptObjective:
     """Adds the concept losses to each micro-batch objective and trains the learned loss weights.
 
-    The `learnable` and `kendall_gal` weights belong to the `LossManager`, not to the model, so
+    The `learnable` and `kendall_gal` weights belong to the loss, not to the model, so
     neither DDP nor DeepSpeed (which own the model's parameters only) would average or step them.
     They get their own small AdamW here, stepped with the model's optimizer after their gradients
     are averaged over ranks. `state_dict()` covers both, for `register_for_checkpointing`.
     """
 
-    def __init__(self, manager: LossManager, learning_rate: float, device: torch.device):
-        self.manager = manager.to(device)
-        params = list(manager.parameters())
+    def __init__(self, loss: ConceptRegularizedLoss, learning_rate: float, device: torch.device):
+        self.loss = loss.to(device)
+        params = list(loss.parameters())
         self.optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0) if params else None
 
     @property
     def active(self) -> bool:
-        return bool(self.manager.concept_losses)
+        return bool(self.loss.concept_losses)
 
     def __call__(self, objective: torch.Tensor, concepts: torch.Tensor, step: int):
         """`objective []` (the micro-batch's scaled MLM term), `concepts [B,C,H]` → (total [], terms)."""
-        return self.manager(objective, concepts, step)
+        return self.loss(objective, concepts, step)
 
     def step(self, accelerator, apply: bool) -> None:
         if self.optimizer is None:
             return
-        for param in self.manager.parameters():
+        for param in self.loss.parameters():
             if param.grad is not None:
                 param.grad = accelerator.reduce(param.grad, reduction="mean")
         if apply:
@@ -44,20 +44,22 @@ class ConceptObjective:
         self.optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict:
+        # "manager" holds the weighting's own parameters under their plain names ("log_vars", ...):
+        # the checkpoint format of the first release, kept so its checkpoints still resume.
         return {
-            "manager": self.manager.state_dict(),
+            "manager": self.loss.weighting.state_dict(),
             "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.manager.load_state_dict(state["manager"])
+        self.loss.weighting.load_state_dict(state["manager"])
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
 
 
 def build_concept_objective(args, model_config, device) -> ConceptObjective:
     """Step 7's loss config: `--concept_losses`, `--loss_weighting`, weights and warm-up; logged."""
-    manager = LossManager(
+    loss = ConceptRegularizedLoss(
         args.concept_loss_names,
         concept_num=model_config.concept_num,
         hidden_size=model_config.hidden_size,
@@ -65,7 +67,7 @@ def build_concept_objective(args, model_config, device) -> ConceptObjective:
         concept_loss_weight=args.concept_loss_weight,
         warmup_steps=args.concept_loss_warmup_steps,
     )
-    if manager.concept_losses and model_config.hidden_dropout_prob > 0:
+    if loss.concept_losses and model_config.hidden_dropout_prob > 0:
         logger.warning(
             "concept losses with hidden_dropout_prob=%s: the model can satisfy them with dropout noise alone "
             "(concepts spread in training, collapsed in eval; seen on the embedded corpus). "
@@ -74,8 +76,8 @@ def build_concept_objective(args, model_config, device) -> ConceptObjective:
         )
     logger.info(
         "loss: sparse masked-token cross-entropy (mean over the masked tokens of each optimizer step)%s",
-        f" + concept losses {manager.concept_losses} weighted {manager.weighting!r} ({manager.extra_repr()})"
-        if manager.concept_losses
+        f" + concept losses {loss.concept_losses} weighted {loss.weighting_name!r} ({loss.weighting.extra_repr()})"
+        if loss.concept_losses
         else "",
     )
-    return ConceptObjective(manager, args.learning_rate, device)
+    return ConceptObjective(loss, args.learning_rate, device)

@@ -1,8 +1,10 @@
-"""`python -m concept_encoder.health <model folder> [--dataset ...]`: is a saved model healthy?
+"""`python -m concept_encoder.check_health <model folder> [--dataset ...]`: is a saved model healthy?
 
 Loads a `save_pretrained` folder (e.g. `Cache/runs/<run>/final`), fails with exit code 1 if any
-parameter is NaN/Inf, then runs a few masked validation batches through it and prints the
-concept-health table (effective rank, cosines, collapsed dimensions) and the masked-token loss.
+parameter is NaN/Inf, then evaluates a few masked validation batches with the loop's own evaluation
+(`concept_encoder.training.evaluation`) and prints the concept-health table (effective rank, cosines,
+collapsed dimensions) with the masked-token loss and accuracy. The metric functions themselves live
+in `concept_encoder.health_metrics`.
 """
 
 from __future__ import annotations
@@ -13,35 +15,21 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
 
 from .data import DataArguments, DataSourceError, prepare_data
 from .heads import ConceptEncoderForMaskedLM
-from .metrics import HEALTH_KEYS, concept_health, format_health_table
+from .health_metrics import format_health_table
+from .training.evaluation import evaluate, health_of
 
 
 def non_finite_parameters(model: torch.nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
 
 
-@torch.no_grad()
-def measure(model: ConceptEncoderForMaskedLM, batches: list[dict]) -> dict[str, float]:
-    """Concept health averaged over `batches`, plus their masked-token loss (weighted by count)."""
-    sums = dict.fromkeys(HEALTH_KEYS, 0.0)
-    loss_sum = labelled = 0.0
-    for batch in batches:
-        out = model(**batch)
-        for key, value in concept_health(out.concepts).items():
-            sums[key] += float(value)
-        loss_sum += float(out.loss) * int(out.num_labelled)
-        labelled += int(out.num_labelled)
-    result = {key: value / len(batches) for key, value in sums.items()}
-    result["collapsed_dims"] = round(result["collapsed_dims"], 2)
-    result["masked_token_loss"] = loss_sum / max(labelled, 1)
-    return result
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m concept_encoder.health", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m concept_encoder.check_health", description=__doc__)
     parser.add_argument("model", help="a save_pretrained folder, e.g. Cache/runs/<run>/final")
     parser.add_argument("--dataset", default="embedded", help="text to probe with (as for the loop)")
     parser.add_argument("--tokenizer", default=None, help="default: the model folder's own tokenizer")
@@ -75,17 +63,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     split = data.validation if len(data.validation) else data.train
+    accelerator = Accelerator()
+    loader = DataLoader(split, batch_size=args.batch_size, collate_fn=data.collator.collate)
+    result = evaluate(accelerator, model.to(accelerator.device), loader, data.collator, data.collator.state_dict(),
+                      max_batches=args.batches)  # fmt: skip
     n = min(len(split), args.batches * args.batch_size)
-    batches = [
-        data.collator([split[j] for j in range(i, min(i + args.batch_size, n))]) for i in range(0, n, args.batch_size)
-    ]
-    result = measure(model, batches)
     print(f"model {path}  ({sum(p.numel() for p in model.parameters()):,} parameters, all finite)")
     print(
         f"probe {args.dataset}: {n} examples of {seq_len} tokens, C={model.config.concept_num}, H={model.config.hidden_size}\n"
     )
-    print(format_health_table(result))
-    if not math.isfinite(result["masked_token_loss"]):
+    table = {
+        **health_of(result),
+        "masked_token_loss": result["eval_loss"],
+        "masked_token_accuracy": result["eval_accuracy"],
+    }
+    print(format_health_table(table))
+    if not math.isfinite(result["eval_loss"]):
         print("error: the masked-token loss is not finite", file=sys.stderr)
         return 1
     return 0

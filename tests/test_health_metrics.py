@@ -6,7 +6,7 @@ import concept_cases
 import pytest
 import torch
 
-from concept_encoder.metrics import (
+from concept_encoder.health_metrics import (
     HEALTH_KEYS,
     batch_mean_effective_rank,
     collapsed_dimensions,

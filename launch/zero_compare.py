@@ -1,10 +1,14 @@
 """ZeRO memory comparison runs: the same model, batch and sequence length under each ds config.
 
-    python loops/zero_compare.py --configs zero0,zero2,zero2_offload,zero3_offload --preset large \\
-        --micro_batch 8 --seq_len 512 --steps 10 --memory_budget 10GB
-    python loops/zero_compare.py --configs zero2,zero2_offload --find_max --memory_budget 10GB
+    python launch/zero_compare.py --configs zero0,zero2,zero2_offload,zero3_offload --preset large \\
+        --per_device_train_batch_size 8 --max_seq_length 512 --steps 10 --memory_budget 10GB
+    python launch/zero_compare.py --configs zero2,zero2_offload --find_max --memory_budget 10GB
 
-Each config runs `loops/mlm.py` in its own `accelerate launch` process for `--warmup_steps`
+It lives beside the plan checker because it is the plan checker's measured counterpart: both take
+the loop's own flags (parsed by the loop's parser, here with a micro-batch of 8 by default), build
+the launch with the same `launch_command` and ask the same memory model; this one launches and measures.
+
+Each config runs `loops/mlm.py` in its own `accelerate launch` process for `--untimed_steps`
 plus `--steps` optimizer steps. Measured: peak CUDA memory allocated and reserved (max over
 ranks, where CUDA exists), peak host RSS (max over ranks), median step time, tokens/s and the
 final loss; beside them the analytic estimate (`concept_encoder.memory`: DeepSpeed's ZeRO
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -30,8 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from concept_encoder.config import PRESETS  # noqa: E402
 from concept_encoder.memory import GIB, estimate_training_memory, parse_size_gb, zero_settings  # noqa: E402
+from concept_encoder.training.args import parse_args as parse_loop_args  # noqa: E402
+from concept_encoder.training.plan import (  # noqa: E402
+    LOOP_SCRIPT,
+    PYTHON_ACCELERATE_LAUNCH,
+    fresh_model_fields,
+    launch_command,
+)
 
 PRESET_ORDER = ["micro", "tiny", "small", "base", "large", "xl"]
 COLUMNS = [
@@ -48,24 +59,28 @@ def size_argument(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from error
 
 
-def launch_command(args, config: str, preset: str, run_dir: Path, port: int) -> list[str]:
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1"]
-    accelerate += ["--num_processes", str(args.num_processes), "--main_process_port", str(port)]
+def run_arguments(args, preset: str, run_dir: Path) -> tuple:
+    """The loop's arguments for one measured run: the user's, with the preset, step counts and
+    outputs of this comparison (logging every step, no checkpoints, evaluation on one batch)."""
+    model, data, train = args.loop
+    train = dataclasses.replace(
+        train, max_steps=args.untimed_steps + args.steps, logging_steps=1, eval_steps=0, max_eval_batches=1,
+        save_steps=0, report_to="none", progress_bar=False, output_dir=str(run_dir.parent), run_name=run_dir.name,
+        mixed_precision=args.mixed_precision, cuda_memory_budget_gb=args.memory_budget,
+    )  # fmt: skip
+    return dataclasses.replace(model, preset=preset), data, train
+
+
+def run_command(args, config: str, preset: str, run_dir: Path, port: int) -> list[str]:
+    accelerate = ["--num_machines", "1", "--num_processes", str(args.num_processes), "--main_process_port", str(port)]
     accelerate += ["--dynamo_backend", "no"]
     if config == "none":
         accelerate += ["--multi_gpu"] if args.num_processes > 1 else []
     else:
         accelerate += ["--use_deepspeed", "--deepspeed_config_file", str(ROOT / "ds_configs" / f"{config}.json")]
         accelerate += ["--deepspeed_multinode_launcher", "standard"]
-    loop = [str(ROOT / "loops" / "mlm.py"), "--preset", preset, "--dataset", args.dataset]
-    loop += ["--tokenizer", args.tokenizer, "--max_seq_length", str(args.seq_len)]
-    loop += ["--per_device_train_batch_size", str(args.micro_batch)]
-    loop += ["--max_steps", str(args.warmup_steps + args.steps), "--logging_steps", "1", "--eval_steps", "0"]
-    loop += ["--max_eval_batches", "1", "--save_steps", "0", "--report_to", "none", "--progress_bar", "false"]
-    loop += ["--output_dir", str(run_dir.parent), "--run_name", run_dir.name, "--mixed_precision", args.mixed_precision]
-    if args.memory_budget is not None:
-        loop += ["--cuda_memory_budget_gb", str(args.memory_budget)]
-    return accelerate + loop
+    return launch_command(accelerate, *run_arguments(args, preset, run_dir), launcher=PYTHON_ACCELERATE_LAUNCH,
+                          script=str(ROOT / LOOP_SCRIPT))  # fmt: skip
 
 
 def last_error(text: str) -> str:
@@ -82,7 +97,7 @@ def measure(args, config: str, preset: str, report_dir: Path, port: int) -> dict
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         done = subprocess.run(
-            launch_command(args, config, preset, run_dir, port),
+            run_command(args, config, preset, run_dir, port),
             cwd=args.workdir,
             env=env,
             capture_output=True,
@@ -99,7 +114,7 @@ def measure(args, config: str, preset: str, report_dir: Path, port: int) -> dict
     if metrics_path.exists():
         records = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
     train = [r for r in records if r.get("kind") == "train"]
-    timed = train[args.warmup_steps :] or train
+    timed = train[args.untimed_steps :] or train
     if failed or not timed:
         row.update(status="failed", error=error or "no metrics written")
     else:
@@ -125,22 +140,23 @@ def measure(args, config: str, preset: str, report_dir: Path, port: int) -> dict
 def estimate(args, config: str, preset: str, run_dir: Path, measured: dict) -> dict:
     config_path = run_dir / "config.json"
     vocab = json.loads(config_path.read_text())["model_config"]["vocab_size"] if config_path.exists() else 30522
-    model_config = {**PRESETS[preset], "vocab_size": vocab}
-    model_config["max_position_embeddings"] = max(model_config["max_position_embeddings"], args.seq_len)
+    model, data, train = run_arguments(args, preset, run_dir)
     stage, offload_opt, offload_par = (
         (0, False, False)
         if config == "none"
         else zero_settings(json.loads((ROOT / "ds_configs" / f"{config}.json").read_text()))
     )
     est = estimate_training_memory(
-        model_config,
-        args.micro_batch,
-        args.seq_len,
+        fresh_model_fields(model, data.max_seq_length, vocab_size=vocab),
+        train.per_device_train_batch_size,
+        data.max_seq_length,
         zero_stage=stage,
         offload_optimizer=offload_opt,
         offload_params=offload_par,
         gpus_per_node=args.num_processes,
         mixed_precision=args.mixed_precision,
+        gradient_checkpointing=model.gradient_checkpointing,
+        mlm_probability=data.mlm_probability,
     )
     out = {
         "est_gpu_peak_gb": round(est.gpu_peak / GIB, 3),
@@ -154,10 +170,11 @@ def estimate(args, config: str, preset: str, run_dir: Path, measured: dict) -> d
 
 
 def format_markdown(rows: list[dict], args, has_cuda: bool) -> str:
+    model, data, train = args.loop
     lines = [
-        f"ZeRO comparison: preset {args.preset if not args.find_max else 'largest that fits'}, micro-batch "
-        f"{args.micro_batch}, seq {args.seq_len}, {args.num_processes} process(es), {args.mixed_precision}, "
-        f"{args.steps} timed steps after {args.warmup_steps} warm-up"
+        f"ZeRO comparison: preset {model.preset if not args.find_max else 'largest that fits'}, micro-batch "
+        f"{train.per_device_train_batch_size}, seq {data.max_seq_length}, {args.num_processes} process(es), "
+        f"{args.mixed_precision}, {args.steps} timed steps after {args.untimed_steps} untimed"
         + (f", CUDA capped at {args.memory_budget:g} GiB" if args.memory_budget else ""),
         "",
     ]
@@ -207,27 +224,32 @@ def plot(rows: list[dict], path: Path, has_cuda: bool) -> None:
     plt.close(fig)
 
 
+LOOP_DEFAULTS = {"per_device_train_batch_size": 8}  # a comparison, not a training run: smaller than the loop's 16
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+        epilog="Every other flag is one of loops/mlm.py's (see its --help), parsed by the loop's own parser.",
+    )
     parser.add_argument("--configs", default="zero0,zero1,zero2,zero2_offload,zero3,zero3_offload",
                         help="comma-separated ds config names (ds_configs/<name>.json), or `none` for plain DDP")  # fmt: skip
-    parser.add_argument("--preset", default="small", choices=list(PRESETS))
-    parser.add_argument("--micro_batch", type=int, default=8)
-    parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per config")
-    parser.add_argument("--warmup_steps", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--untimed_steps", type=int, default=2, help="steps run first and not timed")
     parser.add_argument("--num_processes", type=int, default=1)
-    parser.add_argument("--mixed_precision", default=None, choices=["no", "bf16", "fp16"],
-                        help="default: bf16 with CUDA, no without")  # fmt: skip
     parser.add_argument("--memory_budget", type=size_argument, default=None, help="cap CUDA memory, e.g. 10GB")
     parser.add_argument("--find_max", action="store_true", help="largest preset that completes under each config")
-    parser.add_argument("--dataset", default="embedded")
-    parser.add_argument("--tokenizer", default="train:wordpiece:8000")
     parser.add_argument("--out_dir", default="Cache/reports")
     parser.add_argument("--workdir", default=str(ROOT), help="where the runs' Cache/ (data, tokenizers) lives")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     parser.add_argument("--port", type=int, default=29720)
-    args = parser.parse_args(argv)
+    args, loop_argv = parser.parse_known_args(argv)
+    try:
+        args.loop = parse_loop_args(loop_argv, defaults=LOOP_DEFAULTS)
+    except ValueError as error:
+        parser.error(str(error))
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c != "none" and not (ROOT / "ds_configs" / f"{c}.json").exists()]
     if unknown:
@@ -252,17 +274,18 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    args.mixed_precision = args.mixed_precision or ("bf16" if has_cuda else "no")
+    args.mixed_precision = args.loop[2].mixed_precision or ("bf16" if has_cuda else "no")
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out_dir)
     report_dir = out_dir / f"zero_compare_{stamp}"
     report_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    jobs = [(c, p) for c in args.configs for p in ([args.preset] if not args.find_max else PRESET_ORDER)]
+    presets = [args.loop[0].preset] if not args.find_max else PRESET_ORDER
+    jobs = [(c, p) for c in args.configs for p in presets]
     bar = tqdm(total=len(jobs), desc="zero-compare", unit="run")
     for i, config in enumerate(args.configs):
         best = None
-        for preset in [args.preset] if not args.find_max else PRESET_ORDER:
+        for preset in presets:
             bar.set_postfix_str(f"{config} {preset}")
             row = measure(args, config, preset, report_dir, args.port + i)
             bar.update(1)

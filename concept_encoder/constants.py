@@ -1,0 +1,57 @@
+"""Names and numbers the library shares with its torch-free tools (plan checker, argument parsing).
+
+Plain data, no imports: the argument dataclasses validate against these tuples without importing
+torch, and the modules that implement each option key their tables by the same names (each such
+table checks at import that it covers its tuple, so a name cannot be added here without code).
+"""
+
+IGNORE_INDEX = -100  # label of positions that are not predicted (transformers' and torch's convention)
+
+# Rows of the vocabulary projection are processed in chunks whose float32 working copy stays under
+# this many elements (16-bit compute only); the memory model counts the same chunk.
+VOCAB_CHUNK_ELEMENTS = 2**24
+
+EMBEDDED_DATASET = "embedded"  # the offline built-in corpus
+MASKING_STRATEGIES = ("mlm", "whole_word", "span")
+DECODER_TYPES = ("perceiver", "posonly", "weighted")
+CLASSIFIER_POOLINGS = ("weighted", "mean")
+CONCEPT_LOSS_NAMES = (
+    "orthogonality",
+    "soft_orthogonality",
+    "uniformity",
+    "variance",
+    "covariance",
+    "vicreg",
+    "nn_spread",
+)
+LOSS_WEIGHTING_NAMES = ("fixed", "learnable", "kendall_gal")
+
+
+def check_table_covers(table, names: tuple[str, ...], what: str) -> None:
+    """Raise if the implementation table `table` (keyed by option name) and `names` differ."""
+    if tuple(table) != names:
+        raise RuntimeError(f"{what}: implemented {tuple(table)} but constants.py names {names}")
+
+
+def check_concept_loss_settings(names: list[str], weighting: str, weight: float, warmup_steps: int) -> None:
+    """ValueError naming what is wrong with a choice of concept losses and their weighting.
+
+    Shared by the argument dataclass (checked at parse time, without torch) and the loss module.
+    """
+    unknown = [name for name in names if name not in CONCEPT_LOSS_NAMES]
+    if unknown:
+        raise ValueError(f"unknown concept loss(es) {unknown}; valid names: {', '.join(CONCEPT_LOSS_NAMES)}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"concept loss(es) {repeated} listed more than once; list each loss once")
+    if weighting not in LOSS_WEIGHTING_NAMES:
+        raise ValueError(f"unknown weighting {weighting!r}; valid modes: {', '.join(LOSS_WEIGHTING_NAMES)}")
+    if weight < 0:
+        raise ValueError(f"concept_loss_weight={weight} must be >= 0")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 (0 = full concept loss weight from step 0)")
+    if warmup_steps > 0 and weighting != "fixed":
+        raise ValueError(
+            f"warmup_steps={warmup_steps} applies to weighting='fixed' only; with weighting={weighting!r} "
+            "the weights are learned, so set warmup_steps=0"
+        )

@@ -1,0 +1,53 @@
+"""`DataArguments`: where the text comes from and how it becomes masked blocks (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..constants import EMBEDDED_DATASET, MASKING_STRATEGIES
+
+
+@dataclass
+class DataArguments:
+    """Where the text comes from and how it becomes masked blocks."""
+
+    dataset: str = field(
+        default=EMBEDDED_DATASET,
+        metadata={"help": "`embedded` (offline built-in corpus), a local file/folder, or a Hub `name[:config]`"},
+    )
+    text_field: str = field(default="text", metadata={"help": "column holding the text (json/jsonl/parquet/Hub)"})
+    tokenizer: str = field(
+        default="train:wordpiece:8000",
+        metadata={"help": "Hub name or local folder, or `train:<wordpiece|bpe>:<vocab_size>`"},
+    )
+    max_seq_length: int = field(default=128, metadata={"help": "tokens per example (block length when packing)"})
+    packing: bool = field(default=True, metadata={"help": "pack documents into full blocks (else one doc per example)"})
+    validation_split_percentage: float = field(
+        default=5.0, metadata={"help": "held-out percent of documents when the source has no validation split"}
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "stream the source (Hub or local files) instead of loading it whole: tokenised lazily, not cached"
+        },
+    )
+    streaming_validation_documents: int = field(
+        default=1000,
+        metadata={"help": "streaming a source without a validation split: hold out its first N documents"},
+    )
+    masking: str = field(default="mlm", metadata={"help": f"masking strategy: one of {MASKING_STRATEGIES}"})
+    mlm_probability: float = field(default=0.15, metadata={"help": "fraction of tokens to predict"})
+    mean_span_length: float = field(default=3.0, metadata={"help": "span masking: mean of the geometric lengths"})
+    max_span_length: int = field(default=10, metadata={"help": "span masking: longest span"})
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "pad batch length to a multiple of this"})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "processes for tokenisation"})
+
+    def __post_init__(self):
+        if self.masking not in MASKING_STRATEGIES:
+            raise ValueError(f"masking={self.masking!r} is unknown; choose one of {MASKING_STRATEGIES}")
+        if self.streaming_validation_documents < 1:
+            raise ValueError(f"streaming_validation_documents={self.streaming_validation_documents} must be at least 1")
+        if self.max_seq_length < 2:
+            raise ValueError(f"max_seq_length={self.max_seq_length} must be at least 2")
+        if not 0 < self.mlm_probability < 1:
+            raise ValueError(f"mlm_probability={self.mlm_probability} must be in (0, 1)")

@@ -1,0 +1,76 @@
+"""`prepare_data`: sources → tokenizer → tokenise/pack (cached) → masking collator, in one call."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from datasets import IterableDataset
+
+from .arguments import DataArguments
+from .collators import build_collator
+from .processing import preprocess
+from .sources import load_raw_dataset
+from .tokenizer import load_tokenizer
+
+TOKENIZER_TRAINING_DOCS = 200_000  # enough for a good vocabulary; bounds the cost on huge corpora
+
+
+@dataclass
+class PreparedData:
+    tokenizer: Any
+    train: Any
+    validation: Any
+    collator: Any
+    stats: dict
+
+    @property
+    def streaming(self) -> bool:
+        """True when the splits are `datasets.IterableDataset`s (no length, no indexing)."""
+        return isinstance(self.train, IterableDataset)
+
+
+def prepare_data(args: DataArguments, cache_dir: str | Path = "Cache", seed: int | None = None) -> PreparedData:
+    """Load the source, load/train the tokenizer, tokenise + pack (cached), build the collator."""
+    raw = load_raw_dataset(
+        args.dataset,
+        args.text_field,
+        args.validation_split_percentage,
+        args.streaming,
+        args.streaming_validation_documents,
+    )
+
+    def training_texts():
+        for batch in itertools.islice(raw["train"].iter(batch_size=1000), TOKENIZER_TRAINING_DOCS // 1000):
+            yield from batch["text"]
+
+    tokenizer = load_tokenizer(
+        args.tokenizer, texts=training_texts(), corpus_id=f"{args.dataset}:{args.text_field}", cache_dir=cache_dir
+    )
+    processed, stats = preprocess(
+        raw,
+        tokenizer,
+        args.max_seq_length,
+        packing=args.packing,
+        cache_dir=None if args.streaming else cache_dir,
+        source=f"{args.dataset}:{args.text_field}",
+        num_proc=args.preprocessing_num_workers,
+        validation_split_percentage=args.validation_split_percentage,
+    )
+    collator = collator_for(args, tokenizer, seed)
+    return PreparedData(tokenizer, processed["train"], processed["validation"], collator, stats)
+
+
+def collator_for(args: DataArguments, tokenizer, seed: int | None):
+    """The masking collator `args` asks for (strategy, rate, spans, padding), drawing from `seed`."""
+    return build_collator(
+        tokenizer,
+        masking=args.masking,
+        mlm_probability=args.mlm_probability,
+        mean_span_length=args.mean_span_length,
+        max_span_length=args.max_span_length,
+        pad_to_multiple_of=args.pad_to_multiple_of,
+        seed=seed,
+    )

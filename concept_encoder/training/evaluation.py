@@ -1,0 +1,62 @@
+"""Evaluation of a masked-LM Concept Encoder: masked-token loss, accuracy and concept health.
+
+Shared by the loop (every `--eval_steps`) and `python -m concept_encoder.check_health`, so a model
+checked after training is measured exactly as the loop measured it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import send_to_device
+
+from ..constants import IGNORE_INDEX
+from ..health_metrics import HEALTH_KEYS, concept_health
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, loader, eval_collator, collator_state: dict, max_batches: int | None) -> dict:
+    """Loss, perplexity and masked-token accuracy over `loader`, weighted by masked-token count and
+    gathered across ranks (duplicate samples that even out the last batch are dropped), plus the
+    concept-health metrics (`concept_encoder.health_metrics`) averaged over batches and ranks.
+    `eval_collator` masks each padded batch, restarting from `collator_state`, so every evaluation
+    sees the same masks."""
+    eval_collator.load_state_dict(collator_state)
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+    health = torch.zeros(len(HEALTH_KEYS), dtype=torch.float64, device=accelerator.device)
+    batches = 0
+    for i, batch in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        batch = send_to_device(eval_collator.mask(batch), accelerator.device)
+        out = model(**batch)  # logits [L,V] at the L labelled positions
+        labelled = batch["labels"] != IGNORE_INDEX  # [B,N]
+        targets = batch["labels"][labelled]  # [L]
+        ce = F.cross_entropy(out.logits.float(), targets, reduction="none")  # [L]
+        correct = (out.logits.argmax(dim=-1) == targets).double()
+        per_sample = torch.zeros(labelled.shape[0], 3, dtype=torch.float64, device=accelerator.device)  # [B,3]
+        rows = labelled.nonzero()[:, 0]  # sample of each labelled position, matching the logits' order
+        per_sample.index_add_(0, rows, torch.stack([ce.double(), torch.ones_like(ce).double(), correct], dim=1))
+        totals += accelerator.gather_for_metrics(per_sample).sum(dim=0)
+        values = concept_health(out.concepts)
+        health += torch.tensor([float(values[k]) for k in HEALTH_KEYS], dtype=torch.float64, device=health.device)
+        batches += 1
+    health = accelerator.reduce(health / max(batches, 1), reduction="mean")
+    model.train(was_training)
+    loss = (totals[0] / totals[1].clamp(min=1)).item()
+    return {
+        "eval_loss": loss,
+        "eval_perplexity": math.exp(min(loss, 50.0)),
+        "eval_accuracy": (totals[2] / totals[1].clamp(min=1)).item(),
+        "eval_masked_tokens": int(totals[1].item()),
+        **{f"health/{k}": round(float(v), 6) for k, v in zip(HEALTH_KEYS, health, strict=True)},
+    }
+
+
+def health_of(results: dict) -> dict[str, float]:
+    """The `health/<metric>` entries of `evaluate`'s results, as `{metric: value}`."""
+    return {key.split("/", 1)[1]: value for key, value in results.items() if key.startswith("health/")}

@@ -1,0 +1,50 @@
+"""Rules derived from the loop's arguments, defined once for the loop, the plan checker and the ZeRO comparison.
+
+Torch-free (the plan checker must answer in about a second):
+
+- `fresh_model_fields`: the config fields of a fresh preset model, with the position table grown to
+  the sequence length (what `build_model` builds, what the memory model is asked about);
+- `deepspeed_batch_values`: the batch entries of a ds config for a micro-batch, accumulation and
+  world size (what the loop fills into `"auto"`, what the plan checker compares a fixed value with);
+- `launch_command`: the `accelerate launch ... loops/mlm.py <flags>` line for parsed arguments.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..presets import PRESETS
+from .args import to_argv
+
+LOOP_SCRIPT = "loops/mlm.py"
+PYTHON_ACCELERATE_LAUNCH = (sys.executable, "-m", "accelerate.commands.launch")  # this interpreter's accelerate
+
+
+def fresh_model_fields(model_args, max_seq_length: int, vocab_size: int, **special_ids) -> dict:
+    """Config fields of a fresh `model_args.preset` model: the preset's shape, the overrides of
+    `model_args`, the vocabulary (and special ids) of the tokenizer, and a position table grown to
+    `max_seq_length` when the preset's is shorter."""
+    fields = {**PRESETS[model_args.preset], "vocab_size": vocab_size, "decoder_type": model_args.decoder_type}
+    if model_args.concept_num is not None:
+        fields["concept_num"] = model_args.concept_num
+    if model_args.hidden_dropout_prob is not None:
+        fields["hidden_dropout_prob"] = model_args.hidden_dropout_prob
+    fields["max_position_embeddings"] = max(fields["max_position_embeddings"], max_seq_length)
+    return {**fields, **special_ids}
+
+
+def deepspeed_batch_values(training_args, world_size: int) -> dict[str, int]:
+    """The ds config's batch entries: micro-batch per process, accumulation, and their global product."""
+    micro, accumulation = training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": micro * accumulation * world_size,
+    }
+
+
+def launch_command(accelerate_options: list[str], *loop_arguments, launcher=("accelerate", "launch"),
+                   script: str = LOOP_SCRIPT) -> list[str]:  # fmt: skip
+    """`launcher + accelerate_options + [script] + to_argv(*loop_arguments)`: the exact command that runs
+    the loop with these parsed arguments (only values that differ from the defaults are spelled out)."""
+    return [*launcher, *accelerate_options, script, *to_argv(*loop_arguments)]
