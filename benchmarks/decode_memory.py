@@ -8,7 +8,7 @@ calls it: decoder, LM head and cross-entropy run only at the labelled positions 
 computed without keeping the `[L,V]` logits (`concept_encoder.vocab_projection`).
 `sparse_logits`: the same with the sparse logits returned (the default call, `cross_entropy` on them).
 `dense`: the same model decoding every position to `[B,N,V]` logits (`model(input_ids).logits`) and
-cross-entropy with `ignore_index=-100`, as a full-vocabulary head does. Same weights, same labels;
+cross-entropy with `ignore_index=IGNORE_INDEX`, as a full-vocabulary head does. Same weights, same labels;
 the three losses are equal (checked). Peak memory of one forward + backward is measured in a fresh
 subprocess per variant; time is the median of interleaved repeats.
 """
@@ -36,6 +36,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset  # noqa: E402
+from concept_encoder.constants import IGNORE_INDEX  # noqa: E402
 
 MASK_RATE = 0.15
 
@@ -48,7 +49,7 @@ def setup(preset: str, vocab: int, batch_size: int, seq_len: int):
     ).to(dev)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(5, vocab, (batch_size, seq_len), generator=g)
-    labels = torch.where(torch.rand(batch_size, seq_len, generator=g) < MASK_RATE, ids, -100)
+    labels = torch.where(torch.rand(batch_size, seq_len, generator=g) < MASK_RATE, ids, IGNORE_INDEX)
     return model, ids.to(dev), labels.to(dev)
 
 
@@ -58,7 +59,9 @@ VARIANTS = ("sparse", "sparse_logits", "dense")
 def loss_fn(variant: str, model, ids, labels):
     def dense():
         logits = model(ids).logits  # [B,N,V]
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX
+        )
 
     def sparse():
         return model(ids, labels=labels, return_logits=variant == "sparse_logits").loss
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
         rows.append(
             {
                 "vocab": vocab,
-                "masked_positions": int(labels.ne(-100).sum()),
+                "masked_positions": int(labels.ne(IGNORE_INDEX).sum()),
                 **{f"{v}_peak_gb": peaks[v] for v in VARIANTS},
                 "peak_ratio": peaks["sparse"] / peaks["dense"],
                 "sparse_logits_peak_ratio": peaks["sparse_logits"] / peaks["dense"],

@@ -41,6 +41,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 from concept_encoder import ConceptEncoderConfig, ConceptEncoderForMaskedLM  # noqa: E402
+from concept_encoder.constants import IGNORE_INDEX  # noqa: E402
 from concept_encoder.flops import mlm_training_flops  # noqa: E402
 from concept_encoder.heads import MaskedLMHead  # noqa: E402
 from concept_encoder.presets import PRESETS  # noqa: E402
@@ -64,7 +65,7 @@ class BertWithSparseHead(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """`input_ids [B,N]`, `labels [B,N]` → mean CE `[]` over the labelled positions."""
         hidden = self.bert(input_ids).last_hidden_state  # [B,N,H]
-        keep = labels.ne(-100)
+        keep = labels.ne(IGNORE_INDEX)
         return self.head(hidden[keep], labels[keep]) / keep.sum().clamp(min=1)
 
 
@@ -98,7 +99,7 @@ def batch(shape: dict, batch_size: int, seq_len: int, dev) -> tuple[torch.Tensor
     g = torch.Generator().manual_seed(seq_len)
     ids = torch.randint(5, shape["vocab_size"], (batch_size, seq_len), generator=g)
     labelled = torch.rand(batch_size, seq_len, generator=g) < MASK_RATE
-    labels = torch.where(labelled, ids, -100)
+    labels = torch.where(labelled, ids, IGNORE_INDEX)
     return ids.to(dev), labels.to(dev)
 
 

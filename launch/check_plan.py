@@ -32,15 +32,18 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from concept_encoder import memory  # noqa: E402
 from concept_encoder.data.arguments import DataArguments  # noqa: E402
-from concept_encoder.training.args import ModelArguments, TrainingArguments, parse_args  # noqa: E402
+from concept_encoder.training.args import (  # noqa: E402
+    ModelArguments,
+    TrainingArguments,
+    parse_args,
+    read_yaml_mapping,
+)
 from concept_encoder.training.plan import deepspeed_batch_values, fresh_model_fields, launch_command  # noqa: E402
 
 PROFILES_FILE = ROOT / "launch" / "profiles.yaml"
@@ -114,15 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_yaml(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise UsageError(f"{what} {path}: no such file")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise UsageError(f"{what} {path}: not valid YAML ({error})") from error
-    if not isinstance(data, dict):
-        raise UsageError(f"{what} {path}: expected a mapping")
-    return data
+        return read_yaml_mapping(path, what)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
 
 
 def visible_gpus() -> list[dict]:

@@ -177,7 +177,9 @@ def test_empty_loss_list_returns_mlm_loss():
 
 @pytest.mark.parametrize(("step", "factor"), [(0, 0.0), (50, 0.5), (100, 1.0), (200, 1.0)])
 def test_fixed_weights_warm_up_linearly(step, factor):
-    manager = ConceptRegularizedLoss(["orthogonality"], concept_num=C, hidden_size=H, concept_loss_weight=0.4, warmup_steps=100)
+    manager = ConceptRegularizedLoss(
+        ["orthogonality"], concept_num=C, hidden_size=H, concept_loss_weight=0.4, warmup_steps=100
+    )
     total, terms = manager(mlm(), identical(), step=step)  # orthogonality of identical concepts = 1
     assert terms["weight/orthogonality"].item() == pytest.approx(0.4 * factor)
     assert terms["orthogonality"].item() == pytest.approx(1.0, abs=1e-5)
@@ -185,7 +187,9 @@ def test_fixed_weights_warm_up_linearly(step, factor):
 
 
 def test_fixed_without_warmup_is_full_weight_from_step_0():
-    manager = ConceptRegularizedLoss(["orthogonality", "uniformity"], concept_num=C, hidden_size=H, concept_loss_weight=0.5)
+    manager = ConceptRegularizedLoss(
+        ["orthogonality", "uniformity"], concept_num=C, hidden_size=H, concept_loss_weight=0.5
+    )
     x = random_concepts()
     total, terms = manager(mlm(), x, step=0)
     expected = 2.5 + 0.5 * (orthogonality_loss(x) + uniformity_loss(x)).item()
@@ -245,7 +249,9 @@ def test_orthogonality_with_more_concepts_than_dims_warns():
 
 
 def test_learnable_weights_sum_to_number_of_terms():
-    manager = ConceptRegularizedLoss(["orthogonality", "uniformity"], concept_num=C, hidden_size=H, weighting="learnable")
+    manager = ConceptRegularizedLoss(
+        ["orthogonality", "uniformity"], concept_num=C, hidden_size=H, weighting="learnable"
+    )
     assert manager.weighting.weight_logits.shape == (3,)
     with torch.no_grad():
         manager.weighting.weight_logits.copy_(torch.tensor([0.3, -1.0, 2.0]))

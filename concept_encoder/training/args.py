@@ -165,8 +165,8 @@ def build_parser(classes=ARGUMENT_CLASSES, **kwargs) -> HfArgumentParser:
     return parser
 
 
-def read_argument_file(path: str | Path, classes=ARGUMENT_CLASSES, what: str = "--config") -> dict:
-    """A YAML mapping of argument names to values; unknown names are an error naming the valid ones."""
+def read_yaml_mapping(path: str | Path, what: str) -> dict:
+    """A YAML file that must hold a mapping; ValueError naming `what` and the file otherwise."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{what} {path}: no such file")
@@ -175,7 +175,13 @@ def read_argument_file(path: str | Path, classes=ARGUMENT_CLASSES, what: str = "
     except yaml.YAMLError as error:
         raise ValueError(f"{what} {path}: not valid YAML ({error})") from error
     if not isinstance(values, dict):
-        raise ValueError(f"{what} {path}: expected a mapping of argument names to values")
+        raise ValueError(f"{what} {path}: expected a mapping of names to values")
+    return values
+
+
+def read_argument_file(path: str | Path, classes=ARGUMENT_CLASSES, what: str = "--config") -> dict:
+    """A YAML mapping of argument names to values; unknown names are an error naming the valid ones."""
+    values = read_yaml_mapping(path, what)
     check_argument_names(values, classes, f"{what} {path}")
     return values
 

@@ -1,0 +1,66 @@
+"""The loops' argument parser and the rules derived from it (concept_encoder.training.args / .plan)."""
+
+import pytest
+
+from concept_encoder.presets import PRESETS
+from concept_encoder.training.args import parse_args, to_argv
+from concept_encoder.training.plan import deepspeed_batch_values, fresh_model_fields, launch_command
+
+
+def test_to_argv_reparses_to_the_same_arguments_booleans_and_floats_included():
+    argv = ["--preset", "tiny", "--packing", "false", "--gradient_checkpointing", "--learning_rate", "3e-4",
+            "--concept_losses", "uniformity,nn_spread", "--mixed_precision", "bf16", "--max_eval_batches", "2"]  # fmt: skip
+    parsed = parse_args(argv)
+    flags = to_argv(*parsed)
+    assert parse_args(flags) == parsed
+    assert "--packing" in flags and "--seed" not in flags  # only values that differ from the defaults
+
+
+def test_defaults_then_yaml_then_flags(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("learning_rate: 0.002\nmax_steps: 7\n")
+    defaults = {"learning_rate": 0.1, "max_steps": 3, "preset": "micro"}
+    model, _, train = parse_args(["--config", str(config), "--max_steps", "9"], defaults=defaults)
+    assert (model.preset, train.learning_rate, train.max_steps) == ("micro", 0.002, 9)
+    with pytest.raises(ValueError, match=r"defaults: unknown keys \['micro_batch'\]"):
+        parse_args([], defaults={"micro_batch": 8})
+    config.write_text("seq_len: 64\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['seq_len'\]; valid keys are"):
+        parse_args(["--config", str(config)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--adam_beta2", "1.0"], "adam_beta2=1.0 must be in [0, 1)"),
+        (["--max_grad_norm", "-1"], "max_grad_norm=-1.0 must be >= 0"),
+        (["--loss_weighting", "kendall_gal", "--concept_loss_warmup_steps", "5"], "weighting='fixed' only"),
+        (["--concept_losses", "uniformity,uniformity"], "listed more than once"),
+        (["--decoder_type", "dense"], "decoder_type='dense' is unknown"),
+        (["--max_eval_batches", "0"], "max_eval_batches=0 must be >= 1"),
+    ],
+)
+def test_bad_values_are_rejected_at_parse_time(argv, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        parse_args(argv)
+
+
+def test_position_table_grows_to_the_sequence_length_and_overrides_apply():
+    model, _, _ = parse_args(["--preset", "small", "--concept_num", "16", "--hidden_dropout_prob", "0"])
+    grown = fresh_model_fields(model, 1024, vocab_size=8000, pad_token_id=0)
+    assert grown["max_position_embeddings"] == 1024 > PRESETS["small"]["max_position_embeddings"]
+    assert (grown["concept_num"], grown["hidden_dropout_prob"], grown["vocab_size"], grown["pad_token_id"]) == (
+        16, 0.0, 8000, 0,
+    )  # fmt: skip
+    kept = fresh_model_fields(model, 128, vocab_size=8000)
+    assert kept["max_position_embeddings"] == PRESETS["small"]["max_position_embeddings"]
+
+
+def test_deepspeed_batch_values_and_launch_command():
+    model, data, train = parse_args(["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "3"])
+    assert deepspeed_batch_values(train, world_size=2) == {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "train_batch_size": 24,
+    }  # fmt: skip
+    command = launch_command(["--num_processes", "2"], model, data, train)
+    assert command == ["accelerate", "launch", "--num_processes", "2", "loops/mlm.py",
+                       "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "3"]  # fmt: skip
