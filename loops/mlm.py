@@ -43,8 +43,10 @@ from concept_encoder.health_metrics import format_health_table
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.checkpoint import (
     TrainState,
+    check_resume_settings,
     load_checkpoint,
     resolve_resume,
+    resume_settings,
     save_checkpoint,
 )
 from concept_encoder.training.deepspeed_setup import (
@@ -63,7 +65,7 @@ from concept_encoder.training.logs import (
 from concept_encoder.training.model import build_model
 from concept_encoder.training.objective import ConceptObjective, build_concept_objective
 from concept_encoder.training.optim import build_optimizer, build_scheduler
-from concept_encoder.training.runs import init_wandb, save_run_config, setup_run_dirs
+from concept_encoder.training.runs import finished_run, init_wandb, save_run_config, setup_run_dirs
 from concept_encoder.training.runtime import (
     apply_memory_budget,
     maybe_compile,
@@ -272,11 +274,19 @@ def main(argv: list[str] | None = None) -> int:
     probe_attention_kernels(model.to(state.device), eval_collator([first_validation_example]), state)
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
-    # 10. run dirs + argument guards
+    # 10. run dirs + argument guards: nothing is written before a resume is known to fit
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, args.run_name)
-    run_dir = setup_run_dirs(
+    settings = resume_settings(model.config, data_args, args, state.num_processes)
+    if resume is not None:
+        check_resume_settings(resume, settings)
+    run_dir, run_lock = setup_run_dirs(
         args, model_args.preset, counts["total"], state, resume_dir=resume.parent.parent if resume else None
     )
+    if args.resume_from_checkpoint == "auto" and (done := finished_run(run_dir, args.max_steps)):
+        logger.info(done)
+        if run_lock is not None:
+            run_lock.release()
+        return 0
     eval_steps = args.eval_steps or args.max_steps  # 0 means: evaluate at the end only
     save_steps = args.save_steps or None
     # 11. resolved config saved + logged; W&B
@@ -334,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("resumed from %s at step %d", resume, progress_state.step)
 
     metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
+    if metrics:
+        metrics.drop_after(progress_state.step)  # a resume rewrites the steps after its checkpoint
     preemption = PreemptionFlag()
     bar = tqdm(
         total=args.max_steps,
@@ -413,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         stop = torch.tensor(float(preemption.raised), device=accelerator.device)
         preempted = bool(accelerator.reduce(stop, reduction="max").item())
         if preempted or (save_steps and progress_state.step % save_steps == 0):
-            save_checkpoint(accelerator, run_dir, progress_state, args.save_total_limit, per_rank)
+            save_checkpoint(accelerator, run_dir, progress_state, args.save_total_limit, per_rank, settings)
         if preempted:
             logger.warning(
                 "stopped by signal at step %d; resume with --resume_from_checkpoint auto", progress_state.step
@@ -427,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     save_final(accelerator, model, data.tokenizer, probe_ids, run_dir, progress_state, preempted, last_eval, wandb_run)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    if run_lock is not None:
+        run_lock.release()
     return 0
 
 

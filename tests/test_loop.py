@@ -14,6 +14,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import GradientAccumulationPlugin
+from loop_runs import COMMON, ROOT, fresh_accelerate, records, run, train_losses, workdir  # noqa: F401 (fixtures)
 from transformers import AutoModelForMaskedLM
 
 import loops.mlm as mlm
@@ -21,39 +22,6 @@ from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
 from concept_encoder.flops import mlm_training_flops
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.tracking import read_metrics
-
-ROOT = Path(__file__).resolve().parents[1]
-COMMON = [
-    "--preset", "micro", "--max_seq_length", "64", "--tokenizer", "train:wordpiece:2000",
-    "--report_to", "none", "--progress_bar", "false", "--per_device_train_batch_size", "8",
-    "--logging_steps", "1", "--eval_steps", "0", "--save_steps", "0", "--max_eval_batches", "2",
-]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """One working directory for the module: runs share the tokenizer/dataset cache, not the repo's Cache/."""
-    return tmp_path_factory.mktemp("loop")
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate(workdir, monkeypatch):
-    monkeypatch.chdir(workdir)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-def run(*extra: str) -> int:
-    return mlm.main([*COMMON, "--output_dir", "runs", *extra])
-
-
-def records(run_name: str, kind: str) -> list[dict]:
-    return [r for r in read_metrics(Path("runs") / run_name / "metrics.jsonl") if r["kind"] == kind]
-
-
-def train_losses(run_name: str) -> list[float]:
-    return [r["loss"] for r in records(run_name, "train")]
 
 
 def test_tiny_run_learns_and_saves_a_loadable_model():

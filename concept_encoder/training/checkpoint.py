@@ -1,10 +1,13 @@
-"""Atomic, rotated checkpoints through `accelerator.save_state`, and finding one to resume.
+"""Atomic, rotated, verifiable checkpoints through `accelerator.save_state`, and finding one to resume.
 
 A checkpoint is `<run>/checkpoints/step_<N>/`: accelerate's state (model, optimizer, RNG,
 registered objects such as the scheduler and the masking collator) plus `train_state.json`
-(step, epoch, batches consumed in the epoch). It is written to `step_<N>.tmp` and renamed
-when complete, so a crash while saving never leaves a half checkpoint under a valid name
-and never touches the previous one.
+(step, epoch, batches consumed in the epoch), `resume_settings.json` (what a resume must keep:
+model shape, processes, batch, data) and, written last, `manifest.json` (every file and its size).
+It is written to `step_<N>.tmp` and renamed when complete, so a crash while saving never leaves a
+half checkpoint under a valid name and never touches the previous one. A checkpoint whose files do
+not match its manifest (missing or truncated) is damaged: `auto` skips it for the newest intact one,
+an explicit path to it is refused with the file named.
 """
 
 from __future__ import annotations
@@ -19,6 +22,12 @@ import torch
 
 logger = logging.getLogger("concept_encoder")
 TRAIN_STATE = "train_state.json"
+MANIFEST = "manifest.json"
+RESUME_SETTINGS = "resume_settings.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be resumed: damaged, or written under settings this run cannot continue."""
 
 
 @dataclass
@@ -30,17 +39,51 @@ class TrainState:
     bad_steps: int = 0  # consecutive non-finite losses
 
 
+def step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("_")[1])
+
+
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """Complete checkpoints of a run (renamed from `.tmp`, with a train state), lowest step first."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
     done = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp") and (p / TRAIN_STATE).exists()]
-    return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+    return sorted(done, key=step_of)
+
+
+def write_manifest(checkpoint: Path) -> None:
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest = {str(p.relative_to(checkpoint)): p.stat().st_size for p in files}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def checkpoint_problems(checkpoint: Path) -> list[str]:
+    """What is wrong with a checkpoint's files against its manifest (empty when intact)."""
+    manifest_path = checkpoint / MANIFEST
+    if not manifest_path.exists():
+        return [f"{MANIFEST} is missing (the save did not complete, or the checkpoint predates manifests)"]
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError:
+        return [f"{MANIFEST} is not valid JSON"]
+    problems = []
+    for name, size in manifest.items():
+        path = checkpoint / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{name} is truncated or changed ({path.stat().st_size} of {size} bytes)")
+    return problems
 
 
 def save_checkpoint(
-    accelerator, run_dir: Path, state: TrainState, save_total_limit: int, per_rank: dict | None = None
+    accelerator,
+    run_dir: Path,
+    state: TrainState,
+    save_total_limit: int,
+    per_rank: dict | None = None,
+    resume_settings: dict | None = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path.
 
@@ -59,6 +102,8 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / TRAIN_STATE).write_text(json.dumps(asdict(state), indent=2))
+        (tmp / RESUME_SETTINGS).write_text(json.dumps(resume_settings or {}, indent=2, default=str))
+        write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -69,33 +114,100 @@ def save_checkpoint(
     return final
 
 
+def newest_intact(run_dir: Path) -> Path | None:
+    """The intact checkpoint with the highest step; damaged ones are reported and skipped."""
+    for checkpoint in reversed(checkpoint_dirs(run_dir)):
+        problems = checkpoint_problems(checkpoint)
+        if not problems:
+            return checkpoint
+        logger.warning("checkpoint %s is damaged (%s); trying an older one", checkpoint, "; ".join(problems))
+    return None
+
+
 def resolve_resume(spec: str | None, output_dir: str, run_name: str | None) -> Path | None:
-    """`auto` → newest checkpoint of `run_name` (or of any run under `output_dir`); a path → that checkpoint."""
+    """`auto` → the newest intact checkpoint of `run_name` (or of the run under `output_dir` that
+    saved last); a path → that checkpoint, refused with the damaged file named."""
     if spec is None:
         return None
     if spec != "auto":
         path = Path(spec)
         if not (path / TRAIN_STATE).exists():
-            raise ValueError(
+            raise CheckpointError(
                 f"--resume_from_checkpoint {spec}: not a checkpoint folder (no {TRAIN_STATE}); "
                 f"pass a <run>/checkpoints/step_N folder or `auto`"
             )
+        problems = checkpoint_problems(path)
+        if problems:
+            intact = newest_intact(path.parent.parent)
+            hint = f"; the newest intact checkpoint of that run is {intact}" if intact else ""
+            raise CheckpointError(f"--resume_from_checkpoint {spec} is damaged: {'; '.join(problems)}{hint}")
         return path
-    runs = [Path(output_dir) / run_name] if run_name else [p for p in Path(output_dir).glob("*") if p.is_dir()]
-    found = [c for run in runs for c in checkpoint_dirs(run)]
-    if not found:
-        logger.info("resume=auto: no checkpoint under %s, starting fresh", runs[0] if run_name else output_dir)
-        return None
-    return max(found, key=lambda p: p.stat().st_mtime)
+    if run_name:
+        runs = [Path(output_dir) / run_name]
+    else:  # the run that saved last: folder times choose the run, steps choose within it
+        runs = sorted(
+            (p for p in Path(output_dir).glob("*") if checkpoint_dirs(p)),
+            key=lambda p: checkpoint_dirs(p)[-1].stat().st_mtime,
+            reverse=True,
+        )[:1]
+    found = newest_intact(runs[0]) if runs else None
+    if found is None:
+        logger.info("resume=auto: no intact checkpoint under %s, starting fresh", runs[0] if runs else output_dir)
+    return found
+
+
+MODEL_SHAPE_KEYS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "concept_num",
+    "max_position_embeddings", "decoder_type", "num_decoder_layers",
+)  # fmt: skip
+
+
+def resume_settings(model_config, data_args, training_args, world_size: int) -> dict:
+    """What a resume must keep: the model's shape, the processes, the per-device batch and
+    accumulation (they fix the data position), and the data (source, tokenizer, blocks, masking)."""
+    config = model_config.to_dict()
+    return {
+        **{f"model.{key}": config.get(key) for key in MODEL_SHAPE_KEYS},
+        "world_size": world_size,
+        "per_device_train_batch_size": training_args.per_device_train_batch_size,
+        "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+        **{
+            f"data.{key}": getattr(data_args, key)
+            for key in ("dataset", "text_field", "tokenizer", "max_seq_length", "packing", "streaming", "masking")
+        },
+    }
+
+
+def check_resume_settings(checkpoint: Path, current: dict) -> None:
+    """Refuse a resume whose settings cannot continue `checkpoint`, naming every difference."""
+    path = checkpoint / RESUME_SETTINGS
+    if not path.exists():
+        logger.warning("%s has no %s: resuming without checking the settings", checkpoint, RESUME_SETTINGS)
+        return
+    saved = json.loads(path.read_text())
+    normalise = json.loads(json.dumps(current, default=str))  # the saved file's types
+    differences = [
+        f"{key}: checkpoint {saved.get(key)!r}, this run {normalise.get(key)!r}"
+        for key in sorted(set(saved) | set(normalise))
+        if saved.get(key) != normalise.get(key)
+    ]
+    if differences:
+        raise CheckpointError(
+            f"cannot resume {checkpoint}: this run differs in {'; '.join(differences)}. "
+            "Resume with the checkpoint's settings, or start a new run without --resume_from_checkpoint"
+        )
 
 
 def load_checkpoint(accelerator, checkpoint: Path, per_rank: dict | None = None) -> TrainState:
     """Restore accelerate's state, this rank's `per_rank` objects, and the loop position."""
+    rng = checkpoint / f"random_states_{accelerator.process_index}.pkl"
+    if not rng.exists():
+        raise CheckpointError(f"{rng} is missing: without it the data order and dropout would not resume exactly")
     accelerator.load_state(str(checkpoint))
     for name, obj in (per_rank or {}).items():
         path = checkpoint / f"{name}_rank{accelerator.process_index}.pt"
         if not path.exists():
-            raise ValueError(
+            raise CheckpointError(
                 f"{path} is missing: the checkpoint was written by fewer processes than this run has; "
                 f"resume with the same number of processes"
             )

@@ -10,31 +10,81 @@ from pathlib import Path
 
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
+from filelock import FileLock, Timeout
 
 logger = logging.getLogger("concept_encoder")
 
 
+class RunFolderError(ValueError):
+    """The run folder cannot be used: another process holds it, or it holds another run's results."""
+
+
 def setup_run_dirs(
     training_args, preset: str, num_params: int, state: PartialState, resume_dir: Path | None = None
-) -> Path:
-    """Step 10: `Cache/runs/<run_id>/` with `checkpoints/` and `final/`; the id is agreed across ranks.
+) -> tuple[Path, FileLock | None]:
+    """Step 10: `Cache/runs/<run_id>/` with `checkpoints/` and `final/`, locked for this run; the id is
+    agreed across ranks. Returns the folder and the lock (held by the main process until released).
 
-    The id is `--run_name` if given, the resumed run's id when resuming, else
-    `<preset>-<params>M-<timestamp>`.
+    The id is `--run_name` if given (also when resuming another run's checkpoint: that run is only
+    read), else the resumed run's id, else `<preset>-<params>M-<timestamp>`. A second process on the
+    same folder fails on the lock; a fresh start (no `--resume_from_checkpoint`) into a folder that
+    already holds a run is refused, so no run's results are overwritten.
     """
-    if resume_dir is not None:
-        run_dir = resume_dir
-    elif training_args.run_name:
+    if training_args.run_name:
         run_dir = Path(training_args.output_dir) / training_args.run_name
+    elif resume_dir is not None:
+        run_dir = resume_dir
     else:
         stamp = [f"{preset}-{num_params / 1e6:.1f}M-{dt.datetime.now():%Y%m%d-%H%M%S}"]
         if state.num_processes > 1:
             broadcast_object_list(stamp, from_process=0)
         run_dir = Path(training_args.output_dir) / stamp[0]
+    lock, problem = None, [None]
     if state.is_main_process:
-        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        try:
+            (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            lock = lock_run_dir(run_dir)
+            if training_args.resume_from_checkpoint is None and (run_dir / "config.json").exists():
+                lock.release()
+                raise RunFolderError(
+                    f"{run_dir} already holds a run; choose another --run_name, or continue it with "
+                    "--resume_from_checkpoint auto"
+                )
+        except (OSError, RunFolderError) as error:
+            problem = [str(error)]
+    if state.num_processes > 1:
+        broadcast_object_list(problem, from_process=0)
+    if problem[0]:
+        raise RunFolderError(problem[0])
     state.wait_for_everyone()
-    return run_dir
+    return run_dir, lock
+
+
+def lock_run_dir(run_dir: Path) -> FileLock:
+    """An OS-level lock on `<run>/.lock` (released by the OS if the process dies)."""
+    lock = FileLock(run_dir / ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout as error:
+        raise RunFolderError(
+            f"{run_dir} is in use by another training process (lock {run_dir / '.lock'}); "
+            "wait for it to finish or choose another --run_name"
+        ) from error
+    return lock
+
+
+def finished_run(run_dir: Path, max_steps: int) -> str | None:
+    """A line saying the run already finished `max_steps` (from its `summary.json`), else None."""
+    path = Path(run_dir) / "summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    if summary.get("preempted") or summary.get("steps", 0) < max_steps:
+        return None
+    return (
+        f"{run_dir} already finished at step {summary['steps']} (summary.json): nothing to resume, nothing changed. "
+        "Raise --max_steps to train it further"
+    )
 
 
 def save_run_config(run_dir: Path, config: dict) -> None:

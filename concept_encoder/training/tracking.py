@@ -20,6 +20,14 @@ class MetricsWriter:
         self.path = Path(path)
         self.wandb_run = wandb_run
 
+    def drop_after(self, step: int) -> None:
+        """Remove the records of steps after `step` (those a resume from `step` will write again)."""
+        if self.path.exists():
+            kept = [
+                line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
+            ]
+            self.path.write_text("".join(line + "\n" for line in kept))
+
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")

@@ -1,0 +1,118 @@
+"""Faults and bad inputs (issue 13): no run writes into another, damaged checkpoints, changed data,
+preemption through the launcher, early validation, clear messages, divergence, a travelling model."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from loop_runs import COMMON, ROOT, fresh_accelerate, records, run, train_losses, workdir  # noqa: F401 (fixtures)
+
+from concept_encoder.training.checkpoint import CheckpointError, resolve_resume
+from concept_encoder.training.runs import RunFolderError
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+@pytest.fixture(scope="module")
+def finished_run(workdir):
+    """Run `a`: 6 steps, checkpoints at 2, 4, 6 (all kept), finished."""
+    os.chdir(workdir)
+    run("--run_name", "a", "--max_steps", "6", "--save_steps", "2", "--save_total_limit", "3", "--eval_steps", "3")
+    return workdir / "runs" / "a"
+
+
+# ---------------------------------------------------------------- 1. a run never writes into another run
+
+
+def test_resuming_another_runs_checkpoint_continues_in_the_new_run_and_leaves_it_untouched(finished_run):
+    before = tree_digest(finished_run)
+    run("--run_name", "b", "--max_steps", "6", "--save_steps", "2", "--save_total_limit", "1",
+        "--resume_from_checkpoint", str(finished_run / "checkpoints/step_0000004"))  # fmt: skip
+    assert tree_digest(finished_run) == before
+    assert [r["step"] for r in records("b", "train")] == [5, 6]
+    assert train_losses("b") == train_losses("a")[4:]  # exact continuation
+    assert (Path("runs/b/final/model.safetensors")).exists()
+    assert [p.name for p in Path("runs/b/checkpoints").iterdir()] == ["step_0000006"]
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (["--preset", "tiny"], "model.hidden_size: checkpoint 64, this run 128"),
+        (["--per_device_train_batch_size", "4"], "per_device_train_batch_size: checkpoint 8, this run 4"),
+        (["--max_seq_length", "32"], "data.max_seq_length: checkpoint 64, this run 32"),
+    ],
+)
+def test_a_resume_that_cannot_continue_is_refused_before_anything_is_written(finished_run, change, named):
+    before = tree_digest(finished_run)
+    with pytest.raises(CheckpointError, match="cannot resume") as error:
+        run("--run_name", "a", "--max_steps", "8", "--resume_from_checkpoint", "auto", *change)
+    assert named in str(error.value)
+    assert tree_digest(finished_run) == before
+
+
+def test_auto_on_a_finished_run_says_so_and_changes_nothing(finished_run, capsys):
+    before = tree_digest(finished_run)
+    assert run("--run_name", "a", "--max_steps", "6", "--resume_from_checkpoint", "auto") == 0
+    assert "already finished at step 6" in capsys.readouterr().out
+    assert tree_digest(finished_run) == before
+
+
+def test_a_fresh_start_into_a_used_folder_and_a_second_process_are_refused(finished_run):
+    with pytest.raises(RunFolderError, match="already holds a run"):
+        run("--run_name", "a", "--max_steps", "2")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from filelock import FileLock; lock = FileLock(sys.argv[1]); lock.acquire(); "
+         "print('held', flush=True); time.sleep(120)", str(finished_run / ".lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunFolderError, match="in use by another training process"):
+            run("--run_name", "a", "--max_steps", "8", "--resume_from_checkpoint", "auto")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+# ---------------------------------------------------------------- 2. damaged checkpoints
+
+
+def copy_run(source: Path, name: str) -> Path:
+    target = source.parent / name
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target)
+    (target / "summary.json").unlink()
+    return target
+
+
+def test_auto_picks_the_highest_intact_step_and_names_damage(finished_run, caplog):
+    copy_run(finished_run, "damaged")
+    checkpoints = Path("runs/damaged/checkpoints")
+    time.sleep(0.01)
+    os.utime(checkpoints / "step_0000002")  # the newest folder time: `auto` must still go by step
+    assert resolve_resume("auto", "runs", "damaged") == checkpoints / "step_0000006"
+    model = checkpoints / "step_0000006" / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:100])
+    assert resolve_resume("auto", "runs", "damaged") == checkpoints / "step_0000004"
+    assert "model.safetensors is truncated or changed (100 of" in caplog.text
+    with pytest.raises(CheckpointError, match="model.safetensors is truncated.*newest intact checkpoint"):
+        resolve_resume(str(checkpoints / "step_0000006"), "runs", None)
+    (checkpoints / "step_0000004" / "random_states_0.pkl").unlink()
+    with pytest.raises(CheckpointError, match="random_states_0.pkl is missing"):
+        resolve_resume(str(checkpoints / "step_0000004"), "runs", None)
+    assert resolve_resume("auto", "runs", "damaged") == checkpoints / "step_0000002"
+    run("--run_name", "damaged", "--max_steps", "6", "--resume_from_checkpoint", "auto")
+    assert [r["step"] for r in records("damaged", "train")] == [1, 2, 3, 4, 5, 6]  # each step once
+    assert train_losses("damaged") == train_losses("a")
