@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from benchmarks.common import (  # noqa: E402
     synchronize,
     write_json,
 )
+from concept_encoder import process_group  # noqa: E402
 from concept_encoder.training.args import parse_args as parse_loop_args  # noqa: E402
 from concept_encoder.training.plan import LOOP_SCRIPT, PYTHON_ACCELERATE_LAUNCH, launch_command  # noqa: E402
 
@@ -55,7 +55,7 @@ def loop_tokens_per_s(args, workdir: Path) -> float:
     accelerate = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     cmd = launch_command(accelerate, *loop_arguments(args, run, workdir), launcher=PYTHON_ACCELERATE_LAUNCH,
                          script=str(ROOT / LOOP_SCRIPT))  # fmt: skip
-    out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=3600)
+    out = process_group.run(cmd, 3600, cwd=workdir)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     records = [json.loads(x) for x in (workdir / "runs" / run / "metrics.jsonl").read_text().splitlines()]

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from concept_encoder import process_group  # noqa: E402
 from concept_encoder.memory import GIB, estimate_training_memory, parse_size_gb, zero_settings  # noqa: E402
 from concept_encoder.training.args import parse_args as parse_loop_args  # noqa: E402
 from concept_encoder.training.plan import (  # noqa: E402
@@ -96,13 +97,8 @@ def measure(args, config: str, preset: str, report_dir: Path, port: int) -> dict
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
-        done = subprocess.run(
-            run_command(args, config, preset, run_dir, port),
-            cwd=args.workdir,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=args.timeout,
+        done = process_group.run(
+            run_command(args, config, preset, run_dir, port), args.timeout, cwd=args.workdir, env=env
         )
         log_path.write_text(done.stdout + "\n" + done.stderr)
         failed = done.returncode != 0

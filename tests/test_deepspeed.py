@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from concept_encoder import ConceptEncoderForMaskedLM
+from concept_encoder import ConceptEncoderForMaskedLM, process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOP = [
@@ -45,16 +45,16 @@ def launch(workdir: Path, ds_config: str, *loop_args: str, machine: tuple[int, i
         cmd += ["--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1"]
         cmd += ["--main_process_port", str(port)]
     cmd += ["--deepspeed_config_file", str(ROOT / "ds_configs" / f"{ds_config}.json"), *LOOP, *loop_args]
-    return subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return process_group.start(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def finish(process) -> str:
+    """Wait for a launch; on timeout its whole process group (launcher and ranks) is ended."""
     try:
-        out, _ = process.communicate(timeout=TIMEOUT)
+        code, out, _ = process_group.finish(process, TIMEOUT)
     except subprocess.TimeoutExpired:
-        process.kill()
         pytest.fail(f"launch timed out after {TIMEOUT}s")
-    assert process.returncode == 0, out[-4000:]
+    assert code == 0, out[-4000:]
     return out
 
 
@@ -133,7 +133,7 @@ def test_zero_compare_writes_csv_markdown_and_plot(workdir, tmp_path):
         "--tokenizer", "train:wordpiece:2000", "--workdir", str(workdir), "--out_dir", str(tmp_path),
         "--timeout", str(TIMEOUT),
     ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * TIMEOUT)
+    out = process_group.run(cmd, 2 * TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "GPU columns are unavailable" in out.stdout
     [csv_path] = tmp_path.glob("zero_compare_*.csv")

@@ -18,7 +18,7 @@ from loop_runs import COMMON, ROOT, fresh_accelerate, records, run, train_losses
 from transformers import AutoModelForMaskedLM
 
 import loops.mlm as mlm
-from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
+from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset, process_group
 from concept_encoder.flops import mlm_training_flops
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.tracking import read_metrics
@@ -187,7 +187,7 @@ def test_two_process_cpu_run_ranks_agree(workdir, streaming):
         str(ROOT / "loops" / "mlm.py"), *COMMON, "--output_dir", "runs", "--run_name", name, "--max_steps", "4",
         "--streaming", str(streaming).lower(), "--streaming_validation_documents", "30",
     ]  # fmt: skip
-    out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300)
+    out = process_group.run(cmd, 300, cwd=workdir)
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = [json.loads((workdir / "runs" / name / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0]["eval_loss"] is not None

@@ -116,3 +116,37 @@ def test_auto_picks_the_highest_intact_step_and_names_damage(finished_run, caplo
     run("--run_name", "damaged", "--max_steps", "6", "--resume_from_checkpoint", "auto")
     assert [r["step"] for r in records("damaged", "train")] == [1, 2, 3, 4, 5, 6]  # each step once
     assert train_losses("damaged") == train_losses("a")
+
+
+# ---------------------------------------------------------------- 11. tests leave nothing running
+
+LAUNCHER_WITH_RANKS = """
+import subprocess, sys, time
+ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]) for _ in range(2)]
+print(" ".join(str(r.pid) for r in ranks), flush=True)
+time.sleep(300)
+"""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
+    return state not in ("Z", "X")  # a zombie has ended
+
+
+def test_a_timed_out_launch_ends_its_ranks_too():
+    """What `subprocess.run(timeout=...)` gets wrong: it kills the launcher and orphans the ranks."""
+    from concept_encoder import process_group
+
+    launcher = process_group.start([sys.executable, "-c", LAUNCHER_WITH_RANKS], stdout=subprocess.PIPE, text=True)
+    ranks = [int(pid) for pid in launcher.stdout.readline().split()]
+    assert len(ranks) == 2 and all(pid_alive(pid) for pid in ranks)
+    with pytest.raises(subprocess.TimeoutExpired):
+        process_group.finish(launcher, timeout=1)
+    deadline = time.time() + 10
+    while any(pid_alive(pid) for pid in ranks) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(pid) for pid in ranks), "ranks outlived the timed-out launch"
