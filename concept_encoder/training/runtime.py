@@ -7,6 +7,8 @@ import ctypes
 import datetime as dt
 import logging
 import os
+import signal
+from pathlib import Path
 
 import torch
 from accelerate import PartialState
@@ -23,6 +25,7 @@ def setup_distributed() -> PartialState:
     because arguments are parsed after this step.
     """
     configure_cpu_runtime()
+    follow_launcher()
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or "LOCAL_RANK" in os.environ
     if not launched:
         return PartialState()  # a single process: no process group to create
@@ -36,6 +39,34 @@ def setup_distributed() -> PartialState:
     if state.device.type == "cuda":
         torch.cuda.set_device(state.device)
     return state
+
+
+LAUNCHERS = ("accelerate", "torch.distributed.run", "torchrun", "deepspeed")
+
+
+def follow_launcher() -> bool:
+    """When a launcher started this process, have the kernel send it SIGTERM when the launcher dies.
+
+    `accelerate launch` with one process runs the script as a child and, on SIGTERM or SIGINT, dies
+    at once (exit 143) without passing the signal on: the orphaned child would train on without a
+    checkpoint. With `PR_SET_PDEATHSIG` (Linux) the child gets SIGTERM the moment its launcher ends,
+    and the loop's preemption handling checkpoints and exits 0. Multi-process launchers (torch's
+    elastic agent) forward SIGTERM themselves; this covers the agent dying too. Returns whether set.
+    """
+    parent = Path(f"/proc/{os.getppid()}/cmdline")
+    try:
+        command = parent.read_bytes().replace(b"\0", b" ").decode(errors="ignore")
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    if not any(name in command for name in LAUNCHERS):
+        return False
+    pr_set_pdeathsig = 1  # <sys/prctl.h>
+    if prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        return False
+    if os.getppid() == 1:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def configure_cpu_runtime() -> None:
