@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from concept_encoder import memory  # noqa: E402
 from concept_encoder.data.arguments import DataArguments  # noqa: E402
+from concept_encoder.extension_locks import stale_lock_message, stale_op_locks  # noqa: E402
 from concept_encoder.training.args import (  # noqa: E402
     ModelArguments,
     TrainingArguments,
@@ -342,6 +343,8 @@ def check_zero(plan: Plan, ds_cfg, estimate) -> list[Check]:
                     "install g++ (apt-get install g++) and deepspeed, or prebuild: DS_BUILD_CPU_ADAM=1 pip install deepspeed",
                 )
             )
+        elif stale := stale_op_locks("cpu_adam"):
+            checks.append(Check("CPU Adam op", ERROR, stale_lock_message("cpu_adam", stale), f"rm {stale[0]}"))
         else:
             checks.append(Check("CPU Adam op", OK, f"buildable here with {compiler} (JIT on first use, then cached)"))
     for key in ("offload_optimizer", "offload_param"):

@@ -50,6 +50,7 @@ from concept_encoder.training.checkpoint import (
     save_checkpoint,
 )
 from concept_encoder.training.deepspeed_setup import (
+    StaleLockError,
     adamw_class,
     fill_deepspeed_auto_values,
     outside_zero3,
@@ -447,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (ValueError, DataSourceError, NonFiniteLossError) as error:
+    except (ValueError, DataSourceError, NonFiniteLossError, StaleLockError) as error:
         if os.environ.get("CONCEPT_ENCODER_TRACEBACK"):
             raise
         print(f"error: {error}\n(set CONCEPT_ENCODER_TRACEBACK=1 for the traceback)", file=sys.stderr)

@@ -193,3 +193,35 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank(workdir, processes):
     assert summary["preempted"] and [p.name for p in checkpoints] == [f"step_{summary['steps']:07d}"]
     if processes > 1:
         assert {p.name for p in checkpoints[0].glob("collator_rank*.pt")} == {"collator_rank0.pt", "collator_rank1.pt"}
+
+
+# ---------------------------------------------------------------- 10. no silent hang on a stale op lock
+
+
+def test_a_stale_cpu_adam_lock_is_named_not_waited_on(workdir, tmp_path, monkeypatch, capsys):
+    from concept_encoder import process_group
+    from concept_encoder.extension_locks import stale_op_locks
+
+    lock = tmp_path / "extensions" / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    with lock.open() as held:  # a live owner (a build in progress) is not stale
+        assert held and stale_op_locks("cpu_adam", settle_s=0) == []
+    assert stale_op_locks("cpu_adam", settle_s=0) == [lock]
+
+    import launch.check_plan as check_plan
+
+    assert check_plan.main(["--profile", "rtx3080_10gb"]) == 1
+    assert f"rm {lock}" in capsys.readouterr().out
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "launch/cpu.yaml"),
+           "--num_processes", "1", "--main_process_port", "29651",
+           "--deepspeed_config_file", str(ROOT / "ds_configs/zero2_offload.json"),
+           str(ROOT / "loops/mlm.py"), *COMMON, "--output_dir", "runs", "--run_name", "stale_lock", "--max_steps", "2"]  # fmt: skip
+    out = process_group.run(
+        cmd, 240, cwd=workdir, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    )
+    assert out.returncode != 0
+    assert "no process holds (left by a run interrupted" in out.stderr and f"rm {lock}" in out.stderr
+    assert 'mlm.py", line' not in out.stderr  # one line from the loop (the launcher adds its own traceback)

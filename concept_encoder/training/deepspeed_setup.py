@@ -14,8 +14,13 @@ import os
 import torch
 from accelerate.utils import DistributedType
 
+from ..extension_locks import stale_lock_message, stale_op_locks
 from ..memory import zero_settings
 from .plan import deepspeed_batch_values
+
+
+class StaleLockError(RuntimeError):
+    """A JIT-built op's lock file has no live owner: loading the op would hang."""
 
 
 def using_deepspeed() -> bool:
@@ -60,6 +65,10 @@ def adamw_class(accelerator):
     """
     if offloads_optimizer(accelerator):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        stale = stale_op_locks("cpu_adam")
+        if stale:  # loading the op would wait on it forever
+            raise StaleLockError(stale_lock_message("cpu_adam", stale))
 
         return lambda groups, **kw: DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
     return functools.partial(torch.optim.AdamW, fused=True)
