@@ -225,3 +225,34 @@ def test_a_stale_cpu_adam_lock_is_named_not_waited_on(workdir, tmp_path, monkeyp
     assert out.returncode != 0
     assert "no process holds (left by a run interrupted" in out.stderr and f"rm {lock}" in out.stderr
     assert 'mlm.py", line' not in out.stderr  # one line from the loop (the launcher adds its own traceback)
+
+
+# ---------------------------------------------------------------- 3. caches keyed on content
+
+
+def write_corpus(path: Path, documents: int, seed: int) -> None:
+    words = "alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma omega".split()
+    paragraphs = [" ".join(words[(seed + i * 7 + j) % len(words)] for j in range(60)) for i in range(documents)]
+    path.write_text("\n\n".join(paragraphs) + "\n")
+
+
+def test_a_replaced_data_file_rebuilds_and_an_empty_split_is_never_cached(tmp_path):
+    from concept_encoder.data import DataArguments, DataSourceError, prepare_data
+
+    corpus = tmp_path / "corpus.txt"
+    write_corpus(corpus, 40, seed=0)
+    args = DataArguments(dataset=str(corpus), tokenizer="train:wordpiece:200", max_seq_length=32)
+    first = prepare_data(args, cache_dir=tmp_path / "cache")
+    assert first.stats["train"]["documents"] + first.stats["validation"]["documents"] == 40
+    write_corpus(corpus, 80, seed=1)  # same path, new content
+    second = prepare_data(args, cache_dir=tmp_path / "cache")
+    assert second.stats["train"]["documents"] + second.stats["validation"]["documents"] == 80
+    assert second.stats["cache_path"] != first.stats["cache_path"]
+
+    tiny = tmp_path / "tiny.txt"
+    write_corpus(tiny, 20, seed=2)
+    for _ in range(2):  # the second attempt gives the same clear error: nothing empty was cached
+        with pytest.raises(DataSourceError, match=r"the validation split yields no example: 1 documents, \d+ tokens"):
+            prepare_data(DataArguments(dataset=str(tiny), tokenizer="train:wordpiece:200", max_seq_length=512),
+                         cache_dir=tmp_path / "cache")  # fmt: skip
+    assert len(list((tmp_path / "cache" / "datasets").iterdir())) == 2  # the two good builds only

@@ -12,7 +12,7 @@ from datasets import IterableDataset
 from .arguments import DataArguments
 from .collators import build_collator
 from .processing import preprocess
-from .sources import load_raw_dataset
+from .sources import load_raw_dataset, source_fingerprint
 from .tokenizer import load_tokenizer
 
 TOKENIZER_TRAINING_DOCS = 200_000  # enough for a good vocabulary; bounds the cost on huge corpora
@@ -46,8 +46,12 @@ def prepare_data(args: DataArguments, cache_dir: str | Path = "Cache", seed: int
         for batch in itertools.islice(raw["train"].iter(batch_size=1000), TOKENIZER_TRAINING_DOCS // 1000):
             yield from batch["text"]
 
+    content = source_fingerprint(args.dataset)  # replacing a file at the same path rebuilds both caches
     tokenizer = load_tokenizer(
-        args.tokenizer, texts=training_texts(), corpus_id=f"{args.dataset}:{args.text_field}", cache_dir=cache_dir
+        args.tokenizer,
+        texts=training_texts(),
+        corpus_id=f"{args.dataset}:{args.text_field}@{content}",
+        cache_dir=cache_dir,
     )
     processed, stats = preprocess(
         raw,
@@ -58,6 +62,7 @@ def prepare_data(args: DataArguments, cache_dir: str | Path = "Cache", seed: int
         source=f"{args.dataset}:{args.text_field}",
         num_proc=args.preprocessing_num_workers,
         validation_split_percentage=args.validation_split_percentage,
+        content=content,
     )
     collator = collator_for(args, tokenizer, seed)
     return PreparedData(tokenizer, processed["train"], processed["validation"], collator, stats)

@@ -25,6 +25,7 @@ from accelerate import PartialState
 from datasets import DatasetDict, Features, IterableDatasetDict, Sequence, Value, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
+from .sources import DataSourceError
 from .tokenizer import slug
 
 PACK_BATCH_DOCS = 10_000
@@ -144,12 +145,30 @@ def preprocess(
             }
         )
         stats = dataset_stats(raw, processed, max_seq_length, packing, workers)
+        check_not_empty(raw, processed, tokenizer, max_seq_length, packing)  # an empty split is never cached
         if path is not None and PartialState().is_main_process:
             processed.save_to_disk(str(path))
             stats["cache_path"] = str(path)
             (path / "stats.json").write_text(json.dumps(stats, indent=2))
             processed = load_from_disk(str(path))  # memory-mapped, like the later runs get it
     return processed, stats
+
+
+def check_not_empty(raw: DatasetDict, processed: DatasetDict, tokenizer, max_seq_length: int, packing: bool) -> None:
+    """DataSourceError naming the split that yields no example, its token count and what is needed."""
+    for name in raw:
+        if len(processed[name]):
+            continue
+        tokens = sum(len(ids) for ids in tokenizer(list(raw[name]["text"]), add_special_tokens=False)["input_ids"])
+        need = (
+            f"packing needs at least {max_seq_length} tokens for one block of --max_seq_length {max_seq_length}"
+            if packing
+            else "each document becomes one example"
+        )
+        raise DataSourceError(
+            f"the {name} split yields no example: {len(raw[name])} documents, {tokens} tokens; {need}. "
+            f"Use more text, a smaller --max_seq_length, or a larger --validation_split_percentage"
+        )
 
 
 def dataset_stats(raw: DatasetDict, processed: DatasetDict, max_seq_length: int, packing: bool, workers) -> dict:

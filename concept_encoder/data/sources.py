@@ -8,9 +8,12 @@ document straddles the two splits).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import socket
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -101,6 +104,22 @@ def local_files(path: Path) -> tuple[str, list[str]]:
     if all(p.stat().st_size == 0 for p in files):
         raise DataSourceError(f"{path}: every file is empty")
     return builders.pop(), [str(p) for p in files]
+
+
+def source_fingerprint(spec: str) -> str:
+    """What identifies the content of `spec` beside its name, for cache keys: each local file's path,
+    size and modification time (replacing a file at the same path changes it), the Python version for
+    the embedded corpus (it is CPython's own documentation), nothing for a Hub name."""
+    if spec == EMBEDDED_DATASET:
+        return f"py{sys.version_info.major}.{sys.version_info.minor}"
+    path = Path(spec).expanduser()
+    if not path.exists():
+        return ""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    listing = [
+        (str(p.relative_to(path) if p != path else p.name), p.stat().st_size, p.stat().st_mtime_ns) for p in files
+    ]
+    return hashlib.sha1(json.dumps(listing).encode()).hexdigest()[:12]
 
 
 def load_raw_dataset(
