@@ -49,7 +49,7 @@ from concept_encoder.training.plan import deepspeed_batch_values, fresh_model_fi
 
 PROFILES_FILE = ROOT / "launch" / "profiles.yaml"
 PROFILE_KEYS = {"accelerate_config", "ds_config", "gpus", "gpu_memory_gb", "gpu_capability", "host_memory_gb",
-                "nodes", "processes", "loop"}  # fmt: skip
+                "nodes", "processes", "make_target", "loop"}  # fmt: skip
 HEADROOM = 0.85  # above this share of the GPU budget: WARNING
 OK, WARNING, ERROR = "OK", "WARNING", "ERROR"
 
@@ -92,6 +92,19 @@ def parse_size_gb(text: str) -> float:
         raise UsageError(str(error)) from error
 
 
+def at_least(minimum: int):
+    """argparse type: an int >= `minimum` (a usage error otherwise)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="launch/check_plan.py",
@@ -104,11 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--profile", help=f"a profile of {PROFILES_FILE.relative_to(ROOT)}")
     where.add_argument("--accelerate_config", help="accelerate config YAML (launch/*.yaml)")
     where.add_argument("--ds_config", help="DeepSpeed JSON (default: the one the accelerate config names)")
-    where.add_argument("--num_processes", type=int, help="world size (default: the accelerate config's)")
-    where.add_argument("--gpus", type=int, help="GPUs per machine of the planned machine (default: visible ones)")
+    where.add_argument("--num_processes", type=at_least(1), help="world size (default: the accelerate config's)")
+    where.add_argument(
+        "--gpus", type=at_least(0), help="GPUs per machine of the planned machine (default: visible ones)"
+    )
     where.add_argument("--gpu_memory", help="memory of each planned GPU, e.g. 10GB (default: the visible GPU's)")
     where.add_argument("--gpu_capability", type=float, help="CUDA compute capability of the planned GPU, e.g. 8.6")
-    where.add_argument("--nodes", type=int, help="machines (default: the accelerate config's num_machines)")
+    where.add_argument("--nodes", type=at_least(1), help="machines (default: the accelerate config's num_machines)")
     where.add_argument("--host_memory", help="host RAM per machine, e.g. 64GB (default: this machine's)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="machine-readable output")
@@ -207,9 +222,9 @@ def resolve_plan(args, loop_argv: list[str]) -> tuple[Plan, dict, dict | None]:
             ds_cfg = json.loads(path.read_text())
         except json.JSONDecodeError as error:
             raise UsageError(f"ds config {plan.ds_config}: not valid JSON ({error})") from error
-    if args.num_processes:
+    if args.num_processes is not None:
         plan.world_size = args.num_processes
-    if args.nodes:
+    if args.nodes is not None:
         plan.nodes = args.nodes
     gpus = visible_gpus()
     if args.gpus is not None:
@@ -285,7 +300,16 @@ def check_batch(plan: Plan, ds_cfg) -> list[Check]:
         )
     else:
         checks.append(Check("batch arithmetic", OK, reason + (" (ds config: auto)" if ds_cfg else "")))
-    if plan.gpus_per_node:
+    if not plan.gpus_per_node and plan.gpu_memory_gb is not None:
+        checks.append(
+            Check(
+                "world size vs GPUs",
+                ERROR,
+                f"{plan.gpus_per_node} GPUs per machine, but the plan budgets {plan.gpu_memory_gb:g} GiB per GPU",
+                "--gpus 1 or more, or plan for the CPU (--profile cpu)",
+            )
+        )
+    elif plan.gpus_per_node:
         slots = plan.gpus_per_node * plan.nodes
         if plan.world_size > slots:
             checks.append(
@@ -628,7 +652,7 @@ def plan_launch_command(plan: Plan, args) -> list[str]:
         options += ["--deepspeed_config_file", plan.ds_config]
     if args.num_processes or (plan.profile and plan.world_size != 1 and not plan.accelerate_config):
         options += ["--num_processes", str(plan.world_size)]
-    if args.nodes:
+    if args.nodes is not None:
         options += ["--num_machines", str(plan.nodes)]
     return launch_command(options, plan.model, plan.data, plan.train)
 
@@ -656,6 +680,33 @@ def format_table(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
+def describe_gpus(count: int, memory_gb: float | None) -> str:
+    memory = f" with {memory_gb:g} GB" if memory_gb else ""
+    return f"{count} GPU{'s' if count != 1 else ''}{memory}"
+
+
+def machine_mismatch(plan: Plan, gpus: list[dict]) -> str | None:
+    """Why this machine cannot run `plan` (launching is for the machine it is on), with the make
+    target of a profile that fits it; None when it can."""
+    memory = min((g["memory_gb"] for g in gpus), default=0.0)
+    short = plan.gpus_per_node > len(gpus) or (plan.gpu_memory_gb or 0) > memory * 1.05
+    if not short:
+        return None
+    have = "none" if not gpus else describe_gpus(len(gpus), round(memory, 1))
+    fits = [
+        (profile.get("gpu_memory_gb") or 0, profile["make_target"])
+        for profile in read_yaml(PROFILES_FILE, "profiles file").values()
+        if profile.get("make_target")
+        and (profile.get("gpus") or 0) <= len(gpus)
+        and (profile.get("gpu_memory_gb") or 0) <= memory * 1.05
+    ]
+    hint = f"; on this machine: make {max(fits)[1]}" if fits else ""
+    return (
+        f"profile {plan.profile or 'plan'} needs {describe_gpus(plan.gpus_per_node, plan.gpu_memory_gb)} per "
+        f"machine; this machine has {have}{hint} (without --run the plan is checked for the machine it names)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--"]  # `--` before loop flags is optional
     args, loop_argv = build_parser().parse_known_args(argv)
@@ -664,6 +715,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"usage error: {error}", file=sys.stderr)
         return 2
+    if args.run and (mismatch := machine_mismatch(plan, visible_gpus())):
+        print(f"error: {mismatch}", file=sys.stderr)
+        return 1
     checks, config, estimate = run_checks(plan, ds_cfg)
     command = plan_launch_command(plan, args)
     errors = sum(c.status == ERROR for c in checks)

@@ -256,3 +256,35 @@ def test_a_replaced_data_file_rebuilds_and_an_empty_split_is_never_cached(tmp_pa
             prepare_data(DataArguments(dataset=str(tiny), tokenizer="train:wordpiece:200", max_seq_length=512),
                          cache_dir=tmp_path / "cache")  # fmt: skip
     assert len(list((tmp_path / "cache" / "datasets").iterdir())) == 2  # the two good builds only
+
+
+# ---------------------------------------------------------------- 9. plans that cannot run here
+
+
+def test_impossible_machines_are_errors_and_run_checks_the_machine_it_is_on(monkeypatch, capsys):
+    import launch.check_plan as check_plan
+
+    assert check_plan.main(["--profile", "rtx3080_10gb", "--gpus", "0"]) == 1
+    assert "0 GPUs per machine, but the plan budgets 10 GiB per GPU" in capsys.readouterr().out
+    for bad in (["--nodes", "0"], ["--num_processes", "0"], ["--gpus", "-1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            check_plan.main(["--profile", "cpu", *bad])
+        assert exit_info.value.code == 2 and "is below" in capsys.readouterr().err
+
+    launched = []
+    monkeypatch.setattr(check_plan.os, "execv", lambda *argv: launched.append(argv))
+    monkeypatch.setattr(check_plan.os, "chdir", lambda path: None)
+    monkeypatch.setattr(check_plan, "visible_gpus", lambda: [])
+    assert check_plan.main(["--profile", "rtx3080_10gb", "--run"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "needs 1 GPU with 10 GB per machine; this machine has none" in err
+    assert "on this machine: make train-cpu" in err and launched == []
+    monkeypatch.setattr(
+        check_plan, "visible_gpus", lambda: [{"name": "RTX 3090", "memory_gb": 24.0, "capability": 8.6}]
+    )
+    assert check_plan.main(["--profile", "rtx3080_10gb", "--run"]) == 0  # fits: launched
+    assert launched and "loops/mlm.py" in launched[0][1]
+    launched.clear()
+    monkeypatch.setattr(check_plan, "visible_gpus", lambda: [{"name": "RTX 3070", "memory_gb": 8.0, "capability": 8.6}])
+    assert check_plan.main(["--profile", "rtx3080_10gb", "--run"]) == 1 and not launched
+    assert "this machine has 1 GPU with 8 GB; on this machine: make train-cpu" in capsys.readouterr().err
