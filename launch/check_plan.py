@@ -45,7 +45,12 @@ from concept_encoder.training.args import (  # noqa: E402
     parse_args,
     read_yaml_mapping,
 )
-from concept_encoder.training.plan import deepspeed_batch_values, fresh_model_fields, launch_command  # noqa: E402
+from concept_encoder.training.plan import (  # noqa: E402
+    deepspeed_batch_values,
+    fresh_model_fields,
+    launch_command,
+    output_dir_problem,
+)
 
 PROFILES_FILE = ROOT / "launch" / "profiles.yaml"
 PROFILE_KEYS = {"accelerate_config", "ds_config", "gpus", "gpu_memory_gb", "gpu_capability", "host_memory_gb",
@@ -530,13 +535,8 @@ def check_paths(plan: Plan) -> list[Check]:
             )
         )
     out = Path(plan.train.output_dir).expanduser()
-    probe = out
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        checks.append(Check("output dir", ERROR, f"{out}: {probe} is a file, not a folder", "choose --output_dir"))
-    elif not os.access(probe, os.W_OK):
-        checks.append(Check("output dir", ERROR, f"{out} is not writable (checked {probe})", "choose --output_dir"))
+    if problem := output_dir_problem(plan.train.output_dir):
+        checks.append(Check("output dir", ERROR, problem, "choose --output_dir"))
     else:
         checks.append(Check("output dir", OK, f"{out} writable"))
     resume = plan.train.resume_from_checkpoint

@@ -66,6 +66,7 @@ from concept_encoder.training.logs import (
 from concept_encoder.training.model import build_model
 from concept_encoder.training.objective import ConceptObjective, build_concept_objective
 from concept_encoder.training.optim import build_optimizer, build_scheduler
+from concept_encoder.training.preflight import preflight
 from concept_encoder.training.runs import finished_run, init_wandb, save_run_config, setup_run_dirs
 from concept_encoder.training.runtime import (
     apply_memory_budget,
@@ -253,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(state)
     # 3. arguments: dataclasses, optional YAML, CLI overrides
     model_args, data_args, args = parse_args(argv)
-    # 4. seed, system info, data config
+    # 4. preflight (nothing heavy built yet), seed, system info, data config
+    preflight(model_args, data_args, args, state.device)
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, args.run_name)  # checked, not loaded
     set_seed(args.seed)
     apply_memory_budget(args.cuda_memory_budget_gb, state)
     system = log_system_info(state)
@@ -276,7 +279,6 @@ def main(argv: list[str] | None = None) -> int:
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
     # 10. run dirs + argument guards: nothing is written before a resume is known to fit
-    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, args.run_name)
     settings = resume_settings(model.config, data_args, args, state.num_processes)
     if resume is not None:
         check_resume_settings(resume, settings)

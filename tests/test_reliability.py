@@ -288,3 +288,36 @@ def test_impossible_machines_are_errors_and_run_checks_the_machine_it_is_on(monk
     monkeypatch.setattr(check_plan, "visible_gpus", lambda: [{"name": "RTX 3070", "memory_gb": 8.0, "capability": 8.6}])
     assert check_plan.main(["--profile", "rtx3080_10gb", "--run"]) == 1 and not launched
     assert "this machine has 1 GPU with 8 GB; on this machine: make train-cpu" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- 5. validate before heavy work
+
+
+@pytest.mark.parametrize(
+    ("make_args", "message"),
+    [
+        (lambda t: ["--config", str(yaml_file(t, "max_steps: 3.7\n"))], "max_steps=3.7 must be an int"),
+        (lambda t: ["--pad_to_multiple_of", "0"], "pad_to_multiple_of=0 must be >= 1"),
+        (lambda t: ["--output_dir", str(yaml_file(t, "")) + "/runs"], "is a file, not a folder"),
+        (lambda t: ["--mixed_precision", "fp16"], "fp16 needs a CUDA GPU and this run is on cpu"),
+        (
+            lambda t: ["--model_name_or_path", str(t), "--max_seq_length", "64"],
+            "exceeds the model's max_position_embeddings=32",
+        ),
+        (lambda t: ["--resume_from_checkpoint", str(t / "nothing")], "not a checkpoint folder"),
+    ],
+    ids=["yaml-float-steps", "pad-multiple", "output-dir", "fp16-on-cpu", "positions", "resume-path"],
+)
+def test_bad_arguments_fail_before_data_and_model_are_built(tmp_path, monkeypatch, make_args, message):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "concept_encoder", "max_position_embeddings": 32}))
+    argv = make_args(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        run("--run_name", "bad", *argv)
+    assert not Path("Cache/datasets").exists() and not Path("Cache/tokenizers").exists()
+
+
+def yaml_file(folder: Path, text: str) -> Path:
+    path = folder / "run.yaml"
+    path.write_text(text)
+    return path

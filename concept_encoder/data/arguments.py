@@ -51,3 +51,13 @@ class DataArguments:
             raise ValueError(f"max_seq_length={self.max_seq_length} must be at least 2")
         if not 0 < self.mlm_probability < 1:
             raise ValueError(f"mlm_probability={self.mlm_probability} must be in (0, 1)")
+        if not 0 < self.validation_split_percentage < 100:
+            raise ValueError(f"validation_split_percentage={self.validation_split_percentage} must be in (0, 100)")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of={self.pad_to_multiple_of} must be >= 1 (or unset)")
+        if self.mean_span_length < 1 or self.max_span_length < 1:
+            raise ValueError(
+                f"mean_span_length={self.mean_span_length} and max_span_length={self.max_span_length} must be >= 1"
+            )
+        if self.preprocessing_num_workers is not None and self.preprocessing_num_workers < 1:
+            raise ValueError(f"preprocessing_num_workers={self.preprocessing_num_workers} must be >= 1 (or unset)")

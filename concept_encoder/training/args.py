@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 import yaml
 from transformers import HfArgumentParser
@@ -214,7 +215,27 @@ def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, defaults
     if unknown:
         raise ValueError(f"unknown argument(s) {unknown}; run with --help for the valid flags")
     values = vars(namespace)
-    return tuple(cls(**{f.name: values[f.name] for f in fields(cls) if f.init}) for cls in classes)
+    return tuple(
+        cls(**{f.name: typed_value(cls, f.name, values[f.name]) for f in fields(cls) if f.init}) for cls in classes
+    )
+
+
+def typed_value(cls, name: str, value):
+    """`value` as the type `cls.name` declares, or ValueError: YAML and profile values reach the
+    dataclasses without argparse's conversion, and `max_steps: 3.7` must not become 3 silently."""
+    declared = get_type_hints(cls)[name]
+    allowed = [t for t in get_args(declared) if t is not type(None)] or [declared]
+    if value is None and type(None) in get_args(declared):
+        return None
+    for kind in allowed:
+        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind in (str, bool) and isinstance(value, kind):
+            return value
+    wanted = " or ".join(getattr(kind, "__name__", str(kind)) for kind in allowed)
+    raise ValueError(f"{name}={value!r} must be {'an' if wanted[0] in 'aeiou' else 'a'} {wanted}")
 
 
 def field_default(f):

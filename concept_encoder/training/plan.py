@@ -11,7 +11,9 @@ Torch-free (the plan checker must answer in about a second):
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 from ..presets import PRESETS
 from .args import to_argv
@@ -41,6 +43,19 @@ def deepspeed_batch_values(training_args, world_size: int) -> dict[str, int]:
         "gradient_accumulation_steps": accumulation,
         "train_batch_size": micro * accumulation * world_size,
     }
+
+
+def output_dir_problem(output_dir: str) -> str | None:
+    """Why runs cannot be written under `output_dir` (a file in the way, no write permission), else None."""
+    out = Path(output_dir).expanduser()
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"--output_dir {out}: {probe} is a file, not a folder"
+    if not os.access(probe, os.W_OK):
+        return f"--output_dir {out} is not writable (checked {probe})"
+    return None
 
 
 def launch_command(accelerate_options: list[str], *loop_arguments, launcher=("accelerate", "launch"),
