@@ -10,6 +10,7 @@ in `concept_encoder.health_metrics`.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -18,10 +19,32 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from .config import ConceptEncoderConfig
 from .data import DataArguments, DataSourceError, prepare_data
 from .heads import ConceptEncoderForMaskedLM
 from .health_metrics import format_health_table
 from .training.evaluation import evaluate, health_of
+
+
+def not_a_model_folder(path: Path) -> str | None:
+    """Why `path` is not a saved Concept Encoder (no folder, no or unreadable config.json, another model type)."""
+    config = path / "config.json"
+    hint = "pass a folder written by save_pretrained, such as Cache/runs/<run>/final"
+    if not config.is_file():
+        return f"{path} holds no config.json; {hint}"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError):
+        return f"{config} is not a JSON object; {hint}"
+    if model_type != ConceptEncoderConfig.model_type:
+        return (
+            f"{path} holds a {model_type!r} model, not a Concept Encoder ({ConceptEncoderConfig.model_type!r}); {hint}"
+        )
+    if not any(
+        (path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+    ):
+        return f"{path} has a config but no weights (model.safetensors); {hint}"
+    return None
 
 
 def non_finite_parameters(model: torch.nn.Module) -> list[str]:
@@ -40,11 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     path = Path(args.model)
-    if not (path / "config.json").exists():
-        print(
-            f"error: {path} holds no config.json; pass a save_pretrained folder such as Cache/runs/<run>/final",
-            file=sys.stderr,
-        )
+    problem = not_a_model_folder(path)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     model = ConceptEncoderForMaskedLM.from_pretrained(path).eval()
     bad = non_finite_parameters(model)

@@ -42,6 +42,7 @@ from concept_encoder.flops import mlm_training_flops
 from concept_encoder.health_metrics import format_health_table
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.checkpoint import (
+    DiskFullError,
     TrainState,
     check_resume_settings,
     load_checkpoint,
@@ -450,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (ValueError, DataSourceError, NonFiniteLossError, StaleLockError) as error:
+    except (ValueError, DataSourceError, NonFiniteLossError, StaleLockError, DiskFullError) as error:
         if os.environ.get("CONCEPT_ENCODER_TRACEBACK"):
             raise
         print(f"error: {error}\n(set CONCEPT_ENCODER_TRACEBACK=1 for the traceback)", file=sys.stderr)

@@ -321,3 +321,45 @@ def yaml_file(folder: Path, text: str) -> Path:
     path = folder / "run.yaml"
     path.write_text(text)
     return path
+
+
+# ---------------------------------------------------------------- 6. clear messages for data and disk
+
+
+def test_unreadable_files_other_models_and_a_full_disk_are_named(tmp_path, monkeypatch, capsys):
+    from accelerate import Accelerator
+
+    from concept_encoder.check_health import main as check_health
+    from concept_encoder.data import DataSourceError, load_raw_dataset
+    from concept_encoder.training.checkpoint import DiskFullError
+
+    undecodable = tmp_path / "latin1.txt"
+    undecodable.write_bytes("first paragraph\n\ncaf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(DataSourceError, match=r"latin1.txt is not UTF-8 text \(byte 20, line 3\)"):
+        load_raw_dataset(str(undecodable))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "one"}\n{"text": "two"}\n{"text": three}\n')
+    with pytest.raises(DataSourceError, match=r"broken.jsonl line 3 is not valid JSON"):
+        load_raw_dataset(str(broken))
+
+    other = tmp_path / "bert"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert check_health([str(other)]) == 2
+    assert "holds a 'bert' model, not a Concept Encoder" in capsys.readouterr().err
+
+    real_save = Accelerator.save_state
+    saves = {"n": 0}
+
+    def save_until_the_disk_is_full(self, *args, **kwargs):
+        saves["n"] += 1
+        if saves["n"] == 2:
+            raise OSError(28, "No space left on device")
+        return real_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", save_until_the_disk_is_full)
+    with pytest.raises(
+        DiskFullError, match=r"step 4; the last intact checkpoint is runs/full/checkpoints/step_0000002"
+    ):
+        run("--run_name", "full", "--max_steps", "6", "--save_steps", "2")
+    assert [p.name for p in Path("runs/full/checkpoints").iterdir()] == ["step_0000002"]  # no half checkpoint

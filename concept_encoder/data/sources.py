@@ -18,6 +18,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
+from datasets.exceptions import DatasetsError
 
 from ..constants import EMBEDDED_DATASET
 
@@ -122,6 +123,26 @@ def source_fingerprint(spec: str) -> str:
     return hashlib.sha1(json.dumps(listing).encode()).hexdigest()[:12]
 
 
+def unreadable_file_message(files: list[str], builder: str) -> str | None:
+    """The first file that is not UTF-8 text (with the byte offset) or, for JSON lines, the first line
+    that does not parse (with its number); None when every file reads."""
+    for name in files:
+        data = Path(name).read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            line = data[: error.start].count(b"\n") + 1
+            return f"{name} is not UTF-8 text (byte {error.start}, line {line}): re-encode it as UTF-8"
+        if builder == "json" and name.endswith(".jsonl"):
+            for number, line in enumerate(text.splitlines(), start=1):
+                if line.strip():
+                    try:
+                        json.loads(line)
+                    except json.JSONDecodeError as error:
+                        return f"{name} line {number} is not valid JSON ({error.msg}): fix or remove that line"
+    return None
+
+
 def load_raw_dataset(
     spec: str,
     text_field: str = "text",
@@ -145,7 +166,10 @@ def load_raw_dataset(
     elif Path(spec).expanduser().exists():
         builder, files = local_files(Path(spec).expanduser())
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-        raw = load_dataset(builder, data_files={"train": files}, streaming=streaming, **kwargs)
+        try:
+            raw = load_dataset(builder, data_files={"train": files}, streaming=streaming, **kwargs)
+        except DatasetsError as error:  # "An error occurred while generating the dataset": find out which file
+            raise DataSourceError(unreadable_file_message(files, builder) or f"{spec}: {error}") from error
     elif looks_like_path(spec):
         raise DataSourceError(f"--dataset {spec!r}: no such file or folder")
     else:

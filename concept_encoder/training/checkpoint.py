@@ -12,6 +12,7 @@ an explicit path to it is refused with the file named.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import shutil
@@ -24,6 +25,10 @@ logger = logging.getLogger("concept_encoder")
 TRAIN_STATE = "train_state.json"
 MANIFEST = "manifest.json"
 RESUME_SETTINGS = "resume_settings.json"
+
+
+class DiskFullError(RuntimeError):
+    """No space left while saving: the message names the last intact checkpoint."""
 
 
 class CheckpointError(ValueError):
@@ -96,9 +101,20 @@ def save_checkpoint(
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    for name, obj in (per_rank or {}).items():
-        torch.save(obj.state_dict(), tmp / f"{name}_rank{accelerator.process_index}.pt")
+    try:
+        accelerator.save_state(str(tmp))
+        for name, obj in (per_rank or {}).items():
+            torch.save(obj.state_dict(), tmp / f"{name}_rank{accelerator.process_index}.pt")
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
+        if not is_disk_full(error):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        intact = newest_intact(run_dir)
+        raise DiskFullError(
+            f"no space left on the disk of {run_dir} while saving the checkpoint of step {state.step}; "
+            f"the last intact checkpoint is {intact or 'none (nothing was saved before)'}. Free space, then "
+            "resume with --resume_from_checkpoint auto"
+        ) from error
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / TRAIN_STATE).write_text(json.dumps(asdict(state), indent=2))
@@ -112,6 +128,15 @@ def save_checkpoint(
         logger.info("checkpoint saved: %s", final)
     accelerator.wait_for_everyone()
     return final
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """ENOSPC, raised directly or wrapped (torch.save's writer reports it inside a RuntimeError)."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC or "No space left on device" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def newest_intact(run_dir: Path) -> Path | None:
