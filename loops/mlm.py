@@ -75,7 +75,13 @@ from concept_encoder.training.runtime import (
     probe_attention_kernels,
     setup_distributed,
 )
-from concept_encoder.training.tracking import MetricsWriter, PreemptionFlag, memory_stats, plot_loss_curve
+from concept_encoder.training.tracking import (
+    DivergenceMonitor,
+    MetricsWriter,
+    PreemptionFlag,
+    memory_stats,
+    plot_loss_curve,
+)
 
 logger = logging.getLogger("concept_encoder")
 STREAM_SHUFFLE_BUFFER = 10_000  # examples held by a streamed dataset's shuffle buffer (`--streaming`)
@@ -192,7 +198,16 @@ def train_step(
 
 
 def save_final(
-    accelerator, model, tokenizer, probe_ids, run_dir: Path, progress: TrainState, preempted: bool, last_eval, wandb_run
+    accelerator,
+    model,
+    tokenizer,
+    probe_ids,
+    run_dir: Path,
+    progress: TrainState,
+    preempted: bool,
+    last_eval,
+    wandb_run,
+    notes: dict | None = None,
 ):
     """Final model (`save_pretrained` + tokenizer, ZeRO-3 shards gathered), export check, loss curve,
     summary, W&B finish.
@@ -235,6 +250,7 @@ def save_final(
             "preempted": preempted,
             "export_max_abs_diff": export_diff,
             **(last_eval or {}),
+            **(notes or {}),  # e.g. a detected divergence
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         health = health_of(last_eval or {})
@@ -365,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda batch: send_to_device(data.collator.mask(batch), accelerator.device),
     )
     interval = {"loss": 0.0, "labelled": 0, "tokens": 0, "steps": 0, "time": 0.0}
+    divergence = DivergenceMonitor()
     last_eval = None
     preempted = False
     model.train()
@@ -411,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
                 **peak_memory_over_ranks(accelerator),
             }
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            if diverged := divergence.update(progress_state.step, record["loss"]):
+                logger.warning(
+                    "the loss diverges: %.3f at step %d against a running minimum of %.3f; lower --learning_rate "
+                    "or raise --warmup_steps (the run goes on; summary.json records this)",
+                    diverged["loss"], diverged["step"], diverged["running_min"],
+                )  # fmt: skip
             if metrics:
                 metrics.write(record)
             logger.info(
@@ -440,7 +463,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # 13. final save + W&B finish (main process)
     probe_ids = torch.as_tensor(first_validation_example["input_ids"], dtype=torch.long)[None]  # [1,N]
-    save_final(accelerator, model, data.tokenizer, probe_ids, run_dir, progress_state, preempted, last_eval, wandb_run)
+    notes = {"divergence": divergence.detected} if divergence.detected else {}
+    save_final(
+        accelerator, model, data.tokenizer, probe_ids, run_dir, progress_state, preempted, last_eval, wandb_run, notes
+    )
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if run_lock is not None:

@@ -363,3 +363,26 @@ def test_unreadable_files_other_models_and_a_full_disk_are_named(tmp_path, monke
     ):
         run("--run_name", "full", "--max_steps", "6", "--save_steps", "2")
     assert [p.name for p in Path("runs/full/checkpoints").iterdir()] == ["step_0000002"]  # no half checkpoint
+
+
+# ---------------------------------------------------------------- 7. silent divergence
+
+
+def test_divergence_monitor_needs_several_records_far_above_the_minimum():
+    from concept_encoder.training.tracking import DivergenceMonitor
+
+    monitor = DivergenceMonitor()
+    noisy = [7.6, 7.0, 6.5, 11.0, 6.4, 6.3, float("nan"), 6.2]  # one spike and a NaN: not a divergence
+    assert [monitor.update(step, loss) for step, loss in enumerate(noisy, start=1)] == [None] * len(noisy)
+    found = [monitor.update(step, loss) for step, loss in [(9, 30.0), (10, 80.0), (11, 158.0), (12, 160.0)]]
+    assert found == [None, None, {"step": 11, "loss": 158.0, "running_min": 6.2}, None]  # reported once
+
+
+def test_a_finite_blow_up_is_warned_about_and_recorded(capsys):
+    run("--run_name", "blowup", "--max_steps", "30", "--learning_rate", "1.0", "--lr_scheduler_type", "constant",
+        "--warmup_ratio", "0", "--max_grad_norm", "0")  # fmt: skip
+    losses = train_losses("blowup")
+    summary = json.loads(Path("runs/blowup/summary.json").read_text())
+    assert max(losses) > 2 * min(losses), losses  # the run did blow up
+    assert summary["divergence"]["loss"] > 1.5 * summary["divergence"]["running_min"]
+    assert "the loss diverges" in capsys.readouterr().out

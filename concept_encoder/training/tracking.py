@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import signal
 from pathlib import Path
 
@@ -73,6 +74,33 @@ def memory_stats(device: torch.device) -> dict:
         stats["cuda_peak_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
         stats["cuda_peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 3)
     return stats
+
+
+class DivergenceMonitor:
+    """Flags a finite loss blow-up: the logged loss far above its running minimum for several records.
+
+    "Far above" is more than `ratio` times the minimum and more than `margin` nats over it; `patience`
+    such records in a row make a divergence (a single noisy batch does not). Non-finite losses are the
+    loop's `--max_bad_steps` business, not this monitor's.
+    """
+
+    def __init__(self, ratio: float = 1.5, margin: float = 1.0, patience: int = 3):
+        self.ratio, self.margin, self.patience = ratio, margin, patience
+        self.running_min = math.inf
+        self.above = 0
+        self.detected: dict | None = None
+
+    def update(self, step: int, loss: float) -> dict | None:
+        """Feed one logged loss; returns the divergence record the first time it is detected."""
+        if not math.isfinite(loss):
+            return None
+        far = loss > self.ratio * self.running_min and loss - self.running_min > self.margin
+        self.above = self.above + 1 if far else 0
+        self.running_min = min(self.running_min, loss)
+        if self.above >= self.patience and self.detected is None:
+            self.detected = {"step": step, "loss": loss, "running_min": self.running_min}
+            return self.detected
+        return None
 
 
 class PreemptionFlag:
