@@ -15,6 +15,15 @@ from transformers import AutoConfig, PretrainedConfig
 from .constants import CLASSIFIER_POOLINGS, DECODER_TYPES
 from .presets import PRESETS
 
+# Where `trust_remote_code=True` finds each class in the code files a saved model carries (heads.py and
+# the files it imports are copied beside the weights), so a checkpoint loads without this package.
+AUTO_MAP = {
+    "AutoConfig": "config.ConceptEncoderConfig",
+    "AutoModel": "modeling.ConceptEncoder",
+    "AutoModelForMaskedLM": "heads.ConceptEncoderForMaskedLM",
+    "AutoModelForSequenceClassification": "heads.ConceptEncoderForSequenceClassification",
+}
+
 
 class ConceptEncoderConfig(PretrainedConfig):
     r"""Configuration of a Concept Encoder.
@@ -70,6 +79,7 @@ class ConceptEncoderConfig(PretrainedConfig):
 
     def __post_init__(self, **kwargs: Any) -> None:
         super().__post_init__(**kwargs)
+        self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
         self._validate()
 
     def _validate(self) -> None:
@@ -130,3 +140,4 @@ def config_from_preset(name: str, **overrides: Any) -> ConceptEncoderConfig:
 
 
 AutoConfig.register(ConceptEncoderConfig.model_type, ConceptEncoderConfig, exist_ok=True)
+ConceptEncoderConfig.register_for_auto_class("AutoConfig")  # save_pretrained copies this file's code

@@ -278,8 +278,12 @@ class ConceptEncoderForSequenceClassification(ConceptEncoderPreTrainedModel):
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
 
 
+# Registered with transformers here, and marked so save_pretrained copies the code beside the weights.
 AutoModel.register(ConceptEncoderConfig, ConceptEncoder, exist_ok=True)
 AutoModelForMaskedLM.register(ConceptEncoderConfig, ConceptEncoderForMaskedLM, exist_ok=True)
 AutoModelForSequenceClassification.register(
     ConceptEncoderConfig, ConceptEncoderForSequenceClassification, exist_ok=True
 )
+ConceptEncoder.register_for_auto_class("AutoModel")
+ConceptEncoderForMaskedLM.register_for_auto_class("AutoModelForMaskedLM")
+ConceptEncoderForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")

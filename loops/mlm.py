@@ -65,8 +65,10 @@ from concept_encoder.training.logs import (
     setup_logging,
 )
 from concept_encoder.training.model import build_model
+from concept_encoder.training.model_card import write_model_card
 from concept_encoder.training.objective import ConceptObjective, build_concept_objective
 from concept_encoder.training.optim import build_optimizer, build_scheduler
+from concept_encoder.training.plan import launch_command
 from concept_encoder.training.preflight import preflight
 from concept_encoder.training.runs import finished_run, init_wandb, save_run_config, setup_run_dirs
 from concept_encoder.training.runtime import (
@@ -247,6 +249,8 @@ def save_final(
         plot = plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
         summary = {
             "steps": progress.step,
+            "tokens_seen": progress.tokens_seen,
+            "mixed_precision": accelerator.mixed_precision,  # what ran (flag, launch config or default)
             "preempted": preempted,
             "export_max_abs_diff": export_diff,
             **(last_eval or {}),
@@ -467,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     save_final(
         accelerator, model, data.tokenizer, probe_ids, run_dir, progress_state, preempted, last_eval, wandb_run, notes
     )
+    if accelerator.is_main_process and not preempted:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        command = launch_command([], model_args, data_args, args)
+        write_model_card(run_dir / "final", run_dir.name, config, summary, command)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if run_lock is not None:

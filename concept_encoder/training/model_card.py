@@ -1,0 +1,74 @@
+"""The model card (`README.md`) written beside a run's final model: what it is, how it was trained,
+how it scored, how its concepts look, and the command that reproduces it."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from ..health_metrics import format_health_table
+from .evaluation import health_of
+
+
+def model_card(run_name: str, config: dict, summary: dict, command: list[str]) -> str:
+    """Markdown with Hugging Face front matter, from the run's resolved `config` and its `summary`."""
+    model, data, train = config["model_config"], config["data_args"], config["training_args"]
+    stats = config.get("data_stats", {}).get("train", {})
+    world = config.get("system", {}).get("world_size", 1)
+    blocks = f"{stats['examples']:,} training blocks" if isinstance(stats.get("examples"), int) else "blocks"
+    batch = train["per_device_train_batch_size"] * train["gradient_accumulation_steps"] * world
+    lines = [
+        "---",
+        "library_name: transformers",
+        "pipeline_tag: fill-mask",
+        "tags: [concept-encoder, masked-lm]",
+        "---",
+        "",
+        f"# {run_name}",
+        "",
+        f"A Concept Encoder: {model['concept_num']} learned concepts of width {model['hidden_size']} cross-attend "
+        f"to the tokens in {model['num_hidden_layers']} layers ({config['parameters']['total']:,} parameters, "
+        f"`{model['decoder_type']}` MLM decoder), pretrained with masked-language modelling by concept-encoder's "
+        "`loops/mlm.py`.",
+        "",
+        "```python",
+        "from transformers import AutoModelForMaskedLM, AutoTokenizer",
+        'model = AutoModelForMaskedLM.from_pretrained("<this folder>", trust_remote_code=True)  # code files are here',
+        'tokenizer = AutoTokenizer.from_pretrained("<this folder>")',
+        "```",
+        "(With the concept-encoder package installed, `import concept_encoder` makes `trust_remote_code` unnecessary.)",
+        "",
+        "## Training",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| data | `{data['dataset']}` (field `{data['text_field']}`), {blocks} of {data['max_seq_length']} tokens |",
+        f"| tokenizer | `{data['tokenizer']}` ({model['vocab_size']:,} tokens) |",
+        f"| masking | {data['masking']}, {data['mlm_probability']:.0%} of tokens |",
+        f"| steps | {summary.get('steps')} optimizer steps, {summary.get('tokens_seen', 0):,} tokens seen |",
+        f"| batch | {batch} sequences per step ({world} process(es)) |",
+        f"| optimizer | AdamW, peak learning rate {train['learning_rate']}, {train['lr_scheduler_type']} schedule |",
+        f"| precision | {summary.get('mixed_precision') or train['mixed_precision'] or 'as launched'} |",
+    ]
+    if summary.get("eval_loss") is not None:
+        lines += [
+            "",
+            "## Evaluation (validation split, masked tokens)",
+            "",
+            f"masked-token loss {summary['eval_loss']:.4f}, perplexity {summary['eval_perplexity']:.1f}, "
+            f"accuracy {summary['eval_accuracy']:.4f} over {summary['eval_masked_tokens']:,} masked tokens.",
+        ]
+    health = health_of(summary)
+    if health:
+        lines += ["", "## Concept health (last evaluation)", "", format_health_table(health)]
+    if summary.get("divergence"):
+        lines += ["", f"**Warning:** the training loss diverged: {json.dumps(summary['divergence'])}."]
+    lines += ["", "## Reproduce", "", "```bash", shlex.join(command), "```", ""]
+    return "\n".join(lines)
+
+
+def write_model_card(final_dir: Path, run_name: str, config: dict, summary: dict, command: list[str]) -> Path:
+    path = Path(final_dir) / "README.md"
+    path.write_text(model_card(run_name, config, summary, command))
+    return path
