@@ -20,6 +20,14 @@ import sys
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: make the project root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from concept_encoder.training.preflight import fail_fast, preflight
+
+if __name__ == "__main__":  # a bad argument fails in about a second, before torch and the models load
+    fail_fast(sys.argv[1:])
+
 import torch
 from accelerate import Accelerator, skip_first_batches
 from accelerate.utils import (
@@ -31,9 +39,6 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-
-if __package__ in (None, ""):  # run as a script: make the project root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from concept_encoder import ConceptEncoderForMaskedLM
 from concept_encoder.constants import IGNORE_INDEX
@@ -69,7 +74,6 @@ from concept_encoder.training.model_card import write_model_card
 from concept_encoder.training.objective import ConceptObjective, build_concept_objective
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.plan import launch_command
-from concept_encoder.training.preflight import preflight
 from concept_encoder.training.runs import finished_run, init_wandb, save_run_config, setup_run_dirs
 from concept_encoder.training.runtime import (
     apply_memory_budget,
@@ -276,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     # 3. arguments: dataclasses, optional YAML, CLI overrides
     model_args, data_args, args = parse_args(argv)
     # 4. preflight (nothing heavy built yet), seed, system info, data config
-    preflight(model_args, data_args, args, state.device)
+    preflight(model_args, data_args, args, cuda=state.device.type == "cuda")
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, args.run_name)  # checked, not loaded
     set_seed(args.seed)
     apply_memory_budget(args.cuda_memory_budget_gb, state)

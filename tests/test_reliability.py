@@ -299,7 +299,7 @@ def test_impossible_machines_are_errors_and_run_checks_the_machine_it_is_on(monk
         (lambda t: ["--config", str(yaml_file(t, "max_steps: 3.7\n"))], "max_steps=3.7 must be an int"),
         (lambda t: ["--pad_to_multiple_of", "0"], "pad_to_multiple_of=0 must be >= 1"),
         (lambda t: ["--output_dir", str(yaml_file(t, "")) + "/runs"], "is a file, not a folder"),
-        (lambda t: ["--mixed_precision", "fp16"], "fp16 needs a CUDA GPU and this run is on cpu"),
+        (lambda t: ["--mixed_precision", "fp16"], "fp16 needs a CUDA GPU and this run is on the CPU"),
         (
             lambda t: ["--model_name_or_path", str(t), "--max_seq_length", "64"],
             "exceeds the model's max_position_embeddings=32",
@@ -429,3 +429,15 @@ def test_final_model_loads_without_the_package_and_carries_a_model_card(tmp_path
     assert "library_name: transformers" in card and "3 optimizer steps" in card
     assert f"{summary['eval_loss']:.4f}" in card and "| effective_rank |" in card
     assert "accelerate launch loops/mlm.py" in card and "--run_name travel" in card
+
+
+def test_the_script_rejects_a_bad_argument_before_importing_torch(tmp_path):
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = [{str(ROOT / 'loops/mlm.py')!r}, '--pad_to_multiple_of', '0']\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit as e:\n    print('EXIT', e.code, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "EXIT 1 False" in out.stdout
+    assert out.stderr.startswith("error: pad_to_multiple_of=0 must be >= 1") and "Traceback" not in out.stderr

@@ -19,8 +19,6 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 logger = logging.getLogger("concept_encoder")
 TRAIN_STATE = "train_state.json"
 MANIFEST = "manifest.json"
@@ -96,6 +94,8 @@ def save_checkpoint(
     generator, so each rank writes its own `<name>_rank<r>.pt` (accelerate's registered objects
     are saved once, from the main process).
     """
+    import torch
+
     final = Path(run_dir) / "checkpoints" / f"step_{state.step:07d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process and tmp.exists():
@@ -225,6 +225,8 @@ def check_resume_settings(checkpoint: Path, current: dict) -> None:
 
 def load_checkpoint(accelerator, checkpoint: Path, per_rank: dict | None = None) -> TrainState:
     """Restore accelerate's state, this rank's `per_rank` objects, and the loop position."""
+    import torch
+
     rng = checkpoint / f"random_states_{accelerator.process_index}.pkl"
     if not rng.exists():
         raise CheckpointError(f"{rng} is missing: without it the data order and dropout would not resume exactly")

@@ -1,12 +1,20 @@
-"""Step 4's preflight: what can be checked from the arguments fails here, in about a second, before
-the data and the model are built (types and ranges are already checked by the argument dataclasses)."""
+"""Preflight: what can be checked from the arguments fails here, before the data and the model are built
+(types and ranges are already checked by the argument dataclasses).
+
+Torch-free: `fail_fast` runs it from `loops/mlm.py` before torch and transformers' models are imported
+(about 4 s on a 2-core machine), so a bad argument is one line in about a second; the loop's step 4
+runs it again with the device it really got.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
+from .args import parse_args
 from .plan import output_dir_problem
 
 
@@ -15,21 +23,22 @@ def effective_precision(mixed_precision: str | None) -> str:
     return mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no"
 
 
-def preflight(model_args, data_args, training_args, device) -> None:
-    """ValueError naming the first argument this run cannot work with on `device`."""
+def cuda_present() -> bool:
+    """Whether this process can see an NVIDIA GPU, without importing torch (driver present, not hidden)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
+
+
+def preflight(model_args, data_args, training_args, cuda: bool) -> None:
+    """ValueError naming the first argument this run cannot work with (`cuda`: a GPU is in use)."""
     if problem := output_dir_problem(training_args.output_dir):
         raise ValueError(f"{problem}; choose another --output_dir")
-    precision = effective_precision(training_args.mixed_precision)
-    if precision == "fp16" and device.type != "cuda":
+    if effective_precision(training_args.mixed_precision) == "fp16" and not cuda:
         raise ValueError(
-            f"mixed precision fp16 needs a CUDA GPU and this run is on {device.type}; "
+            "mixed precision fp16 needs a CUDA GPU and this run is on the CPU; "
             "use --mixed_precision bf16 (supported on CPU) or no"
         )
-    if precision == "bf16" and device.type == "cuda":
-        import torch
-
-        if not torch.cuda.is_bf16_supported():
-            raise ValueError("this GPU does not support bf16 (compute capability < 8.0); use --mixed_precision fp16")
     if model_args.model_name_or_path:
         config_path = Path(model_args.model_name_or_path) / "config.json"
         if not config_path.is_file():
@@ -43,3 +52,19 @@ def preflight(model_args, data_args, training_args, device) -> None:
                 f"max_seq_length={data_args.max_seq_length} exceeds the model's max_position_embeddings="
                 f"{positions}; lower --max_seq_length"
             )
+
+
+def fail_fast(argv: list[str]) -> None:
+    """Parse and preflight `argv` (and find the checkpoint to resume); on a bad argument print one
+    line and exit 1, as the loop would, seconds earlier."""
+    from .checkpoint import resolve_resume
+
+    try:
+        model_args, data_args, training_args = parse_args(argv)
+        preflight(model_args, data_args, training_args, cuda=cuda_present())
+        resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, training_args.run_name)
+    except ValueError as error:
+        if os.environ.get("CONCEPT_ENCODER_TRACEBACK"):
+            raise
+        print(f"error: {error}\n(set CONCEPT_ENCODER_TRACEBACK=1 for the traceback)", file=sys.stderr)
+        sys.exit(1)
