@@ -42,6 +42,10 @@ class ModelArguments:
             raise ValueError(f"preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}")
         if self.decoder_type not in DECODER_TYPES:
             raise ValueError(f"decoder_type={self.decoder_type!r} is unknown; choose one of {DECODER_TYPES}")
+        if self.concept_num is not None and self.concept_num < 1:
+            raise ValueError(f"concept_num={self.concept_num} must be >= 1 (or unset for the preset's)")
+        if self.hidden_dropout_prob is not None and not 0 <= self.hidden_dropout_prob < 1:
+            raise ValueError(f"hidden_dropout_prob={self.hidden_dropout_prob} must be in [0, 1)")
 
 
 @dataclass
