@@ -467,7 +467,6 @@ def main(argv: list[str] | None = None) -> int:
             )
             break
     bar.close()
-    preemption.restore()
 
     # 13. final save + W&B finish (main process)
     probe_ids = torch.as_tensor(first_validation_example["input_ids"], dtype=torch.long)[None]  # [1,N]
@@ -481,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         write_model_card(run_dir / "final", run_dir.name, config, summary, command)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    preemption.restore()  # only now: a second signal (e.g. the launcher's death after it forwarded one) must not kill the final save
     if run_lock is not None:
         run_lock.release()
     return 0

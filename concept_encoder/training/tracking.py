@@ -113,6 +113,9 @@ class PreemptionFlag:
             self.previous[sig] = signal.signal(sig, self.handle)
 
     def handle(self, signum, frame) -> None:
+        if self.signal_name is not None:
+            logger.warning("%s received again: already stopping", signal.Signals(signum).name)
+            return
         self.signal_name = signal.Signals(signum).name
         logger.warning("%s received: finishing this step, then saving a checkpoint", self.signal_name)
 
