@@ -35,7 +35,7 @@ def model_card(run_name: str, config: dict, summary: dict, command: list[str]) -
         "```python",
         "from transformers import AutoModelForMaskedLM, AutoTokenizer",
         'model = AutoModelForMaskedLM.from_pretrained("<this folder>", trust_remote_code=True)  # code files are here',
-        'tokenizer = AutoTokenizer.from_pretrained("<this folder>")',
+        'tokenizer = AutoTokenizer.from_pretrained("<this folder>", trust_remote_code=True)',
         "```",
         "(With the concept-encoder package installed, `import concept_encoder` makes `trust_remote_code` unnecessary.)",
         "",
