@@ -16,7 +16,8 @@ BATCH     ?= 16
 ARGS      ?=
 LAUNCH    := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
-.PHONY: install test lint format clean bench train train-cpu train-3080 train-3090 train-multigpu zero-compare plan
+.PHONY: install test lint format clean bench train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
+	finetune glue
 
 install: $(VENV)/.installed
 
@@ -46,6 +47,23 @@ clean:
 train: install
 	$(LAUNCH) loops/mlm.py --preset $(PRESET) --max_steps $(STEPS) --dataset $(DATASET) \
 		--tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)
+
+# Fine-tuning (loops/finetune.py): the newest `make train` model on the embedded task, offline, 3 seeds.
+#   make finetune MODEL=Cache/runs/<run>/final TASK=embedded_pairs FT_ARGS="--from_scratch"
+MODEL ?= $(shell ls -td Cache/runs/*/final 2>/dev/null | head -1)
+TASK  ?= embedded
+SEEDS ?= 3
+FT_ARGS ?=
+GLUE_TASKS := cola sst2 mrpc qqp stsb mnli qnli rte
+FINETUNE = $(if $(MODEL),$(LAUNCH) loops/finetune.py --model_name_or_path $(MODEL) --seeds $(SEEDS),\
+	$(error no model: run `make train` first, or pass MODEL=<a save_pretrained folder>))
+
+finetune: install
+	$(FINETUNE) --task $(TASK) $(FT_ARGS)
+
+# The GLUE set (needs the Hugging Face Hub): one report per task under Cache/reports/
+glue: install
+	set -e; for task in $(GLUE_TASKS); do $(FINETUNE) --task glue:$$task $(FT_ARGS); done
 
 # Hardware profiles (launch/profiles.yaml): the plan check runs first and launches only a sound plan.
 #   make train-3080 DATASET=wikitext:wikitext-103-raw-v1 STEPS=20000 ARGS="--run_name wiki --save_steps 1000"

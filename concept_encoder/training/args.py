@@ -22,6 +22,7 @@ from transformers import HfArgumentParser
 from ..constants import CONCEPT_LOSS_NAMES, DECODER_TYPES, LOSS_WEIGHTING_NAMES, check_concept_loss_settings
 from ..data.arguments import DataArguments
 from ..presets import PRESETS
+from ..tasks.arguments import TaskArguments
 
 
 @dataclass
@@ -160,7 +161,39 @@ class TrainingArguments:
         return self.warmup_steps or int(self.warmup_ratio * self.max_steps)
 
 
+@dataclass
+class FinetuneArguments:
+    """Which model to fine-tune (`loops/finetune.py`), how often, and what to put beside it."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "a save_pretrained folder: a Concept Encoder run's final/ or any HF encoder"}
+    )
+    from_scratch: bool = field(
+        default=False, metadata={"help": "same architecture, random weights: the control for pretraining"}
+    )
+    seeds: int = field(default=3, metadata={"help": "fine-tuning runs per model (seeds seed, seed+1, ...)"})
+    compare_to: str | None = field(
+        default=None, metadata={"help": "comma-separated further model folders, fine-tuned under the same protocol"}
+    )
+
+    def __post_init__(self):
+        if self.seeds < 1:
+            raise ValueError(f"seeds={self.seeds} must be >= 1")
+        if self.model_name_or_path is None:
+            raise ValueError("--model_name_or_path is required: a saved model folder such as Cache/runs/<run>/final")
+
+    @property
+    def models(self) -> list[str]:
+        return [self.model_name_or_path, *[m.strip() for m in (self.compare_to or "").split(",") if m.strip()]]
+
+
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainingArguments)
+# Fine-tuning shares the optimisation, logging and run settings; its defaults suit a small labelled set.
+FINETUNE_ARGUMENT_CLASSES = (FinetuneArguments, TaskArguments, TrainingArguments)
+FINETUNE_DEFAULTS = {
+    "output_dir": "Cache/finetune", "learning_rate": 1e-4, "per_device_train_batch_size": 32, "max_steps": 300, "eval_steps": 25,
+    "save_steps": 0, "logging_steps": 10, "lr_scheduler_type": "linear", "warmup_ratio": 0.1,
+}  # fmt: skip
 
 
 def build_parser(classes=ARGUMENT_CLASSES, **kwargs) -> HfArgumentParser:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate.utils import send_to_device
@@ -60,3 +61,19 @@ def evaluate(accelerator, model, loader, eval_collator, collator_state: dict, ma
 def health_of(results: dict) -> dict[str, float]:
     """The `health/<metric>` entries of `evaluate`'s results, as `{metric: value}`."""
     return {key.split("/", 1)[1]: value for key, value in results.items() if key.startswith("health/")}
+
+
+@torch.no_grad()
+def predict(accelerator, model, loader) -> tuple[np.ndarray, np.ndarray]:
+    """`(logits [n,K], labels [n] or [n,K])` over `loader`, gathered across ranks (padding duplicates dropped)."""
+    was_training = model.training
+    model.eval()
+    logits, labels = [], []
+    for batch in loader:
+        batch = send_to_device(batch, accelerator.device)
+        out = model(**{k: v for k, v in batch.items() if k != "labels"})
+        gathered_logits, gathered_labels = accelerator.gather_for_metrics((out.logits.float(), batch["labels"]))
+        logits.append(gathered_logits.cpu().numpy())
+        labels.append(gathered_labels.cpu().numpy())
+    model.train(was_training)
+    return np.concatenate(logits), np.concatenate(labels)

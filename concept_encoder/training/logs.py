@@ -21,7 +21,7 @@ from ..summary import parameter_counts
 logger = logging.getLogger("concept_encoder")
 
 
-def setup_logging(state: PartialState, log_dir: str | Path = "Cache/logs") -> Path | None:
+def setup_logging(state: PartialState, log_dir: str | Path = "Cache/logs", name: str = "mlm") -> Path | None:
     """Step 2: INFO with a timestamped file log on the main process; ERROR elsewhere."""
     import datasets
     import transformers
@@ -41,7 +41,7 @@ def setup_logging(state: PartialState, log_dir: str | Path = "Cache/logs") -> Pa
         transformers.utils.logging.set_verbosity_warning()
         datasets.utils.logging.set_verbosity_warning()
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        path = Path(log_dir) / f"mlm-{dt.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
+        path = Path(log_dir) / f"{name}-{dt.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
         file_handler = logging.FileHandler(path)
         file_handler.setFormatter(fmt)
         root.addHandler(file_handler)

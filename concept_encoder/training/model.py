@@ -35,3 +35,31 @@ def build_model(model_args, data_args, tokenizer) -> ConceptEncoderForMaskedLM:
     if model_args.gradient_checkpointing:
         model.activation_checkpointing_enable()
     return model
+
+
+def build_classifier(model_path: str, task, from_scratch: bool = False):
+    """`AutoModelForSequenceClassification` for `task` from a saved folder: a Concept Encoder (its MLM
+    decoder is dropped, with a log line saying so) or any HF encoder such as BERT; `from_scratch`
+    builds the same architecture with fresh weights. Returns (model, what was done, for the log)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    labels = {}
+    if task.label_names:
+        labels = {
+            "id2label": dict(enumerate(task.label_names)),
+            "label2id": {n: i for i, n in enumerate(task.label_names)},
+        }
+    config = AutoConfig.from_pretrained(model_path, num_labels=task.num_labels, problem_type=task.task_type, **labels)
+    if from_scratch:
+        return AutoModelForSequenceClassification.from_config(config), "fresh weights (--from_scratch)"
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        model_path, config=config, output_loading_info=True
+    )
+    dropped = sorted({key.split(".")[0] for key in info["unexpected_keys"]})
+    note = (
+        f"pretrained weights; dropped {len(info['unexpected_keys'])} tensors of {dropped}"
+        if dropped
+        else "pretrained weights"
+    )
+    new = sorted({key.split(".")[0] for key in info["missing_keys"]})
+    return model, note + (f"; new (randomly initialised): {new}" if new else "")

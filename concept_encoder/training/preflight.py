@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .args import parse_args
+from .args import ARGUMENT_CLASSES, parse_args
 from .plan import output_dir_problem
 
 
@@ -31,7 +31,10 @@ def cuda_present() -> bool:
 
 
 def preflight(model_args, data_args, training_args, cuda: bool) -> None:
-    """ValueError naming the first argument this run cannot work with (`cuda`: a GPU is in use)."""
+    """ValueError naming the first argument this run cannot work with (`cuda`: a GPU is in use).
+
+    `model_args` needs `model_name_or_path`, `data_args` `max_seq_length` (both loops' arguments have them).
+    """
     if problem := output_dir_problem(training_args.output_dir):
         raise ValueError(f"{problem}; choose another --output_dir")
     if effective_precision(training_args.mixed_precision) == "fp16" and not cuda:
@@ -54,13 +57,13 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
             )
 
 
-def fail_fast(argv: list[str]) -> None:
+def fail_fast(argv: list[str], classes=ARGUMENT_CLASSES, defaults: dict | None = None) -> None:
     """Parse and preflight `argv` (and find the checkpoint to resume); on a bad argument print one
     line and exit 1, as the loop would, seconds earlier."""
     from .checkpoint import resolve_resume
 
     try:
-        model_args, data_args, training_args = parse_args(argv)
+        model_args, data_args, training_args = parse_args(argv, classes=classes, defaults=defaults)
         preflight(model_args, data_args, training_args, cuda=cuda_present())
         resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, training_args.run_name)
     except ValueError as error:

@@ -1,0 +1,199 @@
+"""Downstream tasks as three splits: `train` (fitted), `dev` (carved from train, selects the step) and
+`validation` (reported, never selected on), each with `text_a` [, `text_b`] and `label` columns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from datasets import Dataset, Value, load_dataset
+
+from ..data.sources import DataSourceError, ensure_hub
+from .arguments import EMBEDDED_TASKS, TaskArguments
+from .embedded import PACKAGES, embedded_pairs, embedded_sentences
+
+SPLIT_SEED = 1234  # fixed: the dev and validation examples must not move with the training seed
+LOCAL_BUILDERS = {
+    ".csv": ("csv", {}),
+    ".tsv": ("csv", {"delimiter": "\t"}),
+    ".jsonl": ("json", {}),
+    ".json": ("json", {}),
+}
+
+# GLUE: (text columns, validation split, number of labels (1 = regression), metrics with the main one first)
+GLUE = {
+    "cola": (("sentence",), "validation", 2, ("matthews", "accuracy")),
+    "sst2": (("sentence",), "validation", 2, ("accuracy",)),
+    "mrpc": (("sentence1", "sentence2"), "validation", 2, ("f1", "accuracy")),
+    "qqp": (("question1", "question2"), "validation", 2, ("f1", "accuracy")),
+    "stsb": (("sentence1", "sentence2"), "validation", 1, ("pearson", "spearman")),
+    "mnli": (("premise", "hypothesis"), "validation_matched", 3, ("accuracy",)),
+    "qnli": (("question", "sentence"), "validation", 2, ("accuracy",)),
+    "rte": (("sentence1", "sentence2"), "validation", 2, ("accuracy",)),
+}
+DEFAULT_METRICS = {
+    "single_label_classification": ("accuracy", "macro_f1"),
+    "regression": ("pearson", "spearman", "mse"),
+    "multi_label_classification": ("micro_f1", "subset_accuracy"),
+}
+
+
+@dataclass
+class TaskData:
+    name: str
+    task_type: str
+    num_labels: int
+    label_names: list[str] | None
+    metric_names: tuple[str, ...]  # the first one selects the step and leads the report
+    train: Dataset
+    dev: Dataset
+    validation: Dataset
+
+    @property
+    def pair(self) -> bool:
+        return "text_b" in self.train.column_names
+
+    def sizes(self) -> dict[str, int]:
+        return {"train": len(self.train), "dev": len(self.dev), "validation": len(self.validation)}
+
+
+def load_task(args: TaskArguments) -> TaskData:
+    """Build the task's splits; every problem with the data is a `DataSourceError` naming it."""
+    if args.task in EMBEDDED_TASKS:
+        if args.task == "embedded":
+            texts, labels, names = embedded_sentences()
+            table, label_names = Dataset.from_dict({"text_a": texts, "label": labels}), names
+        else:
+            firsts, seconds, same = embedded_pairs()
+            table = Dataset.from_dict({"text_a": firsts, "text_b": seconds, "label": same})
+            label_names = ["different package", "same package"]
+        train, validation = carve(table, args.validation_fraction)
+        return finish(args, args.task, "single_label_classification", label_names, None, train, validation)
+    if args.task.startswith("glue:"):
+        name = args.task[5:]
+        columns, validation_split, num_labels, metrics = GLUE[name]
+        ensure_hub("dataset", f"nyu-mll/glue:{name}")
+        try:
+            raw = load_dataset("nyu-mll/glue", name)
+        except Exception as error:  # datasets raises many types; the message says what to do
+            raise DataSourceError(f"cannot load {args.task}: {type(error).__name__}: {error}") from error
+        task_type = "regression" if num_labels == 1 else "single_label_classification"
+        train, validation = (standard_columns(raw[s], columns, "label", args.task) for s in ("train", validation_split))
+        names = None if num_labels == 1 else raw["train"].features["label"].names
+        return finish(args, args.task, task_type, names, metrics, train, validation)
+    return load_local(args)
+
+
+def load_local(args: TaskArguments) -> TaskData:
+    path = Path(args.task).expanduser()
+    if not path.exists():
+        raise DataSourceError(
+            f"--task {args.task!r}: no such file or folder; use {EMBEDDED_TASKS[0]} (offline), glue:<name> "
+            "(needs the Hub) or a local .csv/.tsv/.jsonl file or folder with train and validation files"
+        )
+    files = {"train": path} if path.is_file() else split_files(path)
+    builder, kwargs = LOCAL_BUILDERS.get(files["train"].suffix.lower(), (None, None))
+    if builder is None:
+        raise DataSourceError(f"{files['train']}: unsupported file type; use one of {sorted(LOCAL_BUILDERS)}")
+    raw = load_dataset(builder, data_files={k: str(v) for k, v in files.items()}, **kwargs)
+    splits = {k: standard_columns(raw[k], args.text_field_names, args.label_field, str(files[k])) for k in raw}
+    train, validation = splits["train"], splits.get("validation")
+    if validation is None:
+        train, validation = carve(train, args.validation_fraction)
+    labels = train["label"]
+    task_type = args.task_type if args.task_type != "auto" else infer_task_type(labels)
+    names = None
+    if task_type == "single_label_classification" and any(isinstance(x, str) for x in labels):
+        names = sorted({str(x) for x in labels} | {str(x) for x in validation["label"]})
+        index = {name: i for i, name in enumerate(names)}
+        train, validation = (
+            s.map(lambda r: {"label_id": index[str(r["label"])]})
+            .remove_columns("label")
+            .rename_column("label_id", "label")
+            for s in (train, validation)
+        )  # a new column: mapping onto the string column would keep its string type
+    return finish(args, path.name, task_type, names, None, train, validation)
+
+
+def split_files(folder: Path) -> dict[str, Path]:
+    found = {}
+    for split, stems in (("train", ("train",)), ("validation", ("validation", "valid", "dev", "test"))):
+        for stem in stems:
+            matches = [p for p in sorted(folder.iterdir()) if p.stem == stem and p.suffix.lower() in LOCAL_BUILDERS]
+            if matches:
+                found[split] = matches[0]
+                break
+    if "train" not in found:
+        raise DataSourceError(f"{folder} holds no train.csv/.tsv/.jsonl; name the training file train.<ext>")
+    return found
+
+
+def standard_columns(table: Dataset, text_fields, label_field: str, where: str) -> Dataset:
+    """`text_a` [, `text_b`], `label`; a missing column or an empty text is an error naming it."""
+    missing = [c for c in [*text_fields, label_field] if c not in table.column_names]
+    if missing:
+        raise DataSourceError(
+            f"{where} has no column(s) {missing} (columns: {table.column_names}); "
+            "pass --text_fields a[,b] and --label_field with existing columns"
+        )
+    for column in text_fields:
+        for row, text in enumerate(table[column]):
+            if not isinstance(text, str) or not text.strip():
+                raise DataSourceError(f"{where}: row {row} has no text in column {column!r}; fill or drop that row")
+    renamed = {old: new for old, new in zip(text_fields, ("text_a", "text_b"), strict=False)}
+    return table.select_columns([*text_fields, label_field]).rename_columns({**renamed, label_field: "label"})
+
+
+def infer_task_type(labels: list) -> str:
+    """Lists: multi-label; non-integral numbers: regression; integers or strings: single-label classes."""
+    if any(isinstance(x, list) for x in labels):
+        return "multi_label_classification"
+    if any(isinstance(x, float) and not float(x).is_integer() for x in labels):
+        return "regression"
+    return "single_label_classification"
+
+
+def carve(table: Dataset, fraction: float) -> tuple[Dataset, Dataset]:
+    parts = table.train_test_split(test_size=fraction, seed=SPLIT_SEED, shuffle=True)
+    return parts["train"], parts["test"]
+
+
+def finish(args, name, task_type, label_names, metrics, train: Dataset, validation: Dataset) -> TaskData:
+    """Carve the dev split, count the labels, check the training set can teach anything."""
+    train, dev = carve(train, args.dev_fraction)
+    if task_type == "regression":
+        num_labels = 1
+        train, dev, validation = (s.cast_column("label", Value("float32")) for s in (train, dev, validation))
+    elif task_type == "multi_label_classification":
+        num_labels = len(train[0]["label"])
+    else:
+        classes = set(train["label"])
+        if len(classes) < 2:
+            raise DataSourceError(
+                f"task {name!r}: the training split has a single class ({classes.pop()!r}); a classifier cannot "
+                "learn from it; check --label_field, or give examples of at least two classes"
+            )
+        num_labels = max(len(label_names or []), max(classes) + 1, max(validation["label"]) + 1)
+    return TaskData(
+        name, task_type, num_labels, label_names, metrics or DEFAULT_METRICS[task_type], train, dev, validation
+    )
+
+
+def encode_splits(task: TaskData, tokenizer, max_seq_length: int) -> dict[str, Dataset]:
+    """Tokenised splits with `input_ids`, `attention_mask` (and `token_type_ids` where the tokenizer makes
+    them) and `labels`; a pair is encoded jointly, `[CLS] a [SEP] b [SEP]`, truncated to `max_seq_length`."""
+
+    def encode(batch):
+        pair = (batch["text_a"], batch["text_b"]) if task.pair else (batch["text_a"],)
+        return tokenizer(*pair, truncation=True, max_length=max_seq_length)
+
+    splits = {"train": task.train, "dev": task.dev, "validation": task.validation}
+    return {
+        name: split.map(
+            encode, batched=True, remove_columns=[c for c in split.column_names if c != "label"]
+        ).rename_column("label", "labels")
+        for name, split in splits.items()
+    }
+
+
+__all__ = ["GLUE", "PACKAGES", "TaskData", "encode_splits", "load_task"]

@@ -1,0 +1,57 @@
+"""Task metrics from scikit-learn and scipy (not hand-written), and the trivial baseline beside them.
+
+`predictions`: class ids `[n]` (single-label), scores `[n]` (regression) or 0/1 `[n,K]` (multi-label).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.stats import pearsonr, spearmanr
+from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef, mean_squared_error
+
+
+def correlation(fn, predictions, labels) -> float:
+    """Pearson/Spearman; 0 for a constant prediction (no correlation can be shown)."""
+    if np.ptp(predictions) == 0 or np.ptp(labels) == 0:
+        return 0.0
+    return float(fn(predictions, labels)[0])
+
+
+METRICS = {
+    "accuracy": lambda p, y: float(accuracy_score(y, p)),
+    "macro_f1": lambda p, y: float(f1_score(y, p, average="macro", zero_division=0)),
+    "f1": lambda p, y: float(f1_score(y, p, zero_division=0)),  # binary, positive class 1 (GLUE MRPC/QQP)
+    "matthews": lambda p, y: float(matthews_corrcoef(y, p)),
+    "pearson": lambda p, y: correlation(pearsonr, p, y),
+    "spearman": lambda p, y: correlation(spearmanr, p, y),
+    "mse": lambda p, y: float(mean_squared_error(y, p)),
+    "micro_f1": lambda p, y: float(f1_score(y, p, average="micro", zero_division=0)),
+    "subset_accuracy": lambda p, y: float(accuracy_score(y, p)),
+}
+LOWER_IS_BETTER = frozenset({"mse"})
+
+
+def compute_metrics(names, predictions, labels) -> dict[str, float]:
+    predictions, labels = np.asarray(predictions), np.asarray(labels)
+    return {name: METRICS[name](predictions, labels) for name in names}
+
+
+def baseline_predictions(task_type: str, train_labels, n: int) -> np.ndarray:
+    """The trivial predictor fitted on the training labels: the majority class, the mean score, or each
+    label's majority (multi-label), repeated `n` times."""
+    train_labels = np.asarray(train_labels)
+    if task_type == "regression":
+        return np.full(n, float(train_labels.mean()))
+    if task_type == "multi_label_classification":
+        return np.tile((train_labels.mean(axis=0) > 0.5).astype(int), (n, 1))
+    values, counts = np.unique(train_labels, return_counts=True)
+    return np.full(n, values[counts.argmax()])
+
+
+def predictions_from_logits(task_type: str, logits: np.ndarray) -> np.ndarray:
+    """`logits [n,K]` → class ids, scores or 0/1 labels."""
+    if task_type == "regression":
+        return logits[:, 0]
+    if task_type == "multi_label_classification":
+        return (logits > 0).astype(int)
+    return logits.argmax(axis=-1)

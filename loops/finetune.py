@@ -1,0 +1,236 @@
+"""Fine-tuning on a labelled task, several seeds, beside the trivial baseline: is a pretrained model any good?
+
+    accelerate launch loops/finetune.py --model_name_or_path Cache/runs/<run>/final --task embedded
+    accelerate launch loops/finetune.py --model_name_or_path Cache/runs/<run>/final --from_scratch
+    accelerate launch loops/finetune.py --model_name_or_path path/to/bert --task glue:rte --seeds 5
+
+`main()` runs steps 1-6 of the project's init order once (process, logging, arguments, checks, task),
+then steps 7-13 for every model and seed in `fine_tune()` (model, kernel probe, compile, run dir,
+config + W&B, train with the step chosen on the dev split, evaluate that step on the validation split,
+save); finally the report (`Cache/reports/finetune_<time>.{md,json,png}`). The dev split is carved
+from the training split with a fixed seed; the validation split is evaluated once per run, after
+selection, so no number is selected on the split it is reported on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import inspect
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the project root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from concept_encoder.training.preflight import fail_fast, preflight
+
+if __name__ == "__main__":  # a bad argument fails in about a second, before torch and the models load
+    from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS
+
+    fail_fast(sys.argv[1:], FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS)
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, DataCollatorWithPadding
+
+import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
+from concept_encoder.data import DataSourceError
+from concept_encoder.tasks.loading import encode_splits, load_task
+from concept_encoder.tasks.metrics import (
+    LOWER_IS_BETTER,
+    baseline_predictions,
+    compute_metrics,
+    predictions_from_logits,
+)
+from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
+from concept_encoder.training.evaluation import predict
+from concept_encoder.training.finetune_report import write_report
+from concept_encoder.training.logs import log_model_info, log_system_info, setup_logging
+from concept_encoder.training.model import build_classifier
+from concept_encoder.training.optim import build_optimizer, build_scheduler
+from concept_encoder.training.runs import init_wandb, save_run_config, setup_run_dirs
+from concept_encoder.training.runtime import maybe_compile, probe_attention_kernels, setup_distributed
+from concept_encoder.training.tracking import MetricsWriter
+
+logger = logging.getLogger("concept_encoder")
+
+
+def model_tag(path: str, from_scratch: bool) -> str:
+    """A short name for a model folder in run names and the report (`<run>/final` → `<run>`)."""
+    folder = Path(path)
+    name = folder.parent.name if folder.name == "final" else folder.name
+    return f"{name}{'-scratch' if from_scratch else ''}"
+
+
+def batches_forever(loader):
+    """The training batches, epoch after epoch (reshuffled each epoch)."""
+    epoch = 0
+    while True:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def fine_tune(state, accelerator_box: dict, model_path: str, seed: int, task, splits, tokenizer, fargs, args) -> dict:
+    """Steps 7-13 for one model and seed; returns the run's result (validation metrics at the chosen step)."""
+    started = time.perf_counter()
+    set_seed(seed)
+    # 7. model: the checkpoint's encoder with a fresh task head (or fresh weights with --from_scratch)
+    model, note = build_classifier(model_path, task, fargs.from_scratch)
+    logger.info("model %s (seed %d): %s", model_path, seed, note)
+    counts = log_model_info(model, {"task": task.name, "seed": seed})
+    accepted = set(inspect.signature(model.forward).parameters)
+    pad = DataCollatorWithPadding(tokenizer)
+
+    def collate(examples):
+        return {k: v for k, v in pad(examples).items() if k in accepted}
+
+    loaders = {
+        name: DataLoader(split, batch_size=args.per_device_train_batch_size if name == "train" else args.per_device_eval_batch_size,
+                         shuffle=name == "train", collate_fn=collate, generator=torch.Generator().manual_seed(seed))
+        for name, split in splits.items()
+    }  # fmt: skip
+    # 8. attention-kernel probe (main process, the model's real forward)
+    probe_attention_kernels(model.to(state.device), next(iter(loaders["dev"])), state)
+    # 9. optional torch.compile
+    model = maybe_compile(model, args.torch_compile)
+    # 10. run dir: one per model and seed
+    base = args.run_name or f"ft-{task.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    run_args = dataclasses.replace(
+        args, run_name=f"{base}-{model_tag(model_path, fargs.from_scratch)}-seed{seed}", seed=seed
+    )
+    run_dir, run_lock = setup_run_dirs(run_args, "finetune", counts["total"], state)
+    # 11. resolved config saved + logged; W&B
+    config = {"finetune_args": dataclasses.asdict(fargs), "task": {"name": task.name, "type": task.task_type,
+              "num_labels": task.num_labels, "sizes": task.sizes(), "metrics": task.metric_names},
+              "training_args": dataclasses.asdict(run_args), "model": model_path, "note": note, "parameters": counts}  # fmt: skip
+    if state.is_main_process:
+        save_run_config(run_dir, config)
+    wandb_run = init_wandb(run_args, run_dir, config, state)
+    # 12. Accelerator (one per process, reused by every run), prepare, train; select on dev
+    if "accelerator" not in accelerator_box:
+        accelerator_box["accelerator"] = Accelerator(
+            mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps
+        )
+    accelerator = accelerator_box["accelerator"]
+    optimizer = build_optimizer(model, run_args)
+    scheduler = build_scheduler(optimizer, run_args)
+    model, optimizer, train_loader, dev_loader, validation_loader = accelerator.prepare(
+        model, optimizer, loaders["train"], loaders["dev"], loaders["validation"]
+    )
+    metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
+    main_metric = task.metric_names[0]
+    sign = -1.0 if main_metric in LOWER_IS_BETTER else 1.0
+    best = {"score": -math.inf, "step": 0, "state": None}
+    source = batches_forever(train_loader)
+    bar = tqdm(
+        total=args.max_steps, desc=f"seed {seed}", disable=not (accelerator.is_main_process and args.progress_bar)
+    )
+    model.train()
+    for step in range(1, args.max_steps + 1):  # optimizer steps
+        for _ in range(args.gradient_accumulation_steps):
+            with accelerator.accumulate(model):
+                out = model(**next(source))
+                accelerator.backward(out.loss)
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()  # a no-op until the accumulation window is complete
+                optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        bar.update(1)
+        if metrics and (step % args.logging_steps == 0):
+            metrics.write({"kind": "train", "step": step, "loss": out.loss.item(), "lr": scheduler.get_last_lr()[0]})
+        if step % (args.eval_steps or args.max_steps) == 0 or step == args.max_steps:
+            logits, labels = predict(accelerator, model, dev_loader)
+            dev = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
+            if metrics:
+                metrics.write({"kind": "dev", "step": step, **dev})
+            if sign * dev[main_metric] > best["score"]:
+                state_dict = accelerator.get_state_dict(model)
+                best = {"score": sign * dev[main_metric], "step": step, "dev": dev,
+                        "state": {k: v.detach().cpu().clone() for k, v in state_dict.items()}}  # fmt: skip
+    bar.close()
+    # 13. the chosen step on the validation split (evaluated once), beside the baseline; save
+    accelerator.unwrap_model(model).load_state_dict(best["state"])
+    logits, labels = predict(accelerator, model, validation_loader)
+    validation = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
+    baseline = compute_metrics(
+        task.metric_names, baseline_predictions(task.task_type, splits["train"]["labels"], len(labels)), labels
+    )
+    result = {"model": model_tag(model_path, fargs.from_scratch), "task": task.name, "seed": seed,
+              "best_step": best["step"], "dev": best["dev"], "validation": validation, "baseline": baseline,
+              "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir)}  # fmt: skip
+    if accelerator.is_main_process:
+        metrics.write({"kind": "validation", "step": best["step"], **validation})
+        (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+        accelerator.unwrap_model(model).save_pretrained(run_dir / "final", state_dict=best["state"])
+        tokenizer.save_pretrained(run_dir / "final")
+        logger.info("seed %d: step %d chosen on dev (%s %.4f); validation %s; baseline %s", seed, best["step"],
+                    main_metric, best["dev"][main_metric], validation, baseline)  # fmt: skip
+        if wandb_run is not None:
+            wandb_run.summary.update({f"validation/{k}": v for k, v in validation.items()})
+            wandb_run.finish()
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
+    if run_lock is not None:
+        run_lock.release()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    # 1. distributed setup
+    state = setup_distributed()
+    # 2. logging
+    setup_logging(state, name="finetune")
+    # 3. arguments: the model and seeds, the task, the shared optimisation/run settings
+    fargs, task_args, args = parse_args(argv, classes=FINETUNE_ARGUMENT_CLASSES, defaults=FINETUNE_DEFAULTS)
+    # 4. preflight (every model folder, output folder, precision), seed, system info
+    for path in fargs.models:
+        preflight(
+            dataclasses.replace(fargs, model_name_or_path=path), task_args, args, cuda=state.device.type == "cuda"
+        )
+    if args.resume_from_checkpoint:
+        raise ValueError("loops/finetune.py does not resume yet; rerun the seeds (each takes minutes)")
+    set_seed(args.seed)
+    log_system_info(state)
+    # 5-6. the task's splits (train, dev carved with a fixed seed, validation), sizes logged
+    task = load_task(task_args)
+    logger.info("task %s (%s, %d labels): %s", task.name, task.task_type, task.num_labels, task.sizes())
+    results = []
+    accelerator_box: dict = {}
+    for model_path in fargs.models:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        splits = encode_splits(task, tokenizer, task_args.max_seq_length)
+        for seed in range(args.seed, args.seed + fargs.seeds):
+            results.append(fine_tune(state, accelerator_box, model_path, seed, task, splits, tokenizer, fargs, args))
+    # report: one row per (model, task), mean ± std over seeds, beside the baseline
+    if state.is_main_process:
+        stamp = f"{dt.datetime.now():%Y%m%d-%H%M%S}"
+        title = (
+            f"Fine-tuning on `{task.name}`: {fargs.seeds} seed(s), {args.max_steps} steps, step chosen on the dev split"
+        )
+        paths = write_report(results, Path("Cache/reports"), stamp, title)
+        logger.info("report: %s", ", ".join(str(p) for p in paths.values()))
+        print(paths["md"].read_text())
+    state.wait_for_everyone()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, DataSourceError) as error:
+        if os.environ.get("CONCEPT_ENCODER_TRACEBACK"):
+            raise
+        print(f"error: {error}\n(set CONCEPT_ENCODER_TRACEBACK=1 for the traceback)", file=sys.stderr)
+        sys.exit(1)

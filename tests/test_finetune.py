@@ -1,0 +1,182 @@
+"""loops/finetune.py and concept_encoder.tasks: task types, the embedded task, model loading, selection
+on dev only, baselines, the report, clear errors."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+
+import loops.finetune as finetune
+from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
+from concept_encoder.data import DataSourceError, load_tokenizer
+from concept_encoder.tasks import TaskArguments, load_task
+
+WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma omega red green blue".split()
+COMMON = ["--max_steps", "60", "--eval_steps", "15", "--logging_steps", "5", "--per_device_train_batch_size", "16",
+          "--learning_rate", "3e-3", "--report_to", "none", "--progress_bar", "false"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("finetune")
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def sentence(rng: random.Random, cue: str | None = None) -> str:
+    words = [rng.choice(WORDS[:12]) for _ in range(8)]
+    if cue:
+        words.insert(rng.randrange(len(words)), cue)
+    return " ".join(words)
+
+
+@pytest.fixture(scope="module")
+def concept_model(workdir) -> Path:
+    """A micro Concept Encoder saved with its tokenizer, as `make train` leaves one (untrained)."""
+    rng = random.Random(0)
+    tokenizer = load_tokenizer("train:wordpiece:200", texts=iter([sentence(rng, c) for c in WORDS * 20]),
+                               corpus_id="finetune-test", cache_dir=workdir / "Cache")  # fmt: skip
+    config = config_from_preset("micro", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                mask_token_id=tokenizer.mask_token_id, cls_token_id=tokenizer.cls_token_id,
+                                sep_token_id=tokenizer.sep_token_id, unk_token_id=tokenizer.unk_token_id,
+                                hidden_dropout_prob=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    path = workdir / "concept" / "final"
+    ConceptEncoderForMaskedLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bert_model(workdir, concept_model) -> Path:
+    """A tiny transformers BERT saved locally, with the same tokenizer."""
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    tokenizer = AutoTokenizer.from_pretrained(concept_model)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    path = workdir / "bert"
+    BertForMaskedLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_tasks(folder: Path) -> dict[str, Path]:
+    """Learnable synthetic tasks: a cue word decides the class (in the second text for pairs) or the score."""
+    rng = random.Random(1)
+    folder.mkdir(exist_ok=True)
+    rows = [(sentence(rng, cue), cue) for cue in ("red", "green", "blue") * 60]
+    single = folder / "colors.csv"
+    single.write_text("text,label\n" + "\n".join(f"{t},{c}" for t, c in rows) + "\n")
+    pairs = folder / "pairs.tsv"
+    lines = []
+    for i in range(180):  # the label is in the second text: the pair must be encoded jointly
+        cue = "red" if i % 2 else "blue"
+        lines.append(f"{sentence(rng, rng.choice(('green', None)))}\t{sentence(rng, cue)}\t{int(cue == 'red')}")
+    pairs.write_text("first\tsecond\tsame\n" + "\n".join(lines) + "\n")
+    regression = folder / "scores.jsonl"
+    scores = {"red": 0.1, "green": 0.55, "blue": 0.95}
+    regression.write_text("".join(json.dumps({"text": sentence(rng, c), "label": scores[c] + rng.uniform(-0.05, 0.05)}) + "\n"
+                                  for c in ("red", "green", "blue") * 60))  # fmt: skip
+    return {"single": single, "pairs": pairs, "regression": regression}
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "metric"),
+    [("single", [], "accuracy"), ("pairs", ["--text_fields", "first,second", "--label_field", "same"], "accuracy"),
+     ("regression", [], "pearson")],
+)  # fmt: skip
+def test_each_task_type_trains_and_reports_every_seed(workdir, concept_model, kind, extra, metric):
+    task = write_tasks(workdir / "tasks")[kind]
+    assert finetune.main(["--model_name_or_path", str(concept_model), "--task", str(task), "--seeds", "2",
+                          "--run_name", kind, *extra, *COMMON]) == 0  # fmt: skip
+    report = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())
+    [row] = report["rows"]
+    assert row["seeds"] == [42, 43] and len(row[f"{metric}_seeds"]) == 2
+    assert row[f"{metric}_mean"] == pytest.approx(sum(row[f"{metric}_seeds"]) / 2)
+    values = row[f"{metric}_seeds"]
+    assert row[f"{metric}_std"] == pytest.approx(abs(values[0] - values[1]) / 2**0.5)
+    assert row["baseline"][metric] is not None
+    for run in report["runs"]:
+        losses = [r["loss"] for r in map(json.loads, Path(run["run_dir"], "metrics.jsonl").read_text().splitlines())
+                  if r["kind"] == "train"]  # fmt: skip
+        assert sum(losses[-3:]) < sum(losses[:3]), losses  # logged losses are single batches: compare three
+        assert Path(run["run_dir"], "final", "config.json").exists()
+
+
+def test_embedded_task_is_deterministic_real_and_not_trivial():
+    first, second = load_task(TaskArguments(task="embedded")), load_task(TaskArguments(task="embedded"))
+    assert first.train["text_a"] == second.train["text_a"] and first.validation["label"] == second.validation["label"]
+    total = sum(first.sizes().values())
+    assert total >= 2000 and first.num_labels == 9
+    counts = [first.validation["label"].count(k) for k in range(9)]
+    assert max(counts) / sum(counts) < 0.2  # the majority baseline is far below 100%
+    pairs = load_task(TaskArguments(task="embedded_pairs"))
+    assert pairs.pair and set(pairs.train["label"]) == {0, 1}
+
+
+def test_a_pretrained_encoder_loads_into_the_classifier_and_bert_runs_the_same_protocol(
+    workdir, concept_model, bert_model
+):
+    from concept_encoder.training.model import build_classifier
+
+    task = load_task(TaskArguments(task=str(write_tasks(workdir / "tasks")["single"])))
+    classifier, note = build_classifier(str(concept_model), task)
+    pretrained = ConceptEncoderForMaskedLM.from_pretrained(concept_model)
+    for name, tensor in pretrained.encoder.state_dict().items():
+        assert torch.equal(classifier.encoder.state_dict()[name], tensor), name
+    assert "dropped" in note and "mlm_decoder" in note and not hasattr(classifier, "mlm_decoder")
+    assert finetune.main(["--model_name_or_path", str(concept_model), "--compare_to", str(bert_model),
+                          "--task", str(workdir / "tasks" / "colors.csv"), "--seeds", "1", "--run_name", "both",
+                          *COMMON]) == 0  # fmt: skip
+    report = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())
+    assert [row["model"] for row in report["rows"]] == ["concept", "bert"]
+
+
+def test_the_step_is_chosen_on_dev_never_on_the_reported_split(workdir, concept_model, monkeypatch):
+    task_file = str(write_tasks(workdir / "tasks")["single"])
+    argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "1", *COMMON]
+    finetune.main([*argv, "--run_name", "clean"])
+    clean = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())["runs"][0]
+
+    real_load = finetune.load_task
+
+    def poisoned(args):
+        task = real_load(args)
+        labels = task.validation["label"]
+        task.validation = task.validation.remove_columns("label").add_column("label", labels[::-1])
+        return task
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    monkeypatch.setattr(finetune, "load_task", poisoned)
+    finetune.main([*argv, "--run_name", "poisoned"])
+    dirty = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())["runs"][0]
+    assert dirty["best_step"] == clean["best_step"] and dirty["dev"] == clean["dev"]
+    assert dirty["validation"] != clean["validation"]
+
+
+def test_bad_tasks_fail_fast_with_one_clear_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: "offline" in milliseconds
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    with pytest.raises(DataSourceError, match="Hub is unreachable.*--dataset embedded|Hub is unreachable"):
+        load_task(TaskArguments(task="glue:rte"))
+    table = tmp_path / "t.csv"
+    table.write_text("text,label\nsome words,1\nmore words,0\n")
+    with pytest.raises(DataSourceError, match=r"no column\(s\) \['category'\]"):
+        load_task(TaskArguments(task=str(table), label_field="category"))
+    table.write_text("text,label\nsome words,1\n,0\nmore,1\n")
+    with pytest.raises(DataSourceError, match="row 1 has no text in column 'text'"):
+        load_task(TaskArguments(task=str(table)))
+    table.write_text("text,label\n" + "\n".join(f"words {i},same" for i in range(40)) + "\n")
+    with pytest.raises(DataSourceError, match="single class"):
+        load_task(TaskArguments(task=str(table)))
