@@ -37,7 +37,7 @@ if __name__ == "__main__":  # a bad argument fails in about a second, before tor
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorWithPadding
@@ -81,7 +81,8 @@ def batches_forever(loader):
         epoch += 1
 
 
-def fine_tune(state, accelerator_box: dict, model_path: str, seed: int, task, splits, tokenizer, fargs, args) -> dict:
+def fine_tune(state, accelerator_box: dict, model_path: str, seed: int, task, splits, tokenizer, fargs, args,
+              run_base: str) -> dict:  # fmt: skip
     """Steps 7-13 for one model and seed; returns the run's result (validation metrics at the chosen step)."""
     started = time.perf_counter()
     set_seed(seed)
@@ -105,9 +106,8 @@ def fine_tune(state, accelerator_box: dict, model_path: str, seed: int, task, sp
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
     # 10. run dir: one per model and seed
-    base = args.run_name or f"ft-{task.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
     run_args = dataclasses.replace(
-        args, run_name=f"{base}-{model_tag(model_path, fargs.from_scratch)}-seed{seed}", seed=seed
+        args, run_name=f"{run_base}-{model_tag(model_path, fargs.from_scratch)}-seed{seed}", seed=seed
     )
     run_dir, run_lock = setup_run_dirs(run_args, "finetune", counts["total"], state)
     # 11. resolved config saved + logged; W&B
@@ -180,6 +180,10 @@ def fine_tune(state, accelerator_box: dict, model_path: str, seed: int, task, sp
         if wandb_run is not None:
             wandb_run.summary.update({f"validation/{k}": v for k, v in validation.items()})
             wandb_run.finish()
+    if accelerator.num_processes > 1:  # each rank's view: with gathered predictions they must agree
+        (run_dir / "ranks").mkdir(exist_ok=True)
+        view = {"best_step": best["step"], "dev": best["dev"], "validation": validation}
+        (run_dir / "ranks" / f"rank{accelerator.process_index}.json").write_text(json.dumps(view))
     accelerator.wait_for_everyone()
     accelerator.free_memory()
     if run_lock is not None:
@@ -206,20 +210,25 @@ def main(argv: list[str] | None = None) -> int:
     # 5-6. the task's splits (train, dev carved with a fixed seed, validation), sizes logged
     task = load_task(task_args)
     logger.info("task %s (%s, %d labels): %s", task.name, task.task_type, task.num_labels, task.sizes())
+    stamp = [f"{dt.datetime.now():%Y%m%d-%H%M%S}"]
+    if state.num_processes > 1:
+        broadcast_object_list(stamp, from_process=0)  # one name for the run folders on every rank
+    run_base = args.run_name or f"ft-{task.name}-{stamp[0]}"
     results = []
     accelerator_box: dict = {}
     for model_path in fargs.models:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         splits = encode_splits(task, tokenizer, task_args.max_seq_length)
         for seed in range(args.seed, args.seed + fargs.seeds):
-            results.append(fine_tune(state, accelerator_box, model_path, seed, task, splits, tokenizer, fargs, args))
+            results.append(
+                fine_tune(state, accelerator_box, model_path, seed, task, splits, tokenizer, fargs, args, run_base)
+            )
     # report: one row per (model, task), mean ± std over seeds, beside the baseline
     if state.is_main_process:
-        stamp = f"{dt.datetime.now():%Y%m%d-%H%M%S}"
         title = (
             f"Fine-tuning on `{task.name}`: {fargs.seeds} seed(s), {args.max_steps} steps, step chosen on the dev split"
         )
-        paths = write_report(results, Path("Cache/reports"), stamp, title)
+        paths = write_report(results, Path("Cache/reports"), stamp[0], title)
         logger.info("report: %s", ", ".join(str(p) for p in paths.values()))
         print(paths["md"].read_text())
     state.wait_for_everyone()

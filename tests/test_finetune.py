@@ -3,6 +3,7 @@ on dev only, baselines, the report, clear errors."""
 
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ import loops.finetune as finetune
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
 from concept_encoder.data import DataSourceError, load_tokenizer
 from concept_encoder.tasks import TaskArguments, load_task
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma omega red green blue".split()
 COMMON = ["--max_steps", "60", "--eval_steps", "15", "--logging_steps", "5", "--per_device_train_batch_size", "16",
@@ -87,13 +90,20 @@ def write_tasks(folder: Path) -> dict[str, Path]:
     scores = {"red": 0.1, "green": 0.55, "blue": 0.95}
     regression.write_text("".join(json.dumps({"text": sentence(rng, c), "label": scores[c] + rng.uniform(-0.05, 0.05)}) + "\n"
                                   for c in ("red", "green", "blue") * 60))  # fmt: skip
-    return {"single": single, "pairs": pairs, "regression": regression}
+    multi = folder / "tags.jsonl"
+    rows = []
+    for _ in range(180):
+        tags = [rng.random() < 0.5 for _ in ("red", "green", "blue")]
+        text = sentence(rng, " ".join(c for c, on in zip(("red", "green", "blue"), tags, strict=True) if on) or None)
+        rows.append(json.dumps({"text": text, "label": [int(t) for t in tags]}) + "\n")
+    multi.write_text("".join(rows))
+    return {"single": single, "pairs": pairs, "regression": regression, "multi": multi}
 
 
 @pytest.mark.parametrize(
     ("kind", "extra", "metric"),
     [("single", [], "accuracy"), ("pairs", ["--text_fields", "first,second", "--label_field", "same"], "accuracy"),
-     ("regression", [], "pearson")],
+     ("regression", [], "pearson"), ("multi", [], "micro_f1")],
 )  # fmt: skip
 def test_each_task_type_trains_and_reports_every_seed(workdir, concept_model, kind, extra, metric):
     task = write_tasks(workdir / "tasks")[kind]
@@ -180,3 +190,20 @@ def test_bad_tasks_fail_fast_with_one_clear_message(tmp_path, monkeypatch):
     table.write_text("text,label\n" + "\n".join(f"words {i},same" for i in range(40)) + "\n")
     with pytest.raises(DataSourceError, match="single class"):
         load_task(TaskArguments(task=str(table)))
+
+
+def test_two_processes_agree_on_every_metric(workdir, concept_model):
+    from concept_encoder import process_group
+
+    task = write_tasks(workdir / "tasks")["single"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29661",
+           str(ROOT / "loops/finetune.py"), "--model_name_or_path", str(concept_model), "--task", str(task),
+           "--seeds", "1", "--run_name", "ddp", *COMMON]  # fmt: skip
+    out = process_group.run(cmd, 300, cwd=workdir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [run_dir] = Path("Cache/finetune").glob("ddp-*-seed42")
+    ranks = [json.loads((run_dir / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0]["best_step"] > 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["validation"] == ranks[0]["validation"]

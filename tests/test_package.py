@@ -11,6 +11,7 @@ import pytest
 
 import concept_encoder
 import concept_encoder.data
+import concept_encoder.tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +57,9 @@ def test_auto_classes_load_a_saved_model_in_any_import_order(imports, tmp_path):
     assert "LOADED ConceptEncoderConfig ConceptEncoderForMaskedLM" in out
 
 
-@pytest.mark.parametrize("package", [concept_encoder, concept_encoder.data], ids=lambda p: p.__name__)
+@pytest.mark.parametrize(
+    "package", [concept_encoder, concept_encoder.data, concept_encoder.tasks], ids=lambda p: p.__name__
+)
 def test_every_lazy_name_resolves_and_none_is_shadowed_by_a_submodule(package):
     submodules = {m.name for m in pkgutil.iter_modules(package.__path__)}
     assert not submodules & set(package.EXPORTS), "importing that submodule would replace the name with the module"

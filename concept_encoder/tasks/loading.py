@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from datasets import Dataset, Value, load_dataset
+from datasets import Dataset, Sequence, Value, load_dataset
 
 from ..data.sources import DataSourceError, ensure_hub
 from .arguments import EMBEDDED_TASKS, TaskArguments
@@ -166,6 +166,8 @@ def finish(args, name, task_type, label_names, metrics, train: Dataset, validati
         train, dev, validation = (s.cast_column("label", Value("float32")) for s in (train, dev, validation))
     elif task_type == "multi_label_classification":
         num_labels = len(train[0]["label"])
+        multi_hot = Sequence(Value("float32"), length=num_labels)  # BCE-with-logits heads want float targets
+        train, dev, validation = (s.cast_column("label", multi_hot) for s in (train, dev, validation))
     else:
         classes = set(train["label"])
         if len(classes) < 2:
