@@ -203,8 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         preflight(
             dataclasses.replace(fargs, model_name_or_path=path), task_args, args, cuda=state.device.type == "cuda"
         )
-    if args.resume_from_checkpoint:
-        raise ValueError("loops/finetune.py does not resume yet; rerun the seeds (each takes minutes)")
+    unsupported = {
+        "--resume_from_checkpoint": args.resume_from_checkpoint,
+        "--save_steps": args.save_steps,
+        "--concept_losses": args.concept_losses,
+    }  # pretraining settings, or not built for fine-tuning yet: an error, not a silently ignored flag
+    if given := [flag for flag, value in unsupported.items() if value]:
+        raise ValueError(f"loops/finetune.py does not support {given} (yet); drop them (a seed reruns in minutes)")
     set_seed(args.seed)
     log_system_info(state)
     # 5-6. the task's splits (train, dev carved with a fixed seed, validation), sizes logged

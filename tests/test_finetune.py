@@ -207,3 +207,9 @@ def test_two_processes_agree_on_every_metric(workdir, concept_model):
     assert ranks[0] == ranks[1] and ranks[0]["best_step"] > 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["validation"] == ranks[0]["validation"]
+
+
+def test_pretraining_only_flags_are_refused_not_ignored(concept_model):
+    for flag in (["--save_steps", "5"], ["--concept_losses", "uniformity"], ["--resume_from_checkpoint", "auto"]):
+        with pytest.raises(ValueError, match=f"does not support \\['{flag[0]}'\\]"):
+            finetune.main(["--model_name_or_path", str(concept_model), *flag, *COMMON])
