@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState
+from loop_runs import fresh_accelerate, workdir  # noqa: F401 (fixtures: a module work folder, accelerate reset)
 
 import loops.finetune as finetune
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
@@ -20,19 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma omega red green blue".split()
 COMMON = ["--max_steps", "60", "--eval_steps", "15", "--logging_steps", "5", "--per_device_train_batch_size", "16",
           "--learning_rate", "3e-3", "--report_to", "none", "--progress_bar", "false"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("finetune")
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate(workdir, monkeypatch):
-    monkeypatch.chdir(workdir)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 def sentence(rng: random.Random, cue: str | None = None) -> str:
