@@ -19,7 +19,6 @@ import datetime as dt
 import inspect
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -37,7 +36,7 @@ if __name__ == "__main__":  # a bad argument fails in about a second, before tor
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import DataLoaderConfiguration, broadcast_object_list, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorWithPadding
@@ -52,6 +51,14 @@ from concept_encoder.tasks.metrics import (
     predictions_from_logits,
 )
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
+from concept_encoder.training.batches import accumulation_windows
+from concept_encoder.training.checkpoint import (
+    TrainState,
+    check_resume_settings,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
 from concept_encoder.training.evaluation import predict
 from concept_encoder.training.finetune_report import write_report
 from concept_encoder.training.logs import log_model_info, log_system_info, setup_logging
@@ -59,7 +66,8 @@ from concept_encoder.training.model import build_classifier
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.runs import init_wandb, save_run_config, setup_run_dirs
 from concept_encoder.training.runtime import maybe_compile, probe_attention_kernels, setup_distributed
-from concept_encoder.training.tracking import MetricsWriter
+from concept_encoder.training.selection import BestStep
+from concept_encoder.training.tracking import MetricsWriter, PreemptionFlag
 
 logger = logging.getLogger("concept_encoder")
 
@@ -71,20 +79,30 @@ def model_tag(path: str, from_scratch: bool) -> str:
     return f"{name}{'-scratch' if from_scratch else ''}"
 
 
-def batches_forever(loader):
-    """The training batches, epoch after epoch (reshuffled each epoch)."""
-    epoch = 0
-    while True:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm: float) -> float:
+    """One optimizer step over the micro-batches of `window`; returns the last micro-batch's loss."""
+    for batch in window:
+        with accelerator.accumulate(model):
+            out = model(**batch)
+            accelerator.backward(out.loss)
+            if accelerator.sync_gradients and max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()  # a no-op until the accumulation window is complete
+            optimizer.zero_grad(set_to_none=True)
+    return out.loss.item()
 
 
-def fine_tune(state, accelerator_box: dict, model_path: str, seed: int, task, splits, tokenizer, fargs, args,
-              run_base: str) -> dict:  # fmt: skip
-    """Steps 7-13 for one model and seed; returns the run's result (validation metrics at the chosen step)."""
+def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs, args, run_base: str) -> dict | None:
+    """Steps 7-13 for one model and seed; returns the run's result (validation metrics at the chosen step),
+    or None when a signal stopped it (after a checkpoint)."""
     started = time.perf_counter()
+    tag = model_tag(model_path, fargs.from_scratch)
+    run_args = dataclasses.replace(args, run_name=f"{run_base}-{tag}-seed{seed}", seed=seed)
+    finished = Path(args.output_dir) / run_args.run_name / "summary.json"
+    if args.resume_from_checkpoint and finished.exists():  # resuming an invocation: this seed is done
+        logger.info("%s finished before: reusing its result", finished.parent)
+        return json.loads(finished.read_text())
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, run_args.run_name)
     set_seed(seed)
     # 7. model: the checkpoint's encoder with a fresh task head (or fresh weights with --from_scratch)
     model, note = build_classifier(model_path, task, fargs.from_scratch)
@@ -105,10 +123,13 @@ def fine_tune(state, accelerator_box: dict, model_path: str, seed: int, task, sp
     probe_attention_kernels(model.to(state.device), next(iter(loaders["dev"])), state)
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
-    # 10. run dir: one per model and seed
-    run_args = dataclasses.replace(
-        args, run_name=f"{run_base}-{model_tag(model_path, fargs.from_scratch)}-seed{seed}", seed=seed
-    )
+    # 10. run dir: one per model and seed; a resume must continue the same settings
+    settings = {"model": model_path, "from_scratch": fargs.from_scratch, "task": task.name, "seed": seed,
+                "world_size": state.num_processes,
+                "per_device_train_batch_size": args.per_device_train_batch_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps}  # fmt: skip
+    if resume is not None:
+        check_resume_settings(resume, settings)
     run_dir, run_lock = setup_run_dirs(run_args, "finetune", counts["total"], state)
     # 11. resolved config saved + logged; W&B
     config = {"finetune_args": dataclasses.asdict(fargs), "task": {"name": task.name, "type": task.task_type,
@@ -117,75 +138,88 @@ def fine_tune(state, accelerator_box: dict, model_path: str, seed: int, task, sp
     if state.is_main_process:
         save_run_config(run_dir, config)
     wandb_run = init_wandb(run_args, run_dir, config, state)
-    # 12. Accelerator (one per process, reused by every run), prepare, train; select on dev
-    if "accelerator" not in accelerator_box:
-        accelerator_box["accelerator"] = Accelerator(
-            mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps
-        )
-    accelerator = accelerator_box["accelerator"]
+    # 12. Accelerator, prepare, train (checkpoints, preemption, exact resume); select on dev
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
+    )
     optimizer = build_optimizer(model, run_args)
     scheduler = build_scheduler(optimizer, run_args)
     model, optimizer, train_loader, dev_loader, validation_loader = accelerator.prepare(
         model, optimizer, loaders["train"], loaders["dev"], loaders["validation"]
     )
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
     main_metric = task.metric_names[0]
-    sign = -1.0 if main_metric in LOWER_IS_BETTER else 1.0
-    best = {"score": -math.inf, "step": 0, "state": None}
-    source = batches_forever(train_loader)
-    bar = tqdm(
-        total=args.max_steps, desc=f"seed {seed}", disable=not (accelerator.is_main_process and args.progress_bar)
-    )
+    best = BestStep(main_metric, sign=-1.0 if main_metric in LOWER_IS_BETTER else 1.0)
+    accelerator.register_for_checkpointing(scheduler, best)
+    progress = TrainState()
+    if resume is not None:
+        progress = load_checkpoint(accelerator, resume)
+        logger.info("resumed from %s at step %d", resume, progress.step)
+    metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
+    if metrics:
+        metrics.drop_after(progress.step)
+    preemption = PreemptionFlag()
+    source = accumulation_windows(train_loader, args.gradient_accumulation_steps, progress, lambda batch: batch)
+    bar = tqdm(total=args.max_steps, initial=progress.step, desc=f"seed {seed}",
+               disable=not (accelerator.is_main_process and args.progress_bar))  # fmt: skip
+    preempted = False
     model.train()
-    for step in range(1, args.max_steps + 1):  # optimizer steps
-        for _ in range(args.gradient_accumulation_steps):
-            with accelerator.accumulate(model):
-                out = model(**next(source))
-                accelerator.backward(out.loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()  # a no-op until the accumulation window is complete
-                optimizer.zero_grad(set_to_none=True)
+    while progress.step < args.max_steps:
+        loss = train_step(accelerator, model, optimizer, next(source), args.max_grad_norm)
         scheduler.step()
+        progress.step += 1
+        step = progress.step
         bar.update(1)
         if metrics and (step % args.logging_steps == 0):
-            metrics.write({"kind": "train", "step": step, "loss": out.loss.item(), "lr": scheduler.get_last_lr()[0]})
+            metrics.write({"kind": "train", "step": step, "loss": loss, "lr": scheduler.get_last_lr()[0]})
         if step % (args.eval_steps or args.max_steps) == 0 or step == args.max_steps:
             logits, labels = predict(accelerator, model, dev_loader)
             dev = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
             if metrics:
                 metrics.write({"kind": "dev", "step": step, **dev})
-            if sign * dev[main_metric] > best["score"]:
-                state_dict = accelerator.get_state_dict(model)
-                best = {"score": sign * dev[main_metric], "step": step, "dev": dev,
-                        "state": {k: v.detach().cpu().clone() for k, v in state_dict.items()}}  # fmt: skip
+            best.offer(step, dev, lambda: accelerator.get_state_dict(model))
+        stop = torch.tensor(float(preemption.raised), device=accelerator.device)
+        preempted = bool(accelerator.reduce(stop, reduction="max").item())
+        if preempted or (args.save_steps and step % args.save_steps == 0):
+            save_checkpoint(accelerator, run_dir, progress, args.save_total_limit, None, settings)
+        if preempted:
+            logger.warning("stopped by signal at step %d; resume with --resume_from_checkpoint auto", step)
+            break
     bar.close()
+    if preempted:
+        preemption.restore()
+        accelerator.wait_for_everyone()
+        if run_lock is not None:
+            run_lock.release()
+        return None
     # 13. the chosen step on the validation split (evaluated once), beside the baseline; save
-    accelerator.unwrap_model(model).load_state_dict(best["state"])
+    accelerator.unwrap_model(model).load_state_dict(best.weights)
     logits, labels = predict(accelerator, model, validation_loader)
     validation = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
     baseline = compute_metrics(
         task.metric_names, baseline_predictions(task.task_type, splits["train"]["labels"], len(labels)), labels
     )
     result = {"model": model_tag(model_path, fargs.from_scratch), "task": task.name, "seed": seed,
-              "best_step": best["step"], "dev": best["dev"], "validation": validation, "baseline": baseline,
+              "best_step": best.step, "dev": best.dev, "validation": validation, "baseline": baseline,
               "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir)}  # fmt: skip
     if accelerator.is_main_process:
-        metrics.write({"kind": "validation", "step": best["step"], **validation})
+        metrics.write({"kind": "validation", "step": best.step, **validation})
         (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
-        accelerator.unwrap_model(model).save_pretrained(run_dir / "final", state_dict=best["state"])
+        accelerator.unwrap_model(model).save_pretrained(run_dir / "final", state_dict=best.weights)
         tokenizer.save_pretrained(run_dir / "final")
-        logger.info("seed %d: step %d chosen on dev (%s %.4f); validation %s; baseline %s", seed, best["step"],
-                    main_metric, best["dev"][main_metric], validation, baseline)  # fmt: skip
+        logger.info("seed %d: step %d chosen on dev (%s %.4f); validation %s; baseline %s", seed, best.step,
+                    main_metric, best.dev[main_metric], validation, baseline)  # fmt: skip
         if wandb_run is not None:
             wandb_run.summary.update({f"validation/{k}": v for k, v in validation.items()})
             wandb_run.finish()
     if accelerator.num_processes > 1:  # each rank's view: with gathered predictions they must agree
         (run_dir / "ranks").mkdir(exist_ok=True)
-        view = {"best_step": best["step"], "dev": best["dev"], "validation": validation}
+        view = {"best_step": best.step, "dev": best.dev, "validation": validation}
         (run_dir / "ranks" / f"rank{accelerator.process_index}.json").write_text(json.dumps(view))
     accelerator.wait_for_everyone()
     accelerator.free_memory()
+    preemption.restore()
     if run_lock is not None:
         run_lock.release()
     return result
@@ -203,13 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         preflight(
             dataclasses.replace(fargs, model_name_or_path=path), task_args, args, cuda=state.device.type == "cuda"
         )
-    unsupported = {
-        "--resume_from_checkpoint": args.resume_from_checkpoint,
-        "--save_steps": args.save_steps,
-        "--concept_losses": args.concept_losses,
-    }  # pretraining settings, or not built for fine-tuning yet: an error, not a silently ignored flag
-    if given := [flag for flag, value in unsupported.items() if value]:
-        raise ValueError(f"loops/finetune.py does not support {given} (yet); drop them (a seed reruns in minutes)")
+    if args.concept_losses:  # a pretraining setting: an error, not a silently ignored flag
+        raise ValueError("loops/finetune.py does not support ['--concept_losses'] (concept losses are for pretraining)")
+    if args.resume_from_checkpoint not in (None, "auto") or args.resume_from_checkpoint and not args.run_name:
+        raise ValueError(
+            "fine-tuning resumes with --resume_from_checkpoint auto and the --run_name of the interrupted "
+            "invocation (finished seeds are reused, the interrupted one continues from its checkpoint)"
+        )
     set_seed(args.seed)
     log_system_info(state)
     # 5-6. the task's splits (train, dev carved with a fixed seed, validation), sizes logged
@@ -220,14 +254,14 @@ def main(argv: list[str] | None = None) -> int:
         broadcast_object_list(stamp, from_process=0)  # one name for the run folders on every rank
     run_base = args.run_name or f"ft-{task.name}-{stamp[0]}"
     results = []
-    accelerator_box: dict = {}
     for model_path in fargs.models:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         splits = encode_splits(task, tokenizer, task_args.max_seq_length)
         for seed in range(args.seed, args.seed + fargs.seeds):
-            results.append(
-                fine_tune(state, accelerator_box, model_path, seed, task, splits, tokenizer, fargs, args, run_base)
-            )
+            result = fine_tune(state, model_path, seed, task, splits, tokenizer, fargs, args, run_base)
+            if result is None:  # stopped by a signal, checkpointed: no report from a partial set of seeds
+                return 0
+            results.append(result)
     # report: one row per (model, task), mean ± std over seeds, beside the baseline
     if state.is_main_process:
         title = (

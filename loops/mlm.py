@@ -11,7 +11,6 @@ masked token of the whole accumulation window on all ranks (not a mean of per-ba
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import math
@@ -29,7 +28,7 @@ if __name__ == "__main__":  # a bad argument fails in about a second, before tor
     fail_fast(sys.argv[1:])
 
 import torch
-from accelerate import Accelerator, skip_first_batches
+from accelerate import Accelerator
 from accelerate.utils import (
     DataLoaderConfiguration,
     DistributedType,
@@ -46,6 +45,7 @@ from concept_encoder.data import DataSourceError, collator_for, prepare_data
 from concept_encoder.flops import mlm_training_flops
 from concept_encoder.health_metrics import format_health_table
 from concept_encoder.training.args import parse_args
+from concept_encoder.training.batches import accumulation_windows
 from concept_encoder.training.checkpoint import (
     DiskFullError,
     TrainState,
@@ -114,33 +114,6 @@ def throughput(interval: dict, flops_per_token: float, world_size: int, peak_tfl
     `--peak_tflops`."""
     tflops = flops_per_token * interval["tokens"] / interval["time"] / world_size / 1e12
     return {"tflops_per_s": tflops, **({"mfu": tflops / peak_tflops} if peak_tflops else {})}
-
-
-def windows(loader, accumulation: int, state: TrainState, finish_batch):
-    """Yield lists of `accumulation` micro-batches forever, epoch after epoch, resuming at `state`.
-
-    `finish_batch` (masking + device placement) runs as a window is handed out, not when the
-    DataLoader prefetches, so masking randomness is drawn only for batches that are trained on.
-    An incomplete window at the end of an epoch is dropped, so every optimizer step sees the
-    same number of micro-batches. `state.epoch` / `state.batches_in_epoch` track the position.
-    """
-    while True:
-        loader.set_epoch(state.epoch)
-        source = skip_first_batches(loader, state.batches_in_epoch) if state.batches_in_epoch else loader
-        iterator = iter(source)
-        produced = False
-        while len(window := list(itertools.islice(iterator, accumulation))) == accumulation:
-            produced = True
-            state.batches_in_epoch += accumulation
-            yield [finish_batch(batch) for batch in window]
-        if not produced and state.batches_in_epoch == 0:
-            raise ValueError(
-                "the training set is too small for one optimizer step: lower per_device_train_batch_size "
-                "or gradient_accumulation_steps, or use more data (with --streaming, the first "
-                "--streaming_validation_documents documents are held out for validation)"
-            )
-        state.epoch += 1
-        state.batches_in_epoch = 0
 
 
 def train_step(
@@ -382,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         desc="train",
         dynamic_ncols=True,
     )
-    window_source = windows(
+    window_source = accumulation_windows(
         train_loader,
         args.gradient_accumulation_steps,
         progress_state,

@@ -197,7 +197,48 @@ def test_two_processes_agree_on_every_metric(workdir, concept_model):
     assert summary["validation"] == ranks[0]["validation"]
 
 
-def test_pretraining_only_flags_are_refused_not_ignored(concept_model):
-    for flag in (["--save_steps", "5"], ["--concept_losses", "uniformity"], ["--resume_from_checkpoint", "auto"]):
-        with pytest.raises(ValueError, match=f"does not support \\['{flag[0]}'\\]"):
-            finetune.main(["--model_name_or_path", str(concept_model), *flag, *COMMON])
+def test_pretraining_flags_and_an_unnamed_resume_are_refused(concept_model):
+    with pytest.raises(ValueError, match=r"does not support \['--concept_losses'\]"):
+        finetune.main(["--model_name_or_path", str(concept_model), "--concept_losses", "uniformity", *COMMON])
+    with pytest.raises(ValueError, match="--resume_from_checkpoint auto and the --run_name"):
+        finetune.main(["--model_name_or_path", str(concept_model), "--resume_from_checkpoint", "auto", *COMMON])
+
+
+def test_sigterm_checkpoints_and_auto_resume_continues_exactly(workdir, concept_model, monkeypatch):
+    import os
+    import signal
+
+    task = str(write_tasks(workdir / "tasks")["single"])
+    argv = ["--model_name_or_path", str(concept_model), "--task", task, "--seeds", "2", "--save_steps", "20", *COMMON]
+    finetune.main([*argv, "--run_name", "whole"])
+    whole = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())
+
+    real_step, calls = finetune.train_step, {"n": 0}
+
+    def step_then_signal(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 60 + 25:  # seed 43, step 25: after its checkpoint at 20, before the next
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(finetune, "train_step", step_then_signal)
+    assert finetune.main([*argv, "--run_name", "split"]) == 0
+    [interrupted] = Path("Cache/finetune").glob("split-*-seed43")
+    assert not (interrupted / "summary.json").exists()
+    assert sorted(p.name for p in (interrupted / "checkpoints").iterdir()) == ["step_0000020", "step_0000025"]
+    monkeypatch.setattr(finetune, "train_step", real_step)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert finetune.main([*argv, "--run_name", "split", "--resume_from_checkpoint", "auto"]) == 0
+    resumed = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())
+    for key in ("best_step", "dev", "validation"):
+        assert [run[key] for run in resumed["runs"]] == [run[key] for run in whole["runs"]], key
+
+    def train_losses(folder):
+        return [
+            r["loss"]
+            for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"
+        ]
+
+    [uninterrupted] = Path("Cache/finetune").glob("whole-*-seed43")
+    assert train_losses(interrupted) == train_losses(uninterrupted)  # bitwise: same batches, dropout, optimizer
