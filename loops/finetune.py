@@ -43,6 +43,7 @@ from transformers import AutoTokenizer, DataCollatorWithPadding
 
 import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
 from concept_encoder.data import DataSourceError
+from concept_encoder.memory import zero_settings
 from concept_encoder.tasks.loading import encode_splits, load_task
 from concept_encoder.tasks.metrics import (
     LOWER_IS_BETTER,
@@ -59,6 +60,7 @@ from concept_encoder.training.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from concept_encoder.training.deepspeed_setup import adamw_class, deepspeed_config, fill_deepspeed_auto_values
 from concept_encoder.training.evaluation import predict
 from concept_encoder.training.finetune_report import write_report
 from concept_encoder.training.logs import log_model_info, log_system_info, setup_logging
@@ -144,7 +146,13 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
     )
-    optimizer = build_optimizer(model, run_args)
+    if zero_settings(deepspeed_config(accelerator))[0] == 3:
+        raise ValueError(
+            "fine-tuning keeps the weights of the step chosen on dev, which ZeRO-3 partitions across ranks; "
+            "use a ZeRO-0/1/2 config (ds_configs/zero2.json), or plain DDP: classifiers of these sizes fit"
+        )
+    fill_deepspeed_auto_values(accelerator, run_args)
+    optimizer = build_optimizer(model, run_args, adamw=adamw_class(accelerator))
     scheduler = build_scheduler(optimizer, run_args)
     model, optimizer, train_loader, dev_loader, validation_loader = accelerator.prepare(
         model, optimizer, loaders["train"], loaders["dev"], loaders["validation"]
