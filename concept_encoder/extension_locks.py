@@ -15,6 +15,10 @@ import time
 from pathlib import Path
 
 
+class StaleLockError(RuntimeError):
+    """A JIT-built op's lock file has no live owner: loading the op would hang."""
+
+
 def extensions_root() -> Path:
     """Where torch puts JIT-built extensions (`TORCH_EXTENSIONS_DIR`, else the user cache)."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):

@@ -19,7 +19,6 @@ import datetime as dt
 import inspect
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from concept_encoder.training.preflight import fail_fast, preflight
+from concept_encoder.training.preflight import fail_fast, one_line_errors, preflight
 
 if __name__ == "__main__":  # a bad argument fails in about a second, before torch and the models load
     from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS
@@ -42,8 +41,6 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
 import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
-from concept_encoder.data import DataSourceError
-from concept_encoder.memory import zero_settings
 from concept_encoder.tasks.loading import encode_splits, load_task
 from concept_encoder.tasks.metrics import (
     LOWER_IS_BETTER,
@@ -60,7 +57,7 @@ from concept_encoder.training.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from concept_encoder.training.deepspeed_setup import adamw_class, deepspeed_config, fill_deepspeed_auto_values
+from concept_encoder.training.deepspeed_setup import adamw_class, fill_deepspeed_auto_values, launched_zero_stage
 from concept_encoder.training.evaluation import predict
 from concept_encoder.training.finetune_report import write_report
 from concept_encoder.training.logs import log_model_info, log_system_info, setup_logging
@@ -133,104 +130,98 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
     if resume is not None:
         check_resume_settings(resume, settings)
     run_dir, run_lock = setup_run_dirs(run_args, "finetune", counts["total"], state)
-    # 11. resolved config saved + logged; W&B
-    config = {"finetune_args": dataclasses.asdict(fargs), "task": {"name": task.name, "type": task.task_type,
-              "num_labels": task.num_labels, "sizes": task.sizes(), "metrics": task.metric_names},
-              "training_args": dataclasses.asdict(run_args), "model": model_path, "note": note, "parameters": counts}  # fmt: skip
-    if state.is_main_process:
-        save_run_config(run_dir, config)
-    wandb_run = init_wandb(run_args, run_dir, config, state)
-    # 12. Accelerator, prepare, train (checkpoints, preemption, exact resume); select on dev
-    accelerator = Accelerator(
-        mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
-    )
-    if zero_settings(deepspeed_config(accelerator))[0] == 3:
-        raise ValueError(
-            "fine-tuning keeps the weights of the step chosen on dev, which ZeRO-3 partitions across ranks; "
-            "use a ZeRO-0/1/2 config (ds_configs/zero2.json), or plain DDP: classifiers of these sizes fit"
+    preemption = PreemptionFlag()  # from here on a signal ends the run with a checkpoint
+    try:
+        # 11. resolved config saved + logged; W&B
+        config = {"finetune_args": dataclasses.asdict(fargs), "task": {"name": task.name, "type": task.task_type,
+                  "num_labels": task.num_labels, "sizes": task.sizes(), "metrics": task.metric_names},
+                  "training_args": dataclasses.asdict(run_args), "model": model_path, "note": note, "parameters": counts}  # fmt: skip
+        if state.is_main_process:
+            save_run_config(run_dir, config)
+        wandb_run = init_wandb(run_args, run_dir, config, state)
+        # 12. Accelerator, prepare, train (checkpoints, preemption, exact resume); select on dev
+        accelerator = Accelerator(
+            mixed_precision=args.mixed_precision,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
         )
-    fill_deepspeed_auto_values(accelerator, run_args)
-    optimizer = build_optimizer(model, run_args, adamw=adamw_class(accelerator))
-    scheduler = build_scheduler(optimizer, run_args)
-    model, optimizer, train_loader, dev_loader, validation_loader = accelerator.prepare(
-        model, optimizer, loaders["train"], loaders["dev"], loaders["validation"]
-    )
-    main_metric = task.metric_names[0]
-    best = BestStep(main_metric, sign=-1.0 if main_metric in LOWER_IS_BETTER else 1.0)
-    accelerator.register_for_checkpointing(scheduler, best)
-    progress = TrainState()
-    if resume is not None:
-        progress = load_checkpoint(accelerator, resume)
-        logger.info("resumed from %s at step %d", resume, progress.step)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
-    if metrics:
-        metrics.drop_after(progress.step)
-    preemption = PreemptionFlag()
-    source = accumulation_windows(train_loader, args.gradient_accumulation_steps, progress, lambda batch: batch)
-    bar = tqdm(total=args.max_steps, initial=progress.step, desc=f"seed {seed}",
-               disable=not (accelerator.is_main_process and args.progress_bar))  # fmt: skip
-    preempted = False
-    model.train()
-    while progress.step < args.max_steps:
-        loss = train_step(accelerator, model, optimizer, next(source), args.max_grad_norm)
-        scheduler.step()
-        progress.step += 1
-        step = progress.step
-        bar.update(1)
-        if metrics and (step % args.logging_steps == 0):
-            metrics.write({"kind": "train", "step": step, "loss": loss, "lr": scheduler.get_last_lr()[0]})
-        if step % (args.eval_steps or args.max_steps) == 0 or step == args.max_steps:
-            logits, labels = predict(accelerator, model, dev_loader)
-            dev = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
-            if metrics:
-                metrics.write({"kind": "dev", "step": step, **dev})
-            best.offer(step, dev, lambda: accelerator.get_state_dict(model))
-        stop = torch.tensor(float(preemption.raised), device=accelerator.device)
-        preempted = bool(accelerator.reduce(stop, reduction="max").item())
-        if preempted or (args.save_steps and step % args.save_steps == 0):
-            save_checkpoint(accelerator, run_dir, progress, args.save_total_limit, None, settings)
+        fill_deepspeed_auto_values(accelerator, run_args)
+        optimizer = build_optimizer(model, run_args, adamw=adamw_class(accelerator))
+        scheduler = build_scheduler(optimizer, run_args)
+        model, optimizer, train_loader, dev_loader, validation_loader = accelerator.prepare(
+            model, optimizer, loaders["train"], loaders["dev"], loaders["validation"]
+        )
+        main_metric = task.metric_names[0]
+        best = BestStep(main_metric, sign=-1.0 if main_metric in LOWER_IS_BETTER else 1.0)
+        accelerator.register_for_checkpointing(scheduler, best)
+        progress = TrainState()
+        if resume is not None:
+            progress = load_checkpoint(accelerator, resume)
+            logger.info("resumed from %s at step %d", resume, progress.step)
+        metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
+        if metrics:
+            metrics.drop_after(progress.step)
+        source = accumulation_windows(train_loader, args.gradient_accumulation_steps, progress, lambda batch: batch)
+        bar = tqdm(total=args.max_steps, initial=progress.step, desc=f"seed {seed}",
+                   disable=not (accelerator.is_main_process and args.progress_bar))  # fmt: skip
+        preempted = False
+        model.train()
+        while progress.step < args.max_steps:
+            loss = train_step(accelerator, model, optimizer, next(source), args.max_grad_norm)
+            scheduler.step()
+            progress.step += 1
+            step = progress.step
+            bar.update(1)
+            if metrics and (step % args.logging_steps == 0):
+                metrics.write({"kind": "train", "step": step, "loss": loss, "lr": scheduler.get_last_lr()[0]})
+            if step % (args.eval_steps or args.max_steps) == 0 or step == args.max_steps:
+                logits, labels = predict(accelerator, model, dev_loader)
+                dev = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
+                if metrics:
+                    metrics.write({"kind": "dev", "step": step, **dev})
+                best.offer(step, dev, lambda: accelerator.get_state_dict(model))
+            stop = torch.tensor(float(preemption.raised), device=accelerator.device)
+            preempted = bool(accelerator.reduce(stop, reduction="max").item())
+            if preempted or (args.save_steps and step % args.save_steps == 0):
+                save_checkpoint(accelerator, run_dir, progress, args.save_total_limit, None, settings)
+            if preempted:
+                logger.warning("stopped by signal at step %d; resume with --resume_from_checkpoint auto", step)
+                break
+        bar.close()
         if preempted:
-            logger.warning("stopped by signal at step %d; resume with --resume_from_checkpoint auto", step)
-            break
-    bar.close()
-    if preempted:
-        preemption.restore()
+            accelerator.wait_for_everyone()
+            return None
+        # 13. the chosen step on the validation split (evaluated once), beside the baseline; save
+        accelerator.unwrap_model(model).load_state_dict(best.weights)
+        logits, labels = predict(accelerator, model, validation_loader)
+        validation = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
+        baseline = compute_metrics(
+            task.metric_names, baseline_predictions(task.task_type, splits["train"]["labels"], len(labels)), labels
+        )
+        result = {"model": tag, "task": task.name, "seed": seed,
+                  "best_step": best.step, "dev": best.dev, "validation": validation, "baseline": baseline,
+                  "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir)}  # fmt: skip
+        if accelerator.is_main_process:
+            metrics.write({"kind": "validation", "step": best.step, **validation})
+            (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+            accelerator.unwrap_model(model).save_pretrained(run_dir / "final", state_dict=best.weights)
+            tokenizer.save_pretrained(run_dir / "final")
+            logger.info("seed %d: step %d chosen on dev (%s %.4f); validation %s; baseline %s", seed, best.step,
+                        main_metric, best.dev[main_metric], validation, baseline)  # fmt: skip
+            if wandb_run is not None:
+                wandb_run.summary.update({f"validation/{k}": v for k, v in validation.items()})
+                wandb_run.finish()
+        if accelerator.num_processes > 1:  # each rank's view: with gathered predictions they must agree
+            (run_dir / "ranks").mkdir(exist_ok=True)
+            view = {"best_step": best.step, "dev": best.dev, "validation": validation}
+            (run_dir / "ranks" / f"rank{accelerator.process_index}.json").write_text(json.dumps(view))
         accelerator.wait_for_everyone()
+        accelerator.free_memory()
+        return result
+    finally:
+        preemption.restore()
         if run_lock is not None:
             run_lock.release()
-        return None
-    # 13. the chosen step on the validation split (evaluated once), beside the baseline; save
-    accelerator.unwrap_model(model).load_state_dict(best.weights)
-    logits, labels = predict(accelerator, model, validation_loader)
-    validation = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
-    baseline = compute_metrics(
-        task.metric_names, baseline_predictions(task.task_type, splits["train"]["labels"], len(labels)), labels
-    )
-    result = {"model": model_tag(model_path, fargs.from_scratch), "task": task.name, "seed": seed,
-              "best_step": best.step, "dev": best.dev, "validation": validation, "baseline": baseline,
-              "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir)}  # fmt: skip
-    if accelerator.is_main_process:
-        metrics.write({"kind": "validation", "step": best.step, **validation})
-        (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
-        accelerator.unwrap_model(model).save_pretrained(run_dir / "final", state_dict=best.weights)
-        tokenizer.save_pretrained(run_dir / "final")
-        logger.info("seed %d: step %d chosen on dev (%s %.4f); validation %s; baseline %s", seed, best.step,
-                    main_metric, best.dev[main_metric], validation, baseline)  # fmt: skip
-        if wandb_run is not None:
-            wandb_run.summary.update({f"validation/{k}": v for k, v in validation.items()})
-            wandb_run.finish()
-    if accelerator.num_processes > 1:  # each rank's view: with gathered predictions they must agree
-        (run_dir / "ranks").mkdir(exist_ok=True)
-        view = {"best_step": best.step, "dev": best.dev, "validation": validation}
-        (run_dir / "ranks" / f"rank{accelerator.process_index}.json").write_text(json.dumps(view))
-    accelerator.wait_for_everyone()
-    accelerator.free_memory()
-    preemption.restore()
-    if run_lock is not None:
-        run_lock.release()
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     for path in fargs.models:
         preflight(
             dataclasses.replace(fargs, model_name_or_path=path), task_args, args, cuda=state.device.type == "cuda"
+        )
+    if launched_zero_stage() == 3:  # checked before any run folder is written
+        raise ValueError(
+            "fine-tuning keeps the weights of the step chosen on dev, which ZeRO-3 partitions across ranks; "
+            "use a ZeRO-0/1/2 config (ds_configs/zero2.json), or plain DDP: classifiers of these sizes fit"
         )
     if args.concept_losses:  # a pretraining setting: an error, not a silently ignored flag
         raise ValueError("loops/finetune.py does not support ['--concept_losses'] (concept losses are for pretraining)")
@@ -283,10 +279,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
+    with one_line_errors():
         sys.exit(main())
-    except (ValueError, DataSourceError) as error:
-        if os.environ.get("CONCEPT_ENCODER_TRACEBACK"):
-            raise
-        print(f"error: {error}\n(set CONCEPT_ENCODER_TRACEBACK=1 for the traceback)", file=sys.stderr)
-        sys.exit(1)

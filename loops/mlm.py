@@ -14,7 +14,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from concept_encoder.training.preflight import fail_fast, preflight
+from concept_encoder.training.preflight import fail_fast, one_line_errors, preflight
 
 if __name__ == "__main__":  # a bad argument fails in about a second, before torch and the models load
     fail_fast(sys.argv[1:])
@@ -41,13 +40,12 @@ from tqdm.auto import tqdm
 
 from concept_encoder import ConceptEncoderForMaskedLM
 from concept_encoder.constants import IGNORE_INDEX
-from concept_encoder.data import DataSourceError, collator_for, prepare_data
+from concept_encoder.data import collator_for, prepare_data
 from concept_encoder.flops import mlm_training_flops
 from concept_encoder.health_metrics import format_health_table
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.batches import accumulation_windows
 from concept_encoder.training.checkpoint import (
-    DiskFullError,
     TrainState,
     check_resume_settings,
     load_checkpoint,
@@ -56,7 +54,6 @@ from concept_encoder.training.checkpoint import (
     save_checkpoint,
 )
 from concept_encoder.training.deepspeed_setup import (
-    StaleLockError,
     adamw_class,
     fill_deepspeed_auto_values,
     outside_zero3,
@@ -460,10 +457,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
+    with one_line_errors(NonFiniteLossError):
         sys.exit(main())
-    except (ValueError, DataSourceError, NonFiniteLossError, StaleLockError, DiskFullError) as error:
-        if os.environ.get("CONCEPT_ENCODER_TRACEBACK"):
-            raise
-        print(f"error: {error}\n(set CONCEPT_ENCODER_TRACEBACK=1 for the traceback)", file=sys.stderr)
-        sys.exit(1)

@@ -242,3 +242,12 @@ def test_sigterm_checkpoints_and_auto_resume_continues_exactly(workdir, concept_
 
     [uninterrupted] = Path("Cache/finetune").glob("whole-*-seed43")
     assert train_losses(interrupted) == train_losses(uninterrupted)  # bitwise: same batches, dropout, optimizer
+
+
+def test_zero3_is_refused_before_any_run_folder_is_written(concept_model, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ROOT / "ds_configs/zero3.json"))
+    with pytest.raises(ValueError, match="ZeRO-3 partitions"):
+        finetune.main(["--model_name_or_path", str(concept_model), *COMMON])
+    assert not Path("Cache/finetune").exists()

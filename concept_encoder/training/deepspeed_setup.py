@@ -9,23 +9,32 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
+from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType
 
-from ..extension_locks import stale_lock_message, stale_op_locks
+from ..extension_locks import StaleLockError, stale_lock_message, stale_op_locks
 from ..memory import zero_settings
 from .plan import deepspeed_batch_values
-
-
-class StaleLockError(RuntimeError):
-    """A JIT-built op's lock file has no live owner: loading the op would hang."""
 
 
 def using_deepspeed() -> bool:
     """Launched by `accelerate launch` with DeepSpeed (known before the Accelerator exists)."""
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def launched_zero_stage() -> int | None:
+    """The ZeRO stage `accelerate launch` was given (its ds config file or `--zero_stage`), known before the
+    Accelerator exists; None without DeepSpeed."""
+    if not using_deepspeed():
+        return None
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if path != "none" and Path(path).is_file():
+        return zero_settings(json.loads(Path(path).read_text()))[0]
+    return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 0))
 
 
 def deepspeed_config(accelerator) -> dict | None:

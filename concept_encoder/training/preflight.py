@@ -8,6 +8,7 @@ runs it again with the device it really got.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -57,17 +58,34 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
             )
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Failures that are the input's or the environment's, not the code's: reported in one line."""
+    from ..data.sources import DataSourceError
+    from ..extension_locks import StaleLockError
+    from .checkpoint import DiskFullError
+
+    return ValueError, DataSourceError, StaleLockError, DiskFullError
+
+
+@contextlib.contextmanager
+def one_line_errors(*more: type[BaseException]):
+    """End a script on a user error (`user_errors()` and `more`) with one line and exit code 1 instead of
+    a traceback; `CONCEPT_ENCODER_TRACEBACK=1` shows the traceback."""
+    try:
+        yield
+    except Exception as error:
+        if os.environ.get("CONCEPT_ENCODER_TRACEBACK") or not isinstance(error, (*more, *user_errors())):
+            raise
+        print(f"error: {error}\n(set CONCEPT_ENCODER_TRACEBACK=1 for the traceback)", file=sys.stderr)
+        sys.exit(1)
+
+
 def fail_fast(argv: list[str], classes=ARGUMENT_CLASSES, defaults: dict | None = None) -> None:
     """Parse and preflight `argv` (and find the checkpoint to resume); on a bad argument print one
     line and exit 1, as the loop would, seconds earlier."""
     from .checkpoint import resolve_resume
 
-    try:
+    with one_line_errors():
         model_args, data_args, training_args = parse_args(argv, classes=classes, defaults=defaults)
         preflight(model_args, data_args, training_args, cuda=cuda_present())
         resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, training_args.run_name)
-    except ValueError as error:
-        if os.environ.get("CONCEPT_ENCODER_TRACEBACK"):
-            raise
-        print(f"error: {error}\n(set CONCEPT_ENCODER_TRACEBACK=1 for the traceback)", file=sys.stderr)
-        sys.exit(1)
