@@ -8,11 +8,11 @@ from pathlib import Path
 
 from datasets import Dataset, Sequence, Value, load_dataset
 
-from ..data.sources import DataSourceError, ensure_hub
-from .arguments import EMBEDDED_TASKS, TaskArguments
+from ..constants import check_table_covers
+from ..data.sources import SPLIT_SEED, DataSourceError, ensure_hub  # the data layer's fixed hold-out seed
+from .arguments import EMBEDDED_TASKS, GLUE_TASKS, TaskArguments
 from .embedded import PACKAGES, embedded_pairs, embedded_sentences
 
-SPLIT_SEED = 1234  # fixed: the dev and validation examples must not move with the training seed
 LOCAL_BUILDERS = {
     ".csv": ("csv", {}),
     ".tsv": ("csv", {"delimiter": "\t"}),
@@ -31,6 +31,7 @@ GLUE = {
     "qnli": (("question", "sentence"), "validation", 2, ("accuracy",)),
     "rte": (("sentence1", "sentence2"), "validation", 2, ("accuracy",)),
 }
+check_table_covers(GLUE, GLUE_TASKS, "GLUE")
 DEFAULT_METRICS = {
     "single_label_classification": ("accuracy", "macro_f1"),
     "regression": ("pearson", "spearman", "mse"),

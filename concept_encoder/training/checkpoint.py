@@ -170,11 +170,8 @@ def resolve_resume(spec: str | None, output_dir: str, run_name: str | None) -> P
     if run_name:
         runs = [Path(output_dir) / run_name]
     else:  # the run that saved last: folder times choose the run, steps choose within it
-        runs = sorted(
-            (p for p in Path(output_dir).glob("*") if checkpoint_dirs(p)),
-            key=lambda p: checkpoint_dirs(p)[-1].stat().st_mtime,
-            reverse=True,
-        )[:1]
+        last_saved = {run: dirs[-1] for run in Path(output_dir).glob("*") if (dirs := checkpoint_dirs(run))}
+        runs = sorted(last_saved, key=lambda run: last_saved[run].stat().st_mtime, reverse=True)[:1]
     found = newest_intact(runs[0]) if runs else None
     if found is None:
         logger.info("resume=auto: no intact checkpoint under %s, starting fresh", runs[0] if runs else output_dir)
