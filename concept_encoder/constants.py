@@ -26,6 +26,13 @@ CONCEPT_LOSS_NAMES = (
 )
 LOSS_WEIGHTING_NAMES = ("fixed", "learnable", "kendall_gal")
 
+# Pretraining (`loops/mlm.py`): what the model learns from and which network learns it.
+OBJECTIVES = ("mlm", "diffusion", "tsdae")
+DIFFUSION_WEIGHTINGS = ("elbo", "none")
+EVAL_MASK_RATES = (0.15, 0.5, 0.9)  # masked diffusion is also evaluated at these fixed masking rates
+ARCHITECTURES = ("concept", "bert")
+LOSS_NORMALIZER = "loss_normalizer"  # batch key: the token count a step's summed loss is divided by
+
 
 def check_table_covers(table, names: tuple[str, ...], what: str) -> None:
     """Raise if the implementation table `table` (keyed by option name) and `names` differ."""

@@ -13,6 +13,9 @@ forward matmul). The latent layers are counted on their C concept rows, not the 
         perceiver/posonly, per layer   2·M·H² + 4·C·H² + 4·M·C·H + 2·M·H² + 6·M·H·I
         weighted                       2·M·C·H
     head                2·M·H² + 2·M·H·V   transform and vocabulary projection at the masked positions
+
+BERT (`model_type` "bert", the baseline), per layer 8·N·H² (queries, keys, values, output) + 4·N²·H
+(scores and values) + 4·N·H·I (FFN), and the same head at the masked positions.
 """
 
 from __future__ import annotations
@@ -22,19 +25,42 @@ from collections.abc import Mapping
 
 def mlm_forward_flops(config: Mapping, seq_len: int, mlm_probability: float = 0.15) -> float:
     """Matmul FLOPs of one sequence's forward pass (`config`: a `ConceptEncoderConfig.to_dict()` or preset)."""
-    H, L, C, V = (config[k] for k in ("hidden_size", "num_hidden_layers", "concept_num", "vocab_size"))
+    H, L, V = (config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
     inner = config["intermediate_size"]
     N, M = seq_len, mlm_probability * seq_len
+    head = 2 * M * H * H + 2 * M * H * V
+    if config.get("model_type") == "bert":
+        return L * (8 * N * H * H + 4 * N * N * H + 4 * N * H * inner) + head
+    C = config["concept_num"]
     layer = 4 * N * H * H + 4 * C * N * H + 4 * C * H * H + 8 * C * H * H + 4 * C * C * H + 6 * C * H * inner
     if config.get("decoder_type", "perceiver") == "weighted":
         decoder = 2 * M * C * H
     else:
         decoder_layer = 2 * M * H * H + 4 * C * H * H + 4 * M * C * H + 2 * M * H * H + 6 * M * H * inner
         decoder = config.get("num_decoder_layers", 1) * decoder_layer
-    head = 2 * M * H * H + 2 * M * H * V
     return L * layer + decoder + head
 
 
 def mlm_training_flops(config: Mapping, batch_size: int, seq_len: int, mlm_probability: float = 0.15) -> float:
     """Matmul FLOPs of one training step (forward + backward) on `batch_size` sequences of `seq_len`."""
     return 3 * batch_size * mlm_forward_flops(config, seq_len, mlm_probability)
+
+
+def training_flops_per_token(
+    config: Mapping,
+    seq_len: int,
+    objective: str = "mlm",
+    mlm_probability: float = 0.15,
+    t_min: float = 0.1,
+    deletion_rate: float = 0.6,
+) -> float:
+    """Expected training FLOPs per token of the original `seq_len`-token sequence under an objective.
+
+    `mlm` decodes p·N positions; `diffusion` the mean rate (t_min + 1)/2 of N; `tsdae` encodes the
+    (1 - deletion_rate)·N kept tokens and decodes all N positions.
+    """
+    if objective == "tsdae":
+        kept = max(1, round((1 - deletion_rate) * seq_len))
+        return mlm_training_flops(config, 1, kept, seq_len / kept) / seq_len
+    rate = (t_min + 1) / 2 if objective == "diffusion" else mlm_probability
+    return mlm_training_flops(config, 1, seq_len, rate) / seq_len

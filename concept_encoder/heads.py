@@ -35,7 +35,8 @@ class ConceptMaskedLMOutput(ModelOutput):
     """Output of `ConceptEncoderForMaskedLM`.
 
     Attributes:
-        loss: `[]` mean cross-entropy over the labelled positions (when `labels` are given).
+        loss: `[]` cross-entropy over the labelled positions (when `labels` are given): `loss_sum / num_labelled`.
+        loss_sum: `[]` summed (with `label_weights`, weighted) cross-entropy, to normalise across micro-batches.
         logits: `[L,V]` at the L labelled positions, in row-major (sample, position) order, when
             `labels` are given; `[B,N,V]` for every position otherwise.
         concepts: `[B,C,H]` final concept states (for concept losses and health metrics).
@@ -43,6 +44,7 @@ class ConceptMaskedLMOutput(ModelOutput):
     """
 
     loss: torch.FloatTensor | None = None
+    loss_sum: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
     concepts: torch.FloatTensor | None = None
     num_labelled: torch.LongTensor | None = None
@@ -73,11 +75,11 @@ class CrossAttentionDecoder(nn.Module):
     def forward(
         self,
         concepts: torch.Tensor,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         position_ids: torch.Tensor,
         embeddings: TokenEmbeddings,
     ) -> torch.Tensor:
-        """`concepts [B,C,H]`, `input_ids [B,M]`, `position_ids [B,M]` → `[B,M,H]`.
+        """`concepts [B,C,H]`, `input_ids [B,M]` (None for `posonly`), `position_ids [B,M]` → `[B,M,H]`.
 
         `embeddings` is the encoder's (shared) embedding module, passed rather than owned.
         """
@@ -125,23 +127,23 @@ class MaskedLMHead(nn.Module):
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.decoder = VocabProjection(config.hidden_size, config.vocab_size)
 
-    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """`hidden [...,H]` → logits `[...,V]`; with `targets [L]` (`hidden [L,H]`) → summed
-        cross-entropy `[]`, computed without keeping the logits (`vocab_projection`)."""
-        return self.decoder(self.norm(F.gelu(self.dense(hidden))), targets)
+    def forward(
+        self, hidden: torch.Tensor, targets: torch.Tensor | None = None, row_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`hidden [...,H]` → logits `[...,V]`; with `targets [L]` (`hidden [L,H]`, optional `row_weights [L]`)
+        → (weighted) summed cross-entropy `[]`, computed without keeping the logits (`vocab_projection`)."""
+        return self.decoder(self.norm(F.gelu(self.dense(hidden))), targets, row_weights)
 
 
-def gather_labelled(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pack each sample's labelled positions to the front.
+def labelled_order(labels: torch.Tensor) -> torch.Tensor:
+    """`labels [B,N]` → `order [B,M]`: each sample's labelled positions packed to the front, in order.
 
-    `input_ids [B,N]`, `labels [B,N]` → `ids [B,M]`, `position_ids [B,M]`, `targets [B,M]`,
-    with M the largest labelled count of any sample; slots past a sample's count hold
-    `targets == IGNORE_INDEX`. A stable sort keeps positions in order.
+    M is the largest labelled count of any sample; slots past a sample's count point at unlabelled
+    positions (`labels.gather(1, order) == IGNORE_INDEX` there). A stable sort keeps positions in order.
     """
     labelled = labels.ne(IGNORE_INDEX)  # [B,N]
     m = int(labelled.sum(dim=1).max()) if labels.numel() else 0
-    order = torch.sort(labelled.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :m]  # [B,M]
-    return input_ids.gather(1, order), order, labels.gather(1, order)
+    return torch.sort(labelled.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :m]
 
 
 class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
@@ -167,6 +169,7 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        label_weights: torch.Tensor | None = None,
         return_logits: bool = True,
     ) -> ConceptMaskedLMOutput:
         """Masked-language-model forward.
@@ -174,15 +177,20 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
         Args:
             input_ids: `[B,N]` token ids (masked positions hold `[MASK]` or a replacement).
             attention_mask: `[B,N]`, 1 for real tokens, 0 for padding (optional).
-            labels: `[B,N]` original ids at positions to predict, `-100` elsewhere (optional).
+            labels: `[B,N']` original ids at positions to predict, `-100` elsewhere (optional).
+                Usually N' = N. A decoder whose queries are positions only (`posonly`, `weighted`)
+                also takes N' != N: the encoder then saw a shortened sequence (e.g. TSDAE's deletions)
+                and the decoder predicts positions 0..N'-1 of the original.
+            label_weights: `[B,N']` weight of each labelled position's cross-entropy (optional;
+                e.g. masked diffusion's 1/t). The loss is then `Σ w·CE / num_labelled`.
             return_logits: with labels, False skips the `[L,V]` logits: the loss is then computed
                 by `vocab_projection.linear_cross_entropy` (same value and gradients, less memory
                 and time; what the training loop uses). Ignored without labels.
 
         Returns:
-            `ConceptMaskedLMOutput`: with labels, `loss []` and sparse `logits [L,V]` at the L labelled
-            positions (None when `return_logits=False`); without labels, `logits [B,N,V]` at every
-            position. Always `concepts [B,C,H]`.
+            `ConceptMaskedLMOutput`: with labels, `loss []`, `loss_sum []` and sparse `logits [L,V]` at
+            the L labelled positions (None when `return_logits=False`); without labels, `logits [B,N,V]`
+            at every position. Always `concepts [B,C,H]`.
         """
         concepts = self.encoder(input_ids, attention_mask).last_hidden_state  # [B,C,H]
         embeddings = self.encoder.embeddings
@@ -191,22 +199,34 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
             hidden = self.mlm_decoder(concepts, input_ids, position_ids, embeddings)  # [B,N,H]
             return ConceptMaskedLMOutput(logits=self.lm_head(hidden), concepts=concepts)
 
-        if labels.shape != input_ids.shape:
-            raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
         check_sequence_length(self.config, labels.shape[1])
-        ids, position_ids, targets = gather_labelled(input_ids, labels)  # [B,M] each
-        hidden = self.mlm_decoder(concepts, ids, position_ids, embeddings)  # [B,M,H]
+        if labels.shape != input_ids.shape and (
+            labels.shape[0] != input_ids.shape[0] or self.config.decoder_type == "perceiver"
+        ):
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}; only a "
+                "decoder that queries positions alone (decoder_type posonly or weighted) can predict a sequence "
+                "of another length than the encoder's input"
+            )
+        order = labelled_order(labels)  # [B,M]
+        ids = input_ids.gather(1, order) if self.config.decoder_type == "perceiver" else None  # token queries
+        targets = labels.gather(1, order)  # [B,M]
+        hidden = self.mlm_decoder(concepts, ids, order, embeddings)  # [B,M,H]
         keep = targets.ne(IGNORE_INDEX)  # [B,M]
         num_labelled = keep.sum()
+        weights = None if label_weights is None else label_weights.gather(1, order)[keep]  # [L]
         if return_logits:
             logits = self.lm_head(hidden[keep])  # [L,V]
-            loss_sum = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
+            ce = F.cross_entropy(logits.float(), targets[keep], reduction="none")  # [L]
+            loss_sum = (ce if weights is None else ce * weights).sum()
         else:
-            logits, loss_sum = None, self.lm_head(hidden[keep], targets[keep])
+            logits, loss_sum = None, self.lm_head(hidden[keep], targets[keep], weights)
         # Sum / count (not `mean`) so a batch with nothing labelled gives 0, not NaN, and still
         # touches every parameter (DDP/ZeRO need a gradient for each).
         loss = loss_sum / num_labelled.clamp(min=1)
-        return ConceptMaskedLMOutput(loss=loss, logits=logits, concepts=concepts, num_labelled=num_labelled)
+        return ConceptMaskedLMOutput(
+            loss=loss, loss_sum=loss_sum, logits=logits, concepts=concepts, num_labelled=num_labelled
+        )
 
 
 class ConceptPooling(nn.Module):

@@ -84,6 +84,34 @@ def parameter_count(
     return counts
 
 
+def bert_parameter_count(
+    vocab_size: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    type_vocab_size: int = 2,
+    **_ignored,
+) -> dict[str, int]:
+    """Exact parameter counts of transformers' `BertForMaskedLM` (tied decoder) from its config fields."""
+    V, H, L, I, P = vocab_size, hidden_size, num_hidden_layers, intermediate_size, max_position_embeddings  # noqa: E741
+    layer = (4 * H * H + 4 * H + 2 * H) + (2 * H * I + I + H + 2 * H)  # attention + norm, FFN + norm
+    counts = {
+        "embeddings": (V + P + type_vocab_size) * H + 2 * H,
+        "layers": L * layer,
+        "lm_head": H * H + H + 2 * H + V,  # transform + norm, decoder bias (weight tied)
+    }
+    counts["total"] = sum(counts.values())
+    counts["largest_layer"] = max(layer, V * H)
+    return counts
+
+
+def model_parameter_count(model_config: dict) -> dict[str, int]:
+    """`parameter_count` or `bert_parameter_count`, by the config's `model_type`."""
+    count = bert_parameter_count if model_config.get("model_type") == "bert" else parameter_count
+    return count(**model_config)
+
+
 def zero2_model_states(params: int, gpus_per_node: int, nodes: int, cpu_offload: bool) -> tuple[int, int]:
     """(cpu_bytes, gpu_bytes) per DeepSpeed's ZeRO-2 estimator."""
     total_gpus = nodes * gpus_per_node
@@ -175,9 +203,11 @@ def activation_bytes(
     kernel) also the attention probabilities B·heads·C·N. Concept side per layer, per concept, in
     the accounting of Korthikanti et al. (2022) for 16-bit activations: two attention blocks
     (~11·H bytes each) and the gated FFN (~5·H + 8·I bytes), i.e. ~(14·H + 4·I) elements. Decoder
-    at the M = p·N masked positions: ~(12·H + 4·I) per query, and the loss's one `[M,V]` buffer in
-    the compute dtype (`vocab_projection.linear_cross_entropy`, the loop's path: the logits are never
-    kept), plus, for 16-bit compute, its float32 working chunk of at most `VOCAB_CHUNK_ELEMENTS`.
+    at the M = p·N decoded positions (`mlm_probability` p: 1 for objectives that decode every
+    position or may mask all of them): ~(12·H + 4·I) per query. The loss
+    (`vocab_projection.linear_cross_entropy`, the loop's path) keeps only its gradients, `[M,H]` in
+    the compute dtype and `[V,H]` + `[V]` in float32, and works on one chunk of at most
+    `VOCAB_CHUNK_ELEMENTS` logits at a time (compute dtype, plus a float32 copy for 16-bit compute).
     Gradient checkpointing keeps only each layer's concept input and recomputes the rest (one layer
     live at a time).
     """
@@ -189,8 +219,41 @@ def activation_bytes(
     masked = max(1, round(mlm_probability * N)) * B
     decoder = num_decoder_layers * masked * (12 * H + 4 * I)
     elements = 4 * B * N * H + layers + decoder
-    working_chunk = 0 if bytes_per_element >= 4 else 4 * min(masked * V, VOCAB_CHUNK_ELEMENTS)
-    return int((elements + masked * V) * bytes_per_element + working_chunk)
+    return int(elements * bytes_per_element + loss_bytes(masked, H, V, bytes_per_element))
+
+
+def loss_bytes(rows: int, hidden_size: int, vocab_size: int, bytes_per_element: int) -> int:
+    """Peak bytes of `linear_cross_entropy` on `rows` rows: its kept gradients plus one working chunk."""
+    chunk = min(rows * vocab_size, VOCAB_CHUNK_ELEMENTS)
+    chunk_bytes = chunk * bytes_per_element + (0 if bytes_per_element >= 4 else 4 * chunk)
+    return rows * hidden_size * bytes_per_element + 4 * (vocab_size * hidden_size + vocab_size) + chunk_bytes
+
+
+def bert_activation_bytes(
+    micro_batch: int,
+    seq_len: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+    intermediate_size: int,
+    vocab_size: int,
+    num_attention_heads: int,
+    mlm_probability: float = 0.15,
+    bytes_per_element: int = 2,
+    fused_attention: bool = True,
+    gradient_checkpointing: bool = False,
+    **_ignored,
+) -> int:
+    """Activations of a `BertForMaskedLM` training micro-step (the loop's sparse head): per layer
+    ~(10·H + 2·I) elements per token, the accounting of Korthikanti et al. (2022) for a transformer
+    layer with its FFN width as a parameter, plus the heads·N attention probabilities per token with
+    the math kernel (no fused kernel); the head at the M = p·N labelled positions and the loss as for
+    the Concept Encoder (`loss_bytes`)."""
+    B, N, H, I, V = micro_batch, seq_len, hidden_size, intermediate_size, vocab_size  # noqa: E741
+    per_layer = B * N * (10 * H + 2 * I) + (0 if fused_attention else B * num_attention_heads * N * N)
+    layers = (num_hidden_layers * B * N * H + per_layer) if gradient_checkpointing else num_hidden_layers * per_layer
+    masked = max(1, round(mlm_probability * N)) * B
+    elements = 4 * B * N * H + layers + 3 * masked * H
+    return int(elements * bytes_per_element + loss_bytes(masked, H, V, bytes_per_element))
 
 
 @dataclass
@@ -228,11 +291,11 @@ def estimate_training_memory(
     mlm_probability: float = 0.15,
 ) -> MemoryEstimate:
     """Estimated per-GPU peak of a training step: model states + activations + a fixed workspace."""
-    counts = parameter_count(**model_config)
+    counts = model_parameter_count(model_config)
     cpu_states, gpu_states = model_state_bytes(
         zero_stage, counts["total"], counts["largest_layer"], gpus_per_node, nodes, offload_optimizer, offload_params
     )
-    activations = activation_bytes(
+    activations = (bert_activation_bytes if model_config.get("model_type") == "bert" else activation_bytes)(
         micro_batch,
         seq_len,
         bytes_per_element=4 if mixed_precision in (None, "no") else 2,

@@ -46,6 +46,7 @@ from concept_encoder.training.args import (  # noqa: E402
     read_yaml_mapping,
 )
 from concept_encoder.training.plan import (  # noqa: E402
+    decoded_fraction,
     deepspeed_batch_values,
     fresh_model_fields,
     launch_command,
@@ -585,7 +586,7 @@ def plan_estimate(plan: Plan, config: dict, ds_cfg):
         nodes=plan.nodes,
         mixed_precision=plan.mixed_precision,
         gradient_checkpointing=plan.model.gradient_checkpointing,
-        mlm_probability=plan.data.mlm_probability,
+        mlm_probability=decoded_fraction(plan.train, plan.data.mlm_probability),
     )
 
 

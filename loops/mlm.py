@@ -1,11 +1,15 @@
-"""Masked-language-model pretraining of a Concept Encoder: a plain accelerate loop.
+"""Pretraining of a Concept Encoder (or the BERT baseline): a plain accelerate loop.
 
     accelerate launch loops/mlm.py --preset small --dataset embedded --max_steps 300
+    accelerate launch loops/mlm.py --objective diffusion          # or tsdae; --architecture bert
     accelerate launch --config_file launch/cpu.yaml loops/mlm.py --config my_run.yaml --learning_rate 1e-3
 
 `main()` reads top to bottom in the project's fixed init order (1-13); the mechanics live in
-`concept_encoder.training`. The loss of an optimizer step is the mean cross-entropy over every
-masked token of the whole accumulation window on all ranks (not a mean of per-batch means).
+`concept_encoder.training`, the objectives (`--objective mlm|diffusion|tsdae`: how a batch is
+corrupted, which positions are decoded, how each is weighted) in `concept_encoder.objectives`.
+The loss of an optimizer step is the summed (weighted) cross-entropy of the whole accumulation
+window on all ranks divided by the window's token count (masked tokens; eligible tokens for
+diffusion's ELBO), not a mean of per-batch means.
 """
 
 from __future__ import annotations
@@ -38,11 +42,10 @@ from accelerate.utils import (
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from concept_encoder import ConceptEncoderForMaskedLM
-from concept_encoder.constants import IGNORE_INDEX
 from concept_encoder.data import collator_for, prepare_data
-from concept_encoder.flops import mlm_training_flops
+from concept_encoder.flops import training_flops_per_token
 from concept_encoder.health_metrics import format_health_table
+from concept_encoder.objectives import build_corruption, evaluation_corruptions, model_inputs
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.batches import accumulation_windows
 from concept_encoder.training.checkpoint import (
@@ -122,23 +125,25 @@ def train_step(
     concept: ConceptObjective | None = None,
     step: int = 0,
 ) -> dict:
-    """One optimizer step over `window` (the micro-batches of one accumulation window).
+    """One optimizer step over `window` (the corrupted micro-batches of one accumulation window).
 
-    Each micro-batch's loss is its masked-token CE *sum* divided by the masked-token count of
-    the whole window on all ranks, times `world × accumulation` to undo the averaging that
-    gradient accumulation and data parallelism apply; the gradient is then exactly that of the
-    mean CE over every masked token of the step. Returns global sums for logging.
+    Each micro-batch's loss is its (weighted) CE *sum* divided by the loss normaliser of the whole
+    window on all ranks (`objectives.model_inputs`: masked tokens, or diffusion's eligible tokens),
+    times `world × accumulation` to undo the averaging that gradient accumulation and data
+    parallelism apply; the gradient is then exactly that of the step's token-normalised loss.
+    Returns global sums for logging.
     """
-    counts = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in window]).sum().float()
+    window = [model_inputs(batch) for batch in window]  # [(inputs, normaliser [], tokens [])]
+    counts = torch.stack([normalizer for _, normalizer, _ in window]).sum().float()
     window_labelled = accelerator.reduce(counts, reduction="sum").clamp(min=1)
     scale = accelerator.num_processes * len(window) / window_labelled
     loss_sum = torch.zeros((), device=accelerator.device)
     tokens = torch.zeros((), device=accelerator.device)
     terms: dict[str, torch.Tensor] = {}
-    for batch in window:
+    for batch, _, batch_tokens in window:
         with accelerator.accumulate(model):
             out = model(**batch, return_logits=False)  # loss without the [L,V] logits
-            ce_sum = out.loss.float() * out.num_labelled
+            ce_sum = out.loss_sum.float()
             objective = ce_sum * scale
             if concept is not None and concept.active:
                 objective, micro_terms = concept(objective, out.concepts, step)
@@ -147,7 +152,7 @@ def train_step(
                         terms[name] = terms.get(name, 0.0) + value / len(window)
             accelerator.backward(objective)
             loss_sum += ce_sum.detach()
-            tokens += batch["attention_mask"].sum()
+            tokens += batch_tokens
     totals = accelerator.reduce(torch.stack([loss_sum, tokens.float()]), reduction="sum")
     if terms:
         names = sorted(terms)
@@ -206,7 +211,7 @@ def save_final(
             accelerator.unwrap_model(model).save_pretrained(final_dir, state_dict=state_dict)
             tokenizer.save_pretrained(final_dir)
             with outside_zero3():
-                reloaded = ConceptEncoderForMaskedLM.from_pretrained(final_dir).eval()
+                reloaded = type(accelerator.unwrap_model(model)).from_pretrained(final_dir).eval()
             with torch.no_grad():
                 export_diff = (reloaded(input_ids=probe_ids).logits.float() - reference).abs().max().item()
             logger.info(
@@ -258,17 +263,28 @@ def main(argv: list[str] | None = None) -> int:
     log_data_config(data_args)
     # 5. tokenizer + datasets
     data = prepare_data(data_args, cache_dir="Cache", seed=args.seed + state.process_index)  # own masks per rank
+    corruption = build_corruption(
+        args.objective, data.collator, data.tokenizer, args, seed=args.seed + state.process_index
+    )
     # 6. dataset sizes after load/filter/packing
     log_dataset_sizes(data)
     # 7. model config, loss config, model
-    model = build_model(model_args, data_args, data.tokenizer)
-    counts = log_model_info(model, {"preset": model_args.preset, "decoder": model.config.decoder_type})
-    seq_len = data_args.max_seq_length  # packed blocks are full; FLOPs per token at that length
-    flops_per_token = mlm_training_flops(model.config.to_dict(), 1, seq_len, data_args.mlm_probability) / seq_len
+    model = build_model(model_args, data_args, data.tokenizer, args.objective)
+    counts = log_model_info(
+        model,
+        {"preset": model_args.preset, "architecture": model_args.architecture, "objective": args.objective,
+         "decoder": getattr(model.config, "decoder_type", None)},
+    )  # fmt: skip
+    flops_per_token = training_flops_per_token(  # packed blocks are full: FLOPs per token at that length
+        model.config.to_dict(), data_args.max_seq_length, args.objective, data_args.mlm_probability,
+        args.t_min, args.deletion_rate,
+    )  # fmt: skip
     concept = build_concept_objective(args, model.config, state.device)
     # 8. attention-kernel probe (main process, the model's real forward)
     eval_collator = collator_for(data_args, data.tokenizer, seed=args.seed + 1)  # same masks at every eval
     eval_collator_state = eval_collator.state_dict()
+    extra_evals = evaluation_corruptions(args.objective, data.tokenizer, args, seed=args.seed + 1)
+    extra_eval_states = {name: extra.state_dict() for name, extra in extra_evals.items()}
     first_validation_example = next(iter(data.validation))  # also for the export check at the end
     probe_attention_kernels(model.to(state.device), eval_collator([first_validation_example]), state)
     # 9. optional torch.compile
@@ -335,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     train_loader = accelerator.prepare_data_loader(train_loader, device_placement=False)  # masked on CPU first
     eval_loader = accelerator.prepare_data_loader(eval_loader, device_placement=False)
     accelerator.register_for_checkpointing(scheduler, concept)
-    per_rank = {"collator": data.collator}
+    per_rank = {"collator": corruption}
     progress_state = TrainState()
     if resume is not None:
         progress_state = load_checkpoint(accelerator, resume, per_rank)
@@ -356,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         train_loader,
         args.gradient_accumulation_steps,
         progress_state,
-        lambda batch: send_to_device(data.collator.mask(batch), accelerator.device),
+        lambda batch: send_to_device(corruption.mask(batch), accelerator.device),
     )
     interval = {"loss": 0.0, "labelled": 0, "tokens": 0, "steps": 0, "time": 0.0}
     divergence = DivergenceMonitor()
@@ -423,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:
             last_eval = evaluate(
                 accelerator, model, eval_loader, eval_collator, eval_collator_state, args.max_eval_batches
             )
+            for name, extra in extra_evals.items():  # the objective's own yardsticks, e.g. loss at t=0.5
+                results = evaluate(
+                    accelerator, model, eval_loader, extra, extra_eval_states[name], args.max_eval_batches, health=False
+                )
+                last_eval.update({f"eval_{key.removeprefix('eval_')}_{name}": v for key, v in results.items()})
             if metrics:
                 metrics.write({"kind": "eval", "step": progress_state.step, **last_eval})
             logger.info("eval at step %d: %s", progress_state.step, last_eval)

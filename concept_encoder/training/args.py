@@ -19,7 +19,15 @@ from typing import get_args, get_type_hints
 import yaml
 from transformers import HfArgumentParser
 
-from ..constants import CONCEPT_LOSS_NAMES, DECODER_TYPES, LOSS_WEIGHTING_NAMES, check_concept_loss_settings
+from ..constants import (
+    ARCHITECTURES,
+    CONCEPT_LOSS_NAMES,
+    DECODER_TYPES,
+    DIFFUSION_WEIGHTINGS,
+    LOSS_WEIGHTING_NAMES,
+    OBJECTIVES,
+    check_concept_loss_settings,
+)
 from ..data.arguments import DataArguments
 from ..presets import PRESETS
 from ..tasks.arguments import TaskArguments
@@ -30,10 +38,18 @@ class ModelArguments:
     """Which model to build (a preset plus overrides) or load."""
 
     preset: str = field(default="small", metadata={"help": f"size preset: one of {sorted(PRESETS)}"})
+    architecture: str = field(
+        default="concept",
+        metadata={"help": f"one of {ARCHITECTURES}: a Concept Encoder, or transformers' BertForMaskedLM of the "
+                  "preset's shape (the baseline; --objective mlm or diffusion)"},
+    )  # fmt: skip
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "start from a saved model folder instead of a fresh preset"}
     )
-    decoder_type: str = field(default="perceiver", metadata={"help": f"MLM decoder: one of {DECODER_TYPES}"})
+    decoder_type: str | None = field(
+        default=None,
+        metadata={"help": f"MLM decoder: one of {DECODER_TYPES} (default: posonly for tsdae, else perceiver)"},
+    )
     concept_num: int | None = field(default=None, metadata={"help": "override the preset's number of concepts"})
     hidden_dropout_prob: float | None = field(default=None, metadata={"help": "override dropout (default 0.1)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
@@ -41,7 +57,9 @@ class ModelArguments:
     def __post_init__(self):
         if self.model_name_or_path is None and self.preset not in PRESETS:
             raise ValueError(f"preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}")
-        if self.decoder_type not in DECODER_TYPES:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture={self.architecture!r} is unknown; choose one of {ARCHITECTURES}")
+        if self.decoder_type is not None and self.decoder_type not in DECODER_TYPES:
             raise ValueError(f"decoder_type={self.decoder_type!r} is unknown; choose one of {DECODER_TYPES}")
         if self.concept_num is not None and self.concept_num < 1:
             raise ValueError(f"concept_num={self.concept_num} must be >= 1 (or unset for the preset's)")
@@ -107,6 +125,16 @@ class TrainingArguments:
     cuda_memory_budget_gb: float | None = field(
         default=None, metadata={"help": "cap this process's CUDA memory (e.g. 10 to emulate an RTX 3080)"}
     )
+    objective: str = field(
+        default="mlm", metadata={"help": f"pretraining objective: one of {OBJECTIVES} (concept_encoder.objectives)"}
+    )
+    t_min: float = field(default=0.1, metadata={"help": "diffusion: masking rates t ~ U(t_min, 1), 0 < t_min < 1"})
+    diffusion_weighting: str = field(
+        default="elbo", metadata={"help": f"diffusion: {DIFFUSION_WEIGHTINGS}; elbo weights each masked token by 1/t"}
+    )
+    deletion_rate: float = field(
+        default=0.6, metadata={"help": "tsdae: fraction of each sample's tokens deleted from the encoder's view"}
+    )
 
     def __post_init__(self):
         for name in (
@@ -148,6 +176,14 @@ class TrainingArguments:
             raise ValueError(f"max_eval_batches={self.max_eval_batches} must be >= 1 (or unset for all)")
         if self.cuda_memory_budget_gb is not None and self.cuda_memory_budget_gb <= 0:
             raise ValueError(f"cuda_memory_budget_gb={self.cuda_memory_budget_gb} must be > 0 (or unset)")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective={self.objective!r} is unknown; choose one of {OBJECTIVES}")
+        if not 0 < self.t_min < 1:
+            raise ValueError(f"t_min={self.t_min} must be in (0, 1): diffusion draws masking rates t ~ U(t_min, 1)")
+        if self.diffusion_weighting not in DIFFUSION_WEIGHTINGS:
+            raise ValueError(f"diffusion_weighting={self.diffusion_weighting!r}: choose one of {DIFFUSION_WEIGHTINGS}")
+        if not 0 <= self.deletion_rate < 1:
+            raise ValueError(f"deletion_rate={self.deletion_rate} must be in [0, 1): tsdae must keep some tokens")
         check_concept_loss_settings(
             self.concept_loss_names, self.loss_weighting, self.concept_loss_weight, self.concept_loss_warmup_steps
         )
@@ -185,6 +221,31 @@ class FinetuneArguments:
     @property
     def models(self) -> list[str]:
         return [self.model_name_or_path, *[m.strip() for m in (self.compare_to or "").split(",") if m.strip()]]
+
+
+def check_pretraining_combination(model_args: ModelArguments, args: TrainingArguments) -> None:
+    """The rules between the model and the objective (ValueError naming the conflict and the fix);
+    resolves the default decoder: `posonly` for tsdae, `perceiver` otherwise."""
+    if model_args.architecture == "bert":
+        if args.objective == "tsdae":
+            raise ValueError(
+                "--objective tsdae needs a bottleneck to reconstruct through; --architecture bert has none "
+                "(each token's state would simply copy it): use --objective mlm or diffusion with bert"
+            )
+        if args.concept_loss_names:
+            raise ValueError("--concept_losses act on concepts; --architecture bert has none: drop --concept_losses")
+        if model_args.model_name_or_path is None and model_args.decoder_type is not None:
+            raise ValueError("--decoder_type applies to --architecture concept only: drop it for bert")
+        if model_args.concept_num is not None:
+            raise ValueError("--concept_num applies to --architecture concept only: drop it for bert")
+        return
+    if args.objective == "tsdae" and model_args.decoder_type == "perceiver":
+        raise ValueError(
+            "--objective tsdae with --decoder_type perceiver would hand the decoder the deleted tokens it must "
+            "reconstruct (its queries are the input tokens): use --decoder_type posonly (the default) or weighted"
+        )
+    if model_args.decoder_type is None and model_args.model_name_or_path is None:
+        model_args.decoder_type = "posonly" if args.objective == "tsdae" else "perceiver"
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainingArguments)
@@ -252,9 +313,12 @@ def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, defaults
     if unknown:
         raise ValueError(f"unknown argument(s) {unknown}; run with --help for the valid flags")
     values = vars(namespace)
-    return tuple(
+    parsed = tuple(
         cls(**{f.name: typed_value(cls, f.name, values[f.name]) for f in fields(cls) if f.init}) for cls in classes
     )
+    if ModelArguments in classes and TrainingArguments in classes:
+        check_pretraining_combination(parsed[classes.index(ModelArguments)], parsed[classes.index(TrainingArguments)])
+    return parsed
 
 
 def typed_value(cls, name: str, value):

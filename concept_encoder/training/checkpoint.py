@@ -179,25 +179,31 @@ def resolve_resume(spec: str | None, output_dir: str, run_name: str | None) -> P
 
 
 MODEL_SHAPE_KEYS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "concept_num",
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "concept_num",
     "max_position_embeddings", "decoder_type", "num_decoder_layers",
 )  # fmt: skip
 
 
 def resume_settings(model_config, data_args, training_args, world_size: int) -> dict:
     """What a resume must keep: the model's shape, the processes, the per-device batch and
-    accumulation (they fix the data position), and the data (source, tokenizer, blocks, masking)."""
+    accumulation (they fix the data position), the data (source, tokenizer, blocks, masking) and the
+    objective (its corruption's generator state is in the checkpoint)."""
     config = model_config.to_dict()
     return {
         **{f"model.{key}": config.get(key) for key in MODEL_SHAPE_KEYS},
         "world_size": world_size,
         "per_device_train_batch_size": training_args.per_device_train_batch_size,
         "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+        "objective": training_args.objective,
         **{
             f"data.{key}": getattr(data_args, key)
             for key in ("dataset", "text_field", "tokenizer", "max_seq_length", "packing", "streaming", "masking")
         },
     }
+
+
+# Settings added after the first release, with the value every earlier checkpoint was written with.
+RESUME_DEFAULTS = {"objective": "mlm", "model.model_type": "concept_encoder"}
 
 
 def check_resume_settings(checkpoint: Path, current: dict) -> None:
@@ -208,6 +214,7 @@ def check_resume_settings(checkpoint: Path, current: dict) -> None:
         return
     saved = json.loads(path.read_text())
     normalise = json.loads(json.dumps(current, default=str))  # the saved file's types
+    saved = {**{key: value for key, value in RESUME_DEFAULTS.items() if key in normalise}, **saved}
     differences = [
         f"{key}: checkpoint {saved.get(key)!r}, this run {normalise.get(key)!r}"
         for key in sorted(set(saved) | set(normalise))

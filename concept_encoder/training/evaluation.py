@@ -15,25 +15,33 @@ from accelerate.utils import send_to_device
 
 from ..constants import IGNORE_INDEX
 from ..health_metrics import HEALTH_KEYS, concept_health
+from ..objectives import model_inputs
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, loader, eval_collator, collator_state: dict, max_batches: int | None) -> dict:
+def evaluate(
+    accelerator, model, loader, eval_collator, collator_state: dict, max_batches: int | None, health: bool = True
+) -> dict:
     """Loss, perplexity and masked-token accuracy over `loader`, weighted by masked-token count and
     gathered across ranks (duplicate samples that even out the last batch are dropped), plus the
-    concept-health metrics (`concept_encoder.health_metrics`) averaged over batches and ranks.
+    concept-health metrics (`concept_encoder.health_metrics`) averaged over batches and ranks (when
+    `health` and the model has concepts). `eval_collator` may be any corruption of
+    `concept_encoder.objectives` (e.g. diffusion at a fixed rate): the loss is then the plain
+    cross-entropy at its labelled positions.
     `eval_collator` masks each padded batch, restarting from `collator_state`, so every evaluation
     sees the same masks."""
     eval_collator.load_state_dict(collator_state)
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
-    health = torch.zeros(len(HEALTH_KEYS), dtype=torch.float64, device=accelerator.device)
+    health_sum = torch.zeros(len(HEALTH_KEYS), dtype=torch.float64, device=accelerator.device)
+    has_concepts = False
     batches = 0
     for i, batch in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
-        batch = send_to_device(eval_collator.mask(batch), accelerator.device)
+        batch, _, _ = model_inputs(send_to_device(eval_collator.mask(batch), accelerator.device))
+        batch.pop("label_weights", None)  # evaluation reports the plain cross-entropy
         out = model(**batch)  # logits [L,V] at the L labelled positions
         labelled = batch["labels"] != IGNORE_INDEX  # [B,N]
         targets = batch["labels"][labelled]  # [L]
@@ -43,10 +51,14 @@ def evaluate(accelerator, model, loader, eval_collator, collator_state: dict, ma
         rows = labelled.nonzero()[:, 0]  # sample of each labelled position, matching the logits' order
         per_sample.index_add_(0, rows, torch.stack([ce.double(), torch.ones_like(ce).double(), correct], dim=1))
         totals += accelerator.gather_for_metrics(per_sample).sum(dim=0)
-        values = concept_health(out.concepts)
-        health += torch.tensor([float(values[k]) for k in HEALTH_KEYS], dtype=torch.float64, device=health.device)
+        if health and out.concepts is not None:
+            values = concept_health(out.concepts)
+            health_sum += torch.tensor(
+                [float(values[k]) for k in HEALTH_KEYS], dtype=torch.float64, device=health_sum.device
+            )
+            has_concepts = True
         batches += 1
-    health = accelerator.reduce(health / max(batches, 1), reduction="mean")
+    health_sum = accelerator.reduce(health_sum / max(batches, 1), reduction="mean")
     model.train(was_training)
     loss = (totals[0] / totals[1].clamp(min=1)).item()
     return {
@@ -54,7 +66,11 @@ def evaluate(accelerator, model, loader, eval_collator, collator_state: dict, ma
         "eval_perplexity": math.exp(min(loss, 50.0)),
         "eval_accuracy": (totals[2] / totals[1].clamp(min=1)).item(),
         "eval_masked_tokens": int(totals[1].item()),
-        **{f"health/{k}": round(float(v), 6) for k, v in zip(HEALTH_KEYS, health, strict=True)},
+        **(
+            {f"health/{k}": round(float(v), 6) for k, v in zip(HEALTH_KEYS, health_sum, strict=True)}
+            if has_concepts
+            else {}
+        ),
     }
 
 

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+from ..bert_baseline import BertForSparseMaskedLM, bert_config
 from ..config import ConceptEncoderConfig
 from ..data.tokenizer import check_tokenizer
 from ..heads import ConceptEncoderForMaskedLM
 from .plan import fresh_model_fields
 
 
-def build_model(model_args, data_args, tokenizer) -> ConceptEncoderForMaskedLM:
+def build_model(model_args, data_args, tokenizer, objective: str = "mlm"):
     """A fresh preset (vocabulary and special ids from the tokenizer, position table grown to the
-    sequence length) or the saved model of `model_args.model_name_or_path`; checked against the
-    tokenizer and the sequence length; activation checkpointing on request."""
+    sequence length) or the saved model of `model_args.model_name_or_path`: a `ConceptEncoderForMaskedLM`,
+    or with `--architecture bert` the `BertForSparseMaskedLM` baseline of the same shape; checked against
+    the tokenizer, the sequence length and the objective; activation checkpointing on request."""
+    bert = model_args.architecture == "bert"
+    model_class = BertForSparseMaskedLM if bert else ConceptEncoderForMaskedLM
     if model_args.model_name_or_path:
-        model = ConceptEncoderForMaskedLM.from_pretrained(model_args.model_name_or_path)
+        model = model_class.from_pretrained(model_args.model_name_or_path)
+    elif bert:
+        fields = fresh_model_fields(model_args, data_args.max_seq_length, len(tokenizer))
+        model = BertForSparseMaskedLM(bert_config(fields, len(tokenizer), pad_token_id=tokenizer.pad_token_id))
     else:
         fields = fresh_model_fields(
             model_args,
@@ -32,8 +39,16 @@ def build_model(model_args, data_args, tokenizer) -> ConceptEncoderForMaskedLM:
             f"max_seq_length={data_args.max_seq_length} exceeds the model's max_position_embeddings="
             f"{model.config.max_position_embeddings}; lower --max_seq_length"
         )
+    if objective == "tsdae" and getattr(model.config, "decoder_type", None) == "perceiver":
+        raise ValueError(
+            f"{model_args.model_name_or_path} has a perceiver decoder, which --objective tsdae cannot train (its "
+            "queries are the tokens to reconstruct); start from a posonly or weighted model, or a fresh preset"
+        )
     if model_args.gradient_checkpointing:
-        model.activation_checkpointing_enable()
+        if bert:
+            model.gradient_checkpointing_enable()
+        else:
+            model.activation_checkpointing_enable()
     return model
 
 

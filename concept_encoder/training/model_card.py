@@ -10,6 +10,40 @@ from pathlib import Path
 from ..health_metrics import format_health_table
 from .evaluation import health_of
 
+OBJECTIVE_TEXT = {
+    "mlm": "masked-language modelling: {masking} masking of {mlm_probability:.0%} of tokens",
+    "diffusion": "masked diffusion: rates t ~ U({t_min}, 1), every chosen token `[MASK]`, weighting {diffusion_weighting}",
+    "tsdae": "TSDAE: {deletion_rate:.0%} of tokens deleted, every token reconstructed",
+}
+
+
+def description(model: dict, parameters: int, objective: str) -> list[str]:
+    """The card's opening paragraph and loading snippet, for a Concept Encoder or the BERT baseline."""
+    if model.get("model_type") == "bert":
+        return [
+            f"transformers' `BertForMaskedLM` ({model['num_hidden_layers']} layers of width {model['hidden_size']}, "
+            f"{parameters:,} parameters), pretrained ({objective}) by concept-encoder's `loops/mlm.py` as the "
+            "baseline for Concept Encoders of the same shape, data and budget.",
+            "",
+            "```python",
+            "from transformers import AutoModelForMaskedLM, AutoTokenizer",
+            'model = AutoModelForMaskedLM.from_pretrained("<this folder>")',
+            'tokenizer = AutoTokenizer.from_pretrained("<this folder>")',
+            "```",
+        ]
+    return [
+        f"A Concept Encoder: {model['concept_num']} learned concepts of width {model['hidden_size']} cross-attend "
+        f"to the tokens in {model['num_hidden_layers']} layers ({parameters:,} parameters, "
+        f"`{model['decoder_type']}` MLM decoder), pretrained ({objective}) by concept-encoder's `loops/mlm.py`.",
+        "",
+        "```python",
+        "from transformers import AutoModelForMaskedLM, AutoTokenizer",
+        'model = AutoModelForMaskedLM.from_pretrained("<this folder>", trust_remote_code=True)  # code files are here',
+        'tokenizer = AutoTokenizer.from_pretrained("<this folder>", trust_remote_code=True)',
+        "```",
+        "(With the concept-encoder package installed, `import concept_encoder` makes `trust_remote_code` unnecessary.)",
+    ]
+
 
 def model_card(run_name: str, config: dict, summary: dict, command: list[str]) -> str:
     """Markdown with Hugging Face front matter, from the run's resolved `config` and its `summary`."""
@@ -27,17 +61,7 @@ def model_card(run_name: str, config: dict, summary: dict, command: list[str]) -
         "",
         f"# {run_name}",
         "",
-        f"A Concept Encoder: {model['concept_num']} learned concepts of width {model['hidden_size']} cross-attend "
-        f"to the tokens in {model['num_hidden_layers']} layers ({config['parameters']['total']:,} parameters, "
-        f"`{model['decoder_type']}` MLM decoder), pretrained with masked-language modelling by concept-encoder's "
-        "`loops/mlm.py`.",
-        "",
-        "```python",
-        "from transformers import AutoModelForMaskedLM, AutoTokenizer",
-        'model = AutoModelForMaskedLM.from_pretrained("<this folder>", trust_remote_code=True)  # code files are here',
-        'tokenizer = AutoTokenizer.from_pretrained("<this folder>", trust_remote_code=True)',
-        "```",
-        "(With the concept-encoder package installed, `import concept_encoder` makes `trust_remote_code` unnecessary.)",
+        *description(model, config["parameters"]["total"], train.get("objective", "mlm")),
         "",
         "## Training",
         "",
@@ -45,7 +69,7 @@ def model_card(run_name: str, config: dict, summary: dict, command: list[str]) -
         "|---|---|",
         f"| data | `{data['dataset']}` (field `{data['text_field']}`), {blocks} of {data['max_seq_length']} tokens |",
         f"| tokenizer | `{data['tokenizer']}` ({model['vocab_size']:,} tokens) |",
-        f"| masking | {data['masking']}, {data['mlm_probability']:.0%} of tokens |",
+        f"| objective | {OBJECTIVE_TEXT[train.get('objective', 'mlm')].format(**train, **data)} |",
         f"| steps | {summary.get('steps')} optimizer steps, {summary.get('tokens_seen', 0):,} tokens seen |",
         f"| batch | {batch} sequences per step ({world} process(es)) |",
         f"| optimizer | AdamW, peak learning rate {train['learning_rate']}, {train['lr_scheduler_type']} schedule |",

@@ -57,11 +57,20 @@ class ConceptObjective:
             self.optimizer.load_state_dict(state["optimizer"])
 
 
+OBJECTIVE_LOSSES = {
+    "mlm": "sparse masked-token cross-entropy (mean over the masked tokens of each optimizer step)",
+    "diffusion": "masked diffusion, rates t ~ U({t_min}, 1), cross-entropy at the masked tokens weighted "
+    "{diffusion_weighting} (elbo: 1/t, divided by the eligible tokens of the step)",
+    "tsdae": "TSDAE: {deletion_rate:.0%} of tokens deleted, cross-entropy of every token of the original "
+    "(mean over the step's tokens)",
+}
+
+
 def build_concept_objective(args, model_config, device) -> ConceptObjective:
     """Step 7's loss config: `--concept_losses`, `--loss_weighting`, weights and warm-up; logged."""
     loss = ConceptRegularizedLoss(
         args.concept_loss_names,
-        concept_num=model_config.concept_num,
+        concept_num=getattr(model_config, "concept_num", 1),  # BERT has none (and no concept losses)
         hidden_size=model_config.hidden_size,
         weighting=args.loss_weighting,
         concept_loss_weight=args.concept_loss_weight,
@@ -75,7 +84,8 @@ def build_concept_objective(args, model_config, device) -> ConceptObjective:
             model_config.hidden_dropout_prob,
         )
     logger.info(
-        "loss: sparse masked-token cross-entropy (mean over the masked tokens of each optimizer step)%s",
+        "loss: %s%s",
+        OBJECTIVE_LOSSES[args.objective].format(**vars(args)),
         f" + concept losses {loss.concept_losses} weighted {loss.weighting_name!r} ({loss.weighting.extra_repr()})"
         if loss.concept_losses
         else "",

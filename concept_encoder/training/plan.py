@@ -25,14 +25,26 @@ PYTHON_ACCELERATE_LAUNCH = (sys.executable, "-m", "accelerate.commands.launch") 
 def fresh_model_fields(model_args, max_seq_length: int, vocab_size: int, **special_ids) -> dict:
     """Config fields of a fresh `model_args.preset` model: the preset's shape, the overrides of
     `model_args`, the vocabulary (and special ids) of the tokenizer, and a position table grown to
-    `max_seq_length` when the preset's is shorter."""
-    fields = {**PRESETS[model_args.preset], "vocab_size": vocab_size, "decoder_type": model_args.decoder_type}
+    `max_seq_length` when the preset's is shorter. For `--architecture bert`, the fields of the
+    BERT of that shape (`model_type` "bert", no concepts, no decoder)."""
+    fields = {**PRESETS[model_args.preset], "vocab_size": vocab_size}
+    if model_args.architecture == "bert":
+        fields = {key: value for key, value in fields.items() if key != "concept_num"}
+        fields["model_type"] = "bert"
+    else:
+        fields["decoder_type"] = model_args.decoder_type
     if model_args.concept_num is not None:
         fields["concept_num"] = model_args.concept_num
     if model_args.hidden_dropout_prob is not None:
         fields["hidden_dropout_prob"] = model_args.hidden_dropout_prob
     fields["max_position_embeddings"] = max(fields["max_position_embeddings"], max_seq_length)
     return {**fields, **special_ids}
+
+
+def decoded_fraction(training_args, mlm_probability: float) -> float:
+    """The largest fraction of a sequence's positions the objective decodes in one step (what memory
+    must hold): `mlm_probability` for mlm; 1 for diffusion (a sample's rate t can reach 1) and tsdae."""
+    return mlm_probability if training_args.objective == "mlm" else 1.0
 
 
 def deepspeed_batch_values(training_args, world_size: int) -> dict[str, int]:
