@@ -16,11 +16,10 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import BertConfig, BertForMaskedLM
 
 from .constants import IGNORE_INDEX
-from .heads import ConceptMaskedLMOutput
+from .heads import ConceptMaskedLMOutput, labelled_loss
 from .vocab_projection import VocabProjection
 
 
@@ -73,12 +72,7 @@ class BertForSparseMaskedLM(BertForMaskedLM):
         targets = labels[keep]  # [L]
         states = head.transform(hidden[keep])  # [L,H]
         weights = None if label_weights is None else label_weights[keep]  # [L]
-        if return_logits:
-            logits = head.decoder(states)  # [L,V]
-            ce = F.cross_entropy(logits.float(), targets, reduction="none")
-            loss_sum = (ce if weights is None else ce * weights).sum()
-        else:
-            logits, loss_sum = None, head.decoder(states, targets, weights)
+        logits, loss_sum = labelled_loss(head.decoder, states, targets, weights, return_logits)
         num_labelled = keep.sum()
         return ConceptMaskedLMOutput(
             loss=loss_sum / num_labelled.clamp(min=1), loss_sum=loss_sum, logits=logits, num_labelled=num_labelled

@@ -146,6 +146,25 @@ def labelled_order(labels: torch.Tensor) -> torch.Tensor:
     return torch.sort(labelled.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :m]
 
 
+def labelled_loss(
+    project: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor | None,
+    return_logits: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(logits `[L,V]` or None, (weighted) summed cross-entropy `[]`) at the L labelled rows.
+
+    `project` maps `hidden [L,H]` to logits `[L,V]`, or with `(hidden, targets [L], weights [L])` to the
+    summed loss without keeping the logits (`MaskedLMHead`, `VocabProjection`): used unless `return_logits`.
+    """
+    if not return_logits:
+        return None, project(hidden, targets, weights)
+    logits = project(hidden)  # [L,V]
+    ce = F.cross_entropy(logits.float(), targets, reduction="none")  # [L]
+    return logits, (ce if weights is None else ce * weights).sum()
+
+
 class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
     """Concept Encoder with an MLM decoder (`config.decoder_type`) and sparse decoding in training."""
 
@@ -215,12 +234,7 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
         keep = targets.ne(IGNORE_INDEX)  # [B,M]
         num_labelled = keep.sum()
         weights = None if label_weights is None else label_weights.gather(1, order)[keep]  # [L]
-        if return_logits:
-            logits = self.lm_head(hidden[keep])  # [L,V]
-            ce = F.cross_entropy(logits.float(), targets[keep], reduction="none")  # [L]
-            loss_sum = (ce if weights is None else ce * weights).sum()
-        else:
-            logits, loss_sum = None, self.lm_head(hidden[keep], targets[keep], weights)
+        logits, loss_sum = labelled_loss(self.lm_head, hidden[keep], targets[keep], weights, return_logits)
         # Sum / count (not `mean`) so a batch with nothing labelled gives 0, not NaN, and still
         # touches every parameter (DDP/ZeRO need a gradient for each).
         loss = loss_sum / num_labelled.clamp(min=1)

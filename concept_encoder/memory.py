@@ -186,9 +186,10 @@ def activation_bytes(
     hidden_size: int,
     num_hidden_layers: int,
     intermediate_size: int,
-    concept_num: int,
     vocab_size: int,
     num_attention_heads: int,
+    concept_num: int = 0,
+    model_type: str = "concept_encoder",
     mlm_probability: float = 0.15,
     bytes_per_element: int = 2,
     fused_attention: bool = True,
@@ -196,7 +197,8 @@ def activation_bytes(
     num_decoder_layers: int = 1,
     **_ignored,
 ) -> int:
-    """Activations kept for backward in one training micro-step of our architecture.
+    """Activations kept for backward in one training micro-step of our architecture, or of the BERT
+    baseline (`model_type` "bert").
 
     Token side (the part linear in N): embeddings (~4·B·N·H: sum, norm, dropout) and, per layer,
     the normed tokens and their key/value projection (3·B·N·H); with the math SDPA kernel (no fused
@@ -204,20 +206,25 @@ def activation_bytes(
     the accounting of Korthikanti et al. (2022) for 16-bit activations: two attention blocks
     (~11·H bytes each) and the gated FFN (~5·H + 8·I bytes), i.e. ~(14·H + 4·I) elements. Decoder
     at the M = p·N decoded positions (`mlm_probability` p: 1 for objectives that decode every
-    position or may mask all of them): ~(12·H + 4·I) per query. The loss
-    (`vocab_projection.linear_cross_entropy`, the loop's path) keeps only its gradients, `[M,H]` in
-    the compute dtype and `[V,H]` + `[V]` in float32, and works on one chunk of at most
-    `VOCAB_CHUNK_ELEMENTS` logits at a time (compute dtype, plus a float32 copy for 16-bit compute).
-    Gradient checkpointing keeps only each layer's concept input and recomputes the rest (one layer
-    live at a time).
+    position or may mask all of them): ~(12·H + 4·I) per query. BERT instead keeps ~(10·H + 2·I)
+    elements per token and layer (the same accounting with its FFN width as a parameter), with the
+    math kernel also its heads·N attention probabilities per token, and ~3·H per masked position in
+    its head's transform. The loss (`vocab_projection.linear_cross_entropy`, the loop's path, for both)
+    keeps only its gradients, `[M,H]` in the compute dtype and `[V,H]` + `[V]` in float32, and works on
+    one chunk of at most `VOCAB_CHUNK_ELEMENTS` logits at a time (compute dtype, plus a float32 copy
+    for 16-bit compute). Gradient checkpointing keeps only each layer's input and recomputes the rest
+    (one layer live at a time).
     """
     B, N, H, I, C, V = micro_batch, seq_len, hidden_size, intermediate_size, concept_num, vocab_size  # noqa: E741
-    token_per_layer = 3 * B * N * H + (0 if fused_attention else B * num_attention_heads * C * N)
-    concept_per_layer = B * C * (14 * H + 4 * I)
-    per_layer = token_per_layer + concept_per_layer
-    layers = (num_hidden_layers * B * C * H + per_layer) if gradient_checkpointing else num_hidden_layers * per_layer
     masked = max(1, round(mlm_probability * N)) * B
-    decoder = num_decoder_layers * masked * (12 * H + 4 * I)
+    if model_type == "bert":
+        per_layer = B * N * (10 * H + 2 * I) + (0 if fused_attention else B * num_attention_heads * N * N)
+        layer_input, decoder = B * N * H, 3 * masked * H
+    else:
+        token_per_layer = 3 * B * N * H + (0 if fused_attention else B * num_attention_heads * C * N)
+        per_layer = token_per_layer + B * C * (14 * H + 4 * I)
+        layer_input, decoder = B * C * H, num_decoder_layers * masked * (12 * H + 4 * I)
+    layers = (num_hidden_layers * layer_input + per_layer) if gradient_checkpointing else num_hidden_layers * per_layer
     elements = 4 * B * N * H + layers + decoder
     return int(elements * bytes_per_element + loss_bytes(masked, H, V, bytes_per_element))
 
@@ -227,33 +234,6 @@ def loss_bytes(rows: int, hidden_size: int, vocab_size: int, bytes_per_element: 
     chunk = min(rows * vocab_size, VOCAB_CHUNK_ELEMENTS)
     chunk_bytes = chunk * bytes_per_element + (0 if bytes_per_element >= 4 else 4 * chunk)
     return rows * hidden_size * bytes_per_element + 4 * (vocab_size * hidden_size + vocab_size) + chunk_bytes
-
-
-def bert_activation_bytes(
-    micro_batch: int,
-    seq_len: int,
-    hidden_size: int,
-    num_hidden_layers: int,
-    intermediate_size: int,
-    vocab_size: int,
-    num_attention_heads: int,
-    mlm_probability: float = 0.15,
-    bytes_per_element: int = 2,
-    fused_attention: bool = True,
-    gradient_checkpointing: bool = False,
-    **_ignored,
-) -> int:
-    """Activations of a `BertForMaskedLM` training micro-step (the loop's sparse head): per layer
-    ~(10·H + 2·I) elements per token, the accounting of Korthikanti et al. (2022) for a transformer
-    layer with its FFN width as a parameter, plus the heads·N attention probabilities per token with
-    the math kernel (no fused kernel); the head at the M = p·N labelled positions and the loss as for
-    the Concept Encoder (`loss_bytes`)."""
-    B, N, H, I, V = micro_batch, seq_len, hidden_size, intermediate_size, vocab_size  # noqa: E741
-    per_layer = B * N * (10 * H + 2 * I) + (0 if fused_attention else B * num_attention_heads * N * N)
-    layers = (num_hidden_layers * B * N * H + per_layer) if gradient_checkpointing else num_hidden_layers * per_layer
-    masked = max(1, round(mlm_probability * N)) * B
-    elements = 4 * B * N * H + layers + 3 * masked * H
-    return int(elements * bytes_per_element + loss_bytes(masked, H, V, bytes_per_element))
 
 
 @dataclass
@@ -295,7 +275,7 @@ def estimate_training_memory(
     cpu_states, gpu_states = model_state_bytes(
         zero_stage, counts["total"], counts["largest_layer"], gpus_per_node, nodes, offload_optimizer, offload_params
     )
-    activations = (bert_activation_bytes if model_config.get("model_type") == "bert" else activation_bytes)(
+    activations = activation_bytes(
         micro_batch,
         seq_len,
         bytes_per_element=4 if mixed_precision in (None, "no") else 2,

@@ -1,5 +1,8 @@
 """Shared by the loop's test modules: the tiny run's arguments, in-process runs, their records."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,3 +44,32 @@ def records(run_name: str, kind: str) -> list[dict]:
 
 def train_losses(run_name: str) -> list[float]:
     return [r["loss"] for r in records(run_name, "train")]
+
+
+WITHOUT_THE_PACKAGE = """
+import sys
+root, trust = sys.argv[2], sys.argv[3] == "trust"
+sys.path = [p for p in sys.path if p.rstrip("/") != root and p not in ("", ".")]
+sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # the editable install's finder
+import importlib.util
+assert importlib.util.find_spec("concept_encoder") is None, "the package is still importable"
+import torch
+from transformers import AutoModelForMaskedLM
+model = AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=trust).eval()
+with torch.no_grad():
+    logits = model(input_ids=torch.arange(5, 21)[None]).logits
+print("LOADED", type(model).__name__, type(model).__module__, float(logits.double().sum()))
+"""
+
+
+def load_without_the_package(final: Path, tmp_path: Path, trust_remote_code: bool) -> tuple[str, str, float]:
+    """Load `final` with `AutoModelForMaskedLM` in a fresh interpreter that cannot import this package:
+    (class name, its module, the logits' sum on ids 5..20)."""
+    out = subprocess.run(
+        [sys.executable, "-c", WITHOUT_THE_PACKAGE, str(final), str(ROOT), "trust" if trust_remote_code else "plain"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    name, module, logits_sum = out.stdout.split("LOADED")[1].split()
+    return name, module, float(logits_sum)

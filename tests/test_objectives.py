@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -11,6 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from loop_runs import (  # noqa: F401 (fixtures)
+    ROOT,
+    fresh_accelerate,
+    load_without_the_package,
+    records,
+    run,
+    train_losses,
+    workdir,
+)
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -21,7 +29,6 @@ from concept_encoder.constants import IGNORE_INDEX, LOSS_NORMALIZER
 from concept_encoder.objectives import MaskedDiffusion, TokenDeletion, model_inputs
 from concept_encoder.training.args import parse_args
 from concept_encoder.vocab_projection import linear_cross_entropy
-from tests.loop_runs import ROOT, fresh_accelerate, records, run, train_losses, workdir  # noqa: F401
 
 PAD, CLS, SEP, MASK = 0, 2, 3, 4
 
@@ -289,37 +296,17 @@ def test_bert_sees_the_concept_runs_batches_and_masks_and_learns(monkeypatch):
     assert config["hidden_size"] == 64 and config["num_hidden_layers"] == 2 and config["intermediate_size"] == 128
 
 
-WITHOUT_THE_PACKAGE = """
-import sys
-root = sys.argv[2]
-sys.path = [p for p in sys.path if p.rstrip("/") != root and p not in ("", ".")]
-sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
-import importlib.util
-assert importlib.util.find_spec("concept_encoder") is None, "the package is still importable"
-import torch
-from transformers import AutoModelForMaskedLM
-model = AutoModelForMaskedLM.from_pretrained(sys.argv[1]).eval()
-with torch.no_grad():
-    logits = model(input_ids=torch.arange(5, 21)[None]).logits
-print("LOADED", type(model).__name__, float(logits.double().sum()))
-"""
-
-
 def test_bert_final_model_loads_with_transformers_alone(tmp_path):
     from transformers import BertForMaskedLM
 
     run("--run_name", "bert_travel", "--architecture", "bert", "--max_steps", "2")
     final = Path("runs/bert_travel/final").resolve()
-    out = subprocess.run(
-        [sys.executable, "-c", WITHOUT_THE_PACKAGE, str(final), str(ROOT)], cwd=tmp_path, capture_output=True,
-        text=True, timeout=300, env={**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    name, remote_sum = out.stdout.split("LOADED")[1].split()
+    name, module, remote_sum = load_without_the_package(final, tmp_path, trust_remote_code=False)
     local = BertForMaskedLM.from_pretrained(final).eval()
     with torch.no_grad():
         local_sum = float(local(input_ids=torch.arange(5, 21)[None]).logits.double().sum())
-    assert name == "BertForMaskedLM" and float(remote_sum) == pytest.approx(local_sum, rel=1e-6)
+    assert name == "BertForMaskedLM" and module.startswith("transformers.")
+    assert remote_sum == pytest.approx(local_sum, rel=1e-6)
     assert "BertForMaskedLM" in (final / "README.md").read_text()
 
 

@@ -12,7 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
-from loop_runs import COMMON, ROOT, fresh_accelerate, records, run, train_losses, workdir  # noqa: F401 (fixtures)
+from loop_runs import (  # noqa: F401 (fixtures)
+    COMMON,
+    ROOT,
+    fresh_accelerate,
+    load_without_the_package,
+    records,
+    run,
+    train_losses,
+    workdir,
+)
 
 from concept_encoder.training.checkpoint import CheckpointError, resolve_resume
 from concept_encoder.training.runs import RunFolderError
@@ -390,21 +399,6 @@ def test_a_finite_blow_up_is_warned_about_and_recorded(capsys):
 
 # ---------------------------------------------------------------- 8. a saved model that travels
 
-WITHOUT_THE_PACKAGE = """
-import sys
-root = sys.argv[2]
-sys.path = [p for p in sys.path if p.rstrip("/") != root and p not in ("", ".")]
-sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # the editable install's finder
-import importlib.util
-assert importlib.util.find_spec("concept_encoder") is None, "the package is still importable"
-import torch
-from transformers import AutoModelForMaskedLM
-model = AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-with torch.no_grad():
-    logits = model(input_ids=torch.arange(5, 21)[None]).logits
-print("LOADED", type(model).__module__.startswith("transformers_modules"), float(logits.double().sum()))
-"""
-
 
 def test_final_model_loads_without_the_package_and_carries_a_model_card(tmp_path):
     import torch
@@ -414,16 +408,11 @@ def test_final_model_loads_without_the_package_and_carries_a_model_card(tmp_path
     run("--run_name", "travel", "--max_steps", "3", "--eval_steps", "3")
     final = Path("runs/travel/final").resolve()
     assert {"config.py", "heads.py", "modeling.py", "attention.py", "README.md"} <= {p.name for p in final.iterdir()}
-    out = subprocess.run(
-        [sys.executable, "-c", WITHOUT_THE_PACKAGE, str(final), str(ROOT)], cwd=tmp_path, capture_output=True,
-        text=True, timeout=300, env={**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    remote_code, remote_sum = out.stdout.split("LOADED")[1].split()
+    _, module, remote_sum = load_without_the_package(final, tmp_path, trust_remote_code=True)
     local = ConceptEncoderForMaskedLM.from_pretrained(final).eval()
     with torch.no_grad():
         local_sum = float(local(input_ids=torch.arange(5, 21)[None]).logits.double().sum())
-    assert remote_code == "True" and float(remote_sum) == pytest.approx(local_sum, rel=1e-6)
+    assert module.startswith("transformers_modules") and remote_sum == pytest.approx(local_sum, rel=1e-6)
     card = (final / "README.md").read_text()
     summary = json.loads(Path("runs/travel/summary.json").read_text())
     assert "library_name: transformers" in card and "3 optimizer steps" in card
