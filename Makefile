@@ -43,7 +43,8 @@ format: install
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
-# Main job: MLM pretraining on the embedded offline corpus (CPU is fine: a few minutes).
+# Main job: pretraining on the embedded offline corpus (CPU is fine: a few minutes) with the default
+# recipe, MLM + concept losses (README: the decision table); ARGS="--concept_losses none" for plain MLM.
 train: install
 	$(LAUNCH) loops/mlm.py --preset $(PRESET) --max_steps $(STEPS) --dataset $(DATASET) \
 		--tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)

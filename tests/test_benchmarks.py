@@ -75,7 +75,7 @@ def test_profile_prints_the_profiler_table_and_rejects_unknown_models(capsys):
 
 
 def test_growth_is_timed_on_one_model_at_both_lengths():
-    args = scaling.parse_args(["--preset", "micro", "--vocab_size", "500", "--repeats", "1"])
+    args = scaling.parse_args(["--preset", "micro", "--vocab_size", "500", "--repeats", "3"])
     shape = scaling.shapes("micro", 500, 8192)
     growth = scaling.concept_growth(scaling.build("concept", shape), shape, args)
     assert growth > 1.5  # 8x the tokens cannot cost about the same

@@ -1,6 +1,7 @@
 """launch/check_plan.py: one broken plan per ERROR class, sound profiles, --json, --suggest, light imports."""
 
 import argparse
+import dataclasses
 import json
 import re
 import shlex
@@ -206,7 +207,7 @@ def loop_help_flags() -> set[str]:
 
 
 def test_every_flag_of_the_loop_is_accepted_with_the_loops_default(capsys):
-    from concept_encoder.training.args import build_parser
+    from concept_encoder.training.args import build_parser, parse_args
 
     parser = build_parser()
     options = {option: action for action in parser._actions for option in action.option_strings}
@@ -214,10 +215,11 @@ def test_every_flag_of_the_loop_is_accepted_with_the_loops_default(capsys):
     assert flags == {o for o in options if o.startswith("--") and "-" not in o[2:]} - {"--help"}, "--help lists it"
     plan = json.loads(run(capsys, "--json")[1])["plan"]
     resolved = {**plan["model"], **plan["data"], **plan["train"]}
+    loop_defaults = {k: v for parsed in parse_args([]) for k, v in dataclasses.asdict(parsed).items()}
     checked = 0
     for flag in sorted(flags - {"--config"}):
         action = options[flag]
-        assert resolved[action.dest] == parser.get_default(action.dest), flag  # same default
+        assert resolved[action.dest] == loop_defaults[action.dest], flag  # same default (and default recipe)
         if isinstance(action, argparse._StoreFalseAction) or action.default is None:
             value = [] if isinstance(action, argparse._StoreFalseAction) else None
         else:

@@ -85,7 +85,7 @@ def build_concept_objective(args, model_config, device) -> ConceptObjective:
         )
     logger.info(
         "loss: %s%s",
-        OBJECTIVE_LOSSES[args.objective].format(**vars(args)),
+        OBJECTIVE_LOSSES[getattr(args, "objective", "mlm")].format(**vars(args)),
         f" + concept losses {loss.concept_losses} weighted {loss.weighting_name!r} ({loss.weighting.extra_repr()})"
         if loss.concept_losses
         else "",
