@@ -53,7 +53,9 @@ class ModelArguments:
     concept_num: int | None = field(default=None, metadata={"help": "override the preset's number of concepts"})
     hidden_dropout_prob: float | None = field(
         default=None,
-        metadata={"help": "override dropout (default: 0 for a fresh Concept Encoder, see DEFAULT_RECIPE; 0.1 for bert)"},
+        metadata={
+            "help": "override dropout (default: 0 for a fresh Concept Encoder, see DEFAULT_RECIPE; 0.1 for bert)"
+        },
     )
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
 
