@@ -17,7 +17,7 @@ ARGS      ?=
 LAUNCH    := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
 .PHONY: install test lint format clean bench train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
-	finetune glue
+	finetune glue compare ablate
 
 install: $(VENV)/.installed
 
@@ -65,6 +65,21 @@ finetune: install
 # The GLUE set (needs the Hugging Face Hub): one report per task under Cache/reports/
 glue: install
 	set -e; for task in $(GLUE_TASKS); do $(FINETUNE) --task glue:$$task $(FT_ARGS); done
+
+# Deciding: compare runs, or vary one setting and let a metric pick (README: Deciding)
+#   make compare RUNS="Cache/runs/a Cache/runs/b"
+#   make ablate VARY=concept_loss_weight=0,0.1,1.0 DECIDE=eval_loss ARGS='--gate "health/effective_rank_fraction>=0.25@200"'
+RUNS   ?=
+VARY   ?=
+DECIDE ?= eval_loss
+compare: install
+	$(if $(RUNS),,$(error name the runs: make compare RUNS="Cache/runs/a Cache/runs/b"))
+	$(PY) -m concept_encoder.compare $(RUNS)
+
+ablate: install
+	$(if $(VARY),,$(error name one setting and its values: make ablate VARY=concept_loss_weight=0,0.1,1.0))
+	$(PY) -m concept_encoder.ablate --vary $(VARY) --decide $(DECIDE) -- --preset $(PRESET) --max_steps $(STEPS) \
+		--dataset $(DATASET) --tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)
 
 # Hardware profiles (launch/profiles.yaml): the plan check runs first and launches only a sound plan.
 #   make train-3080 DATASET=wikitext:wikitext-103-raw-v1 STEPS=20000 ARGS="--run_name wiki --save_steps 1000"

@@ -33,6 +33,43 @@ EVAL_MASK_RATES = (0.15, 0.5, 0.9)  # masked diffusion is also evaluated at thes
 ARCHITECTURES = ("concept", "bert")
 LOSS_NORMALIZER = "loss_normalizer"  # batch key: the token count a step's summed loss is divided by
 
+# What the loops evaluate (the keys decision gates may name).
+EVAL_KEYS = ("eval_loss", "eval_perplexity", "eval_accuracy", "eval_masked_tokens")
+HEALTH_KEYS = (
+    "effective_rank",
+    "effective_rank_fraction",
+    "batch_mean_effective_rank",
+    "participation_ratio",
+    "mean_cosine",
+    "max_cosine",
+    "collapsed_dims",
+)
+TASK_METRIC_NAMES = (
+    "accuracy",
+    "macro_f1",
+    "f1",
+    "matthews",
+    "pearson",
+    "spearman",
+    "mse",
+    "micro_f1",
+    "subset_accuracy",
+)
+
+
+def eval_suffixes(objective: str) -> tuple[str, ...]:
+    """The suffixes of an objective's own evaluations (`eval_loss_<suffix>`, ...), beside the 15% MLM one."""
+    if objective == "diffusion":
+        return tuple(f"t{rate:.2f}" for rate in EVAL_MASK_RATES)
+    return ("tsdae",) if objective == "tsdae" else ()
+
+
+def pretraining_metric_names(objective: str, architecture: str) -> tuple[str, ...]:
+    """Every key an evaluation of `loops/mlm.py` reports for this objective and architecture."""
+    extras = tuple(f"{key}_{suffix}" for suffix in eval_suffixes(objective) for key in EVAL_KEYS)
+    health = tuple(f"health/{key}" for key in HEALTH_KEYS) if architecture == "concept" else ()
+    return EVAL_KEYS + health + extras
+
 
 def check_table_covers(table, names: tuple[str, ...], what: str) -> None:
     """Raise if the implementation table `table` (keyed by option name) and `names` differ."""

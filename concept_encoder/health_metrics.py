@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .constants import HEALTH_KEYS
 from .losses import check_concepts, full_precision, pairwise_cosine
 
 __all__ = [
@@ -39,15 +40,6 @@ __all__ = [
     "participation_ratio",
 ]
 
-HEALTH_KEYS = (
-    "effective_rank",
-    "effective_rank_fraction",
-    "batch_mean_effective_rank",
-    "participation_ratio",
-    "mean_cosine",
-    "max_cosine",
-    "collapsed_dims",
-)
 
 _TINY = 1e-12  # guards the divisions when a concept matrix is all zeros
 

@@ -21,7 +21,14 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .constants import DIFFUSION_WEIGHTINGS, EVAL_MASK_RATES, IGNORE_INDEX, LOSS_NORMALIZER, OBJECTIVES
+from .constants import (
+    DIFFUSION_WEIGHTINGS,
+    EVAL_MASK_RATES,
+    IGNORE_INDEX,
+    LOSS_NORMALIZER,
+    OBJECTIVES,
+    eval_suffixes,
+)
 
 SOURCE_TOKENS = "source_tokens"
 
@@ -158,12 +165,12 @@ def build_corruption(objective: str, mlm_collator, tokenizer, args, seed: int | 
 
 
 def evaluation_corruptions(objective: str, tokenizer, args, seed: int) -> dict[str, object]:
-    """Evaluations besides the 15% MLM yardstick every run gets, by metric suffix: masked diffusion at
-    each fixed rate of `EVAL_MASK_RATES` (plain masked-token CE), TSDAE's reconstruction at its rate."""
+    """Evaluations besides the 15% MLM yardstick every run gets, by metric suffix (`eval_suffixes`): masked
+    diffusion at each fixed rate of `EVAL_MASK_RATES` (plain masked-token CE), TSDAE's reconstruction at its rate."""
     if objective == "diffusion":
         return {
-            f"t{rate:.2f}": MaskedDiffusion(tokenizer, t_min=rate, t_max=rate, weighting="none", seed=seed)
-            for rate in EVAL_MASK_RATES
+            suffix: MaskedDiffusion(tokenizer, t_min=rate, t_max=rate, weighting="none", seed=seed)
+            for suffix, rate in zip(eval_suffixes(objective), EVAL_MASK_RATES, strict=True)
         }
     if objective == "tsdae":
         return {"tsdae": TokenDeletion(tokenizer, deletion_rate=args.deletion_rate, seed=seed)}

@@ -668,7 +668,21 @@ def run_checks(plan: Plan, ds_cfg) -> tuple[list[Check], dict, object]:
     checks += check_shapes(plan, config, tok)
     checks += check_paths(plan)
     checks += check_memory(plan, estimate)
+    checks += check_gates(plan)
     return checks, config, estimate
+
+
+def check_gates(plan: Plan) -> list[Check]:
+    """The decision gates (their syntax and metric names were checked by the loop's parser)."""
+    if not plan.train.gate:
+        return []
+    late = [g for g in plan.train.gates if g.first_step > plan.train.max_steps]
+    listed = ", ".join(g.text for g in plan.train.gates)
+    if late:
+        return [Check("decision gates", WARNING, f"{', '.join(g.text for g in late)} start after --max_steps "
+                      f"{plan.train.max_steps}: never checked", "lower the gate's @step or raise --max_steps")]  # fmt: skip
+    every = plan.train.eval_steps or plan.train.max_steps
+    return [Check("decision gates", OK, f"{listed}; checked every {every} steps, on failure: {plan.train.gate_action}")]
 
 
 def format_table(checks: list[Check]) -> str:

@@ -9,7 +9,9 @@ then steps 7-13 for every model and seed in `fine_tune()` (model, kernel probe, 
 config + W&B, train with the step chosen on the dev split, evaluate that step on the validation split,
 save); finally the report (`Cache/reports/finetune_<time>.{md,json,png}`). The dev split is carved
 from the training split with a fixed seed; the validation split is evaluated once per run, after
-selection, so no number is selected on the split it is reported on.
+selection, so no number is selected on the split it is reported on. Decision gates (`--gate
+"accuracy>=0.3@100"`, on the task's dev metrics) stop a seed's run that fails one (its best step so far
+is still evaluated and saved); the invocation then exits with code 3 (`concept_encoder.gates`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
 import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
+from concept_encoder.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, GateMonitor, describe_outcome, parse_gates
 from concept_encoder.tasks.loading import encode_splits, load_task
 from concept_encoder.tasks.metrics import (
     LOWER_IS_BETTER,
@@ -155,8 +158,10 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
         best = BestStep(main_metric, sign=-1.0 if main_metric in LOWER_IS_BETTER else 1.0)
         accelerator.register_for_checkpointing(scheduler, best)
         progress = TrainState()
+        gates = GateMonitor(args.gates)  # on the dev metrics, at every dev evaluation
         if resume is not None:
             progress = load_checkpoint(accelerator, resume)
+            gates.load_state_dict({"outcomes": progress.gates})
             logger.info("resumed from %s at step %d", resume, progress.step)
         metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
         if metrics:
@@ -165,8 +170,9 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
         bar = tqdm(total=args.max_steps, initial=progress.step, desc=f"seed {seed}",
                    disable=not (accelerator.is_main_process and args.progress_bar))  # fmt: skip
         preempted = False
+        gate_stopped = bool(gates.failed()) and args.gate_action == "stop"  # a resumed run a gate had stopped
         model.train()
-        while progress.step < args.max_steps:
+        while progress.step < args.max_steps and not gate_stopped:
             loss = train_step(accelerator, model, optimizer, next(source), args.max_grad_norm)
             scheduler.step()
             progress.step += 1
@@ -180,9 +186,14 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
                 if metrics:
                     metrics.write({"kind": "dev", "step": step, **dev})
                 best.offer(step, dev, lambda: accelerator.get_state_dict(model))
+                for failure in gates.check(step, dev):
+                    logger.warning("seed %d: gate failed: %s; %s", seed, describe_outcome(failure),
+                                   GATE_ACTION_TEXT[args.gate_action])  # fmt: skip
+                    gate_stopped = args.gate_action == "stop"
+                progress.gates = gates.summary()
             stop = torch.tensor(float(preemption.raised), device=accelerator.device)
             preempted = bool(accelerator.reduce(stop, reduction="max").item())
-            if preempted or (args.save_steps and step % args.save_steps == 0):
+            if preempted or gate_stopped or (args.save_steps and step % args.save_steps == 0):
                 save_checkpoint(accelerator, run_dir, progress, args.save_total_limit, None, settings)
             if preempted:
                 logger.warning("stopped by signal at step %d; resume with --resume_from_checkpoint auto", step)
@@ -200,7 +211,8 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
         )
         result = {"model": tag, "task": task.name, "seed": seed,
                   "best_step": best.step, "dev": best.dev, "validation": validation, "baseline": baseline,
-                  "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir)}  # fmt: skip
+                  "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir),
+                  **({"gates": gates.summary(), "stopped_by_gate": gate_stopped} if args.gate else {})}  # fmt: skip
         if accelerator.is_main_process:
             metrics.write({"kind": "validation", "step": best.step, **validation})
             (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
@@ -252,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     log_system_info(state)
     # 5-6. the task's splits (train, dev carved with a fixed seed, validation), sizes logged
     task = load_task(task_args)
+    parse_gates(args.gate, task.metric_names, f"task {task.name}'s dev split")  # the task's own metrics
     logger.info("task %s (%s, %d labels): %s", task.name, task.task_type, task.num_labels, task.sizes())
     stamp = [f"{dt.datetime.now():%Y%m%d-%H%M%S}"]
     if state.num_processes > 1:
@@ -275,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("report: %s", ", ".join(str(p) for p in paths.values()))
         print(paths["md"].read_text())
     state.wait_for_everyone()
+    stopped = [r for r in results if r.get("stopped_by_gate")]
+    if stopped:
+        logger.warning("%d run(s) stopped by a gate: %s", len(stopped), ", ".join(r["run_dir"] for r in stopped))
+        return GATE_EXIT_CODE
     return 0
 
 

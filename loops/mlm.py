@@ -9,7 +9,9 @@
 corrupted, which positions are decoded, how each is weighted) in `concept_encoder.objectives`.
 The loss of an optimizer step is the summed (weighted) cross-entropy of the whole accumulation
 window on all ranks divided by the window's token count (masked tokens; eligible tokens for
-diffusion's ELBO), not a mean of per-batch means.
+diffusion's ELBO), not a mean of per-batch means. Decision gates (`--gate
+"health/effective_rank_fraction>=0.25@500"`, `concept_encoder.gates`) are checked at every evaluation;
+a failed one under `--gate_action stop` ends the run with a checkpoint, the final model and exit code 3.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from tqdm.auto import tqdm
 
 from concept_encoder.data import collator_for, prepare_data
 from concept_encoder.flops import training_flops_per_token
+from concept_encoder.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, GateMonitor, describe_outcome, gate_stop_message
 from concept_encoder.health_metrics import format_health_table
 from concept_encoder.objectives import build_corruption, evaluation_corruptions, model_inputs
 from concept_encoder.training.args import parse_args
@@ -244,6 +247,7 @@ def save_final(
             logger.info("final model: %s (AutoModelForMaskedLM.from_pretrained loads it)", final_dir)
         logger.info("metrics: %s, loss curve: %s, log: Cache/logs/", run_dir / "metrics.jsonl", plot)
         if wandb_run is not None:
+            wandb_run.summary.update({k: v for k, v in (notes or {}).items() if k in ("gates", "stopped_by_gate")})
             wandb_run.finish()
 
 
@@ -353,9 +357,14 @@ def main(argv: list[str] | None = None) -> int:
     accelerator.register_for_checkpointing(scheduler, concept)
     per_rank = {"collator": corruption}
     progress_state = TrainState()
+    gates = GateMonitor(args.gates)
     if resume is not None:
         progress_state = load_checkpoint(accelerator, resume, per_rank)
+        gates.load_state_dict({"outcomes": progress_state.gates})
         logger.info("resumed from %s at step %d", resume, progress_state.step)
+        if (failed := gates.failed()) and args.gate_action == "stop":
+            logger.error(gate_stop_message(failed, resumed=True))
+            return GATE_EXIT_CODE
 
     metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
     if metrics:
@@ -378,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     divergence = DivergenceMonitor()
     last_eval = None
     preempted = False
+    gate_stopped = False
     model.train()
     while progress_state.step < args.max_steps:
         started = time.perf_counter()
@@ -447,11 +457,18 @@ def main(argv: list[str] | None = None) -> int:
             if metrics:
                 metrics.write({"kind": "eval", "step": progress_state.step, **last_eval})
             logger.info("eval at step %d: %s", progress_state.step, last_eval)
+            for failure in gates.check(progress_state.step, last_eval):
+                logger.warning("gate failed: %s; %s", describe_outcome(failure), GATE_ACTION_TEXT[args.gate_action])
+                gate_stopped = args.gate_action == "stop"
+            progress_state.gates = gates.summary()
 
         stop = torch.tensor(float(preemption.raised), device=accelerator.device)
         preempted = bool(accelerator.reduce(stop, reduction="max").item())
-        if preempted or (save_steps and progress_state.step % save_steps == 0):
+        if preempted or gate_stopped or (save_steps and progress_state.step % save_steps == 0):
             save_checkpoint(accelerator, run_dir, progress_state, args.save_total_limit, per_rank, settings)
+        if gate_stopped:
+            logger.warning(gate_stop_message(gates.failed()))
+            break
         if preempted:
             logger.warning(
                 "stopped by signal at step %d; resume with --resume_from_checkpoint auto", progress_state.step
@@ -462,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     # 13. final save + W&B finish (main process)
     probe_ids = torch.as_tensor(first_validation_example["input_ids"], dtype=torch.long)[None]  # [1,N]
     notes = {"divergence": divergence.detected} if divergence.detected else {}
+    if args.gate:
+        notes["gates"] = gates.summary()
+        notes["stopped_by_gate"] = gate_stopped
     save_final(
         accelerator, model, data.tokenizer, probe_ids, run_dir, progress_state, preempted, last_eval, wandb_run, notes
     )
@@ -474,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     preemption.restore()  # only now: a second signal (e.g. the launcher's death after it forwarded one) must not kill the final save
     if run_lock is not None:
         run_lock.release()
-    return 0
+    return GATE_EXIT_CODE if gate_stopped else 0
 
 
 if __name__ == "__main__":

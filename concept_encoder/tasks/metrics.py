@@ -9,6 +9,8 @@ import numpy as np
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef, mean_squared_error
 
+from ..constants import TASK_METRIC_NAMES, check_table_covers
+
 
 def correlation(fn, predictions, labels) -> float:
     """Pearson/Spearman; 0 for a constant prediction (no correlation can be shown)."""
@@ -28,6 +30,7 @@ METRICS = {
     "micro_f1": lambda p, y: float(f1_score(y, p, average="micro", zero_division=0)),
     "subset_accuracy": lambda p, y: float(accuracy_score(y, p)),
 }
+check_table_covers(METRICS, TASK_METRIC_NAMES, "METRICS")
 LOWER_IS_BETTER = frozenset({"mse"})
 
 

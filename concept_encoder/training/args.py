@@ -12,9 +12,10 @@ there too, with the same message. `to_argv` is the inverse: the flags that repro
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import get_args, get_type_hints
+from typing import get_args, get_origin, get_type_hints
 
 import yaml
 from transformers import HfArgumentParser
@@ -26,9 +27,12 @@ from ..constants import (
     DIFFUSION_WEIGHTINGS,
     LOSS_WEIGHTING_NAMES,
     OBJECTIVES,
+    TASK_METRIC_NAMES,
     check_concept_loss_settings,
+    pretraining_metric_names,
 )
 from ..data.arguments import DataArguments
+from ..gates import GATE_ACTIONS, GATE_EXIT_CODE, parse_gates
 from ..presets import PRESETS
 from ..tasks.arguments import TaskArguments
 
@@ -142,6 +146,16 @@ class TrainingArguments:
     deletion_rate: float = field(
         default=0.6, metadata={"help": "tsdae: fraction of each sample's tokens deleted from the encoder's view"}
     )
+    gate: list[str] = field(
+        default_factory=list,
+        metadata={"help": 'decision gate "metric>=threshold@step", checked at every evaluation from that step '
+                  "(repeatable; a list in --config); metric: any key the loop evaluates (eval_loss, health/...)"},
+    )  # fmt: skip
+    gate_action: str = field(
+        default="stop",
+        metadata={"help": f"on a failed gate: {GATE_ACTIONS[0]} (checkpoint, final model, exit code "
+                  f"{GATE_EXIT_CODE}) or {GATE_ACTIONS[1]} (log it and go on)"},
+    )  # fmt: skip
 
     def __post_init__(self):
         for name in (
@@ -191,6 +205,9 @@ class TrainingArguments:
             raise ValueError(f"diffusion_weighting={self.diffusion_weighting!r}: choose one of {DIFFUSION_WEIGHTINGS}")
         if not 0 <= self.deletion_rate < 1:
             raise ValueError(f"deletion_rate={self.deletion_rate} must be in [0, 1): tsdae must keep some tokens")
+        if self.gate_action not in GATE_ACTIONS:
+            raise ValueError(f"gate_action={self.gate_action!r}: choose one of {GATE_ACTIONS}")
+        self.gates = parse_gates(self.gate)  # syntax here; metric names where the loop's metrics are known
         check_concept_loss_settings(
             self.concept_loss_names, self.loss_weighting, self.concept_loss_weight, self.concept_loss_warmup_steps
         )
@@ -244,6 +261,7 @@ def check_pretraining_combination(model_args: ModelArguments, args: TrainingArgu
     resolves the defaults that depend on them: the decoder (`posonly` for tsdae, `perceiver`
     otherwise), and for a Concept Encoder the concept losses and dropout of `DEFAULT_RECIPE`."""
     if model_args.architecture == "bert":
+        parse_gates(args.gate, pretraining_metric_names(args.objective, "bert"), "loops/mlm.py with bert")
         if args.concept_losses is None:
             resolve_default(args, "concept_losses", "none")
         if args.objective == "tsdae":
@@ -263,6 +281,7 @@ def check_pretraining_combination(model_args: ModelArguments, args: TrainingArgu
             "--objective tsdae with --decoder_type perceiver would hand the decoder the deleted tokens it must "
             "reconstruct (its queries are the input tokens): use --decoder_type posonly (the default) or weighted"
         )
+    parse_gates(args.gate, pretraining_metric_names(args.objective, model_args.architecture), "loops/mlm.py")
     if args.concept_losses is None:
         resolve_default(args, "concept_losses", DEFAULT_RECIPE["concept_losses"])
     if model_args.model_name_or_path is None:
@@ -332,7 +351,7 @@ def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, defaults
     """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
-    known, rest = pre.parse_known_args(argv)
+    known, rest = pre.parse_known_args(merge_repeated_lists(list(sys.argv[1:] if argv is None else argv)))
     parser = build_parser(classes)
     if defaults:
         check_argument_names(defaults, classes, "defaults")
@@ -348,13 +367,40 @@ def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, defaults
     )
     if ModelArguments in classes and TrainingArguments in classes:
         check_pretraining_combination(parsed[classes.index(ModelArguments)], parsed[classes.index(TrainingArguments)])
+    if FinetuneArguments in classes and TrainingArguments in classes:
+        parse_gates(parsed[classes.index(TrainingArguments)].gate, TASK_METRIC_NAMES, "loops/finetune.py (dev split)")
     return parsed
+
+
+LIST_FLAGS = ("--gate",)  # flags that may be repeated: `--gate a --gate b` means `--gate a b`
+
+
+def merge_repeated_lists(argv: list[str]) -> list[str]:
+    """`argv` with each repeatable list flag's occurrences merged into one (argparse would keep the last)."""
+    merged: dict[str, list[str]] = {}
+    rest: list[str] = []
+    flag = None
+    for token in argv:
+        if token in LIST_FLAGS:
+            flag = token
+            merged.setdefault(token, [])
+        elif flag is not None and not token.startswith("--"):
+            merged[flag].append(token)
+        else:
+            flag = None
+            rest.append(token)
+    return rest + [item for name, values in merged.items() for item in (name, *values)]
 
 
 def typed_value(cls, name: str, value):
     """`value` as the type `cls.name` declares, or ValueError: YAML and profile values reach the
     dataclasses without argparse's conversion, and `max_steps: 3.7` must not become 3 silently."""
     declared = get_type_hints(cls)[name]
+    if get_origin(declared) is list:  # a list of strings: a YAML list, one YAML string, or the CLI's list
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list | tuple) or not all(isinstance(item, str) for item in items):
+            raise ValueError(f"{name}={value!r} must be a string or a list of strings")
+        return list(items)
     allowed = [t for t in get_args(declared) if t is not type(None)] or [declared]
     if value is None and type(None) in get_args(declared):
         return None
@@ -383,6 +429,10 @@ def to_argv(*instances) -> list[str]:
         resolved = instance.__dict__.get("_resolved_defaults", set())
         for f in fields(instance):
             value = getattr(instance, f.name)
-            if f.init and value != field_default(f) and f.name not in resolved:
+            if not f.init or value == field_default(f) or f.name in resolved:
+                continue
+            if isinstance(value, list):
+                argv += [f"--{f.name}", *value]
+            else:
                 argv += [f"--{f.name}", str(value).lower() if isinstance(value, bool) else str(value)]
     return argv

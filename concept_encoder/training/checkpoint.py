@@ -16,7 +16,7 @@ import errno
 import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger("concept_encoder")
@@ -40,6 +40,7 @@ class TrainState:
     batches_in_epoch: int = 0  # micro-batches of this epoch already consumed (per process)
     tokens_seen: int = 0  # global input tokens
     bad_steps: int = 0  # consecutive non-finite losses
+    gates: list = field(default_factory=list)  # decision gates' outcomes so far (`gates.GateMonitor`)
 
 
 def step_of(checkpoint: Path) -> int:

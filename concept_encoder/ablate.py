@@ -1,0 +1,151 @@
+"""One-axis ablations: run the pretraining loop once per value of one setting, then compare and decide.
+
+    python -m concept_encoder.ablate --vary concept_loss_weight=0,0.1,1.0 --decide eval_loss -- \\
+        --preset small --max_steps 300 --gate "health/effective_rank_fraction>=0.25@200"
+    make ablate VARY=concept_loss_weight=0,0.1,1.0 DECIDE=eval_loss ARGS="--max_steps 300"
+
+Each value runs sequentially as its own run (`<name>-<setting><value>` under the loop's
+`--output_dir`), with the same seed and every other argument fixed. A run stopped by a gate
+(exit code 3) is kept in the comparison as rejected; rerunning the same command skips the values
+whose runs finished, and resumes an interrupted one from its checkpoint. The comparison
+(`concept_encoder.compare`) follows, and the winner is named by the deciding metric (lower is better
+for losses, perplexity and cosines, higher otherwise; `--direction` overrides) among the runs no
+gate rejected. Varying two settings at once is refused: one thing at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .gates import GATE_EXIT_CODE
+from .training.args import parse_args
+from .training.plan import PYTHON_ACCELERATE_LAUNCH, launch_command
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_vary(texts: list[str]) -> tuple[str, list[str]]:
+    """`["name=v1,v2"]` → ("name", ["v1", "v2"]); ValueError for two axes, a missing `=`, or < 2 values."""
+    if len(texts) != 1:
+        axes = ", ".join(text.split("=")[0] for text in texts)
+        raise ValueError(
+            f"--vary was given {len(texts)} times ({axes}): an ablation varies one thing at a time; "
+            "run one ablation per setting (a grid confounds the axes)"
+        )
+    name, sep, values = texts[0].partition("=")
+    options = [v.strip() for v in values.split(",") if v.strip()]
+    if not sep or not name.strip():
+        raise ValueError(f"--vary {texts[0]!r}: write name=value1,value2,...")
+    if len(options) < 2:
+        raise ValueError(f"--vary {texts[0]!r}: give at least two values to compare")
+    return name.strip().lstrip("-"), options
+
+
+def run_name_for(base: str, setting: str, value: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in value)
+    return f"{base}-{setting}{safe}"
+
+
+def finished(run_dir: Path) -> bool:
+    """A run that ended on its own (all steps, or stopped by a gate): not preempted, final model saved."""
+    summary = run_dir / "summary.json"
+    if not summary.is_file() or not (run_dir / "final").is_dir():
+        return False
+    return not json.loads(summary.read_text()).get("preempted", False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m concept_encoder.ablate",
+        description="Run loops/mlm.py once per value of ONE setting, compare the runs, name the winner.",
+        epilog="Everything after `--` is passed to loops/mlm.py unchanged (except the varied setting and --run_name).",
+    )
+    parser.add_argument("--vary", action="append", required=True, help="setting=value1,value2,... (exactly once)")
+    parser.add_argument("--decide", required=True, help="the deciding metric of summary.json, e.g. eval_loss")
+    parser.add_argument("--direction", choices=("lower", "higher"), help="which is better (default: by the name)")
+    parser.add_argument("--name", default="ablate", help="prefix of the run names (default: ablate)")
+    parser.add_argument("--num_processes", type=int, default=1, help="processes per run (accelerate launch)")
+    return parser
+
+
+def plan_runs(setting: str, values: list[str], loop_argv: list[str], name: str) -> list[tuple[str, list[str]]]:
+    """(run name, loop argv) per value, each checked by the loop's own parser before anything runs."""
+    plans = []
+    for value in values:
+        run_name = run_name_for(name, setting, value)
+        argv = [*loop_argv, f"--{setting}", value, "--run_name", run_name]
+        try:
+            parsed = parse_args(argv)
+        except ValueError as error:
+            raise ValueError(f"--vary {setting}={value}: {error}") from error
+        plans.append((run_name, ["--resume_from_checkpoint", "auto", *launch_command([], *parsed, launcher=())[1:]]))
+    return plans
+
+
+def choose_winner(result: dict, runs: list[tuple[str, Path]], metric: str, direction: str, rejected: set[str]):
+    """(run name, value) of the best run by `metric` among those no gate rejected; None if none qualifies."""
+    values = result["metrics"].get(metric)
+    if values is None:
+        raise ValueError(
+            f"--decide {metric}: not in every run's summary.json; choose one of {', '.join(result['metrics'])}"
+        )
+    candidates = [(v, name) for (name, _), v in zip(runs, values, strict=True) if name not in rejected]
+    if not candidates:
+        return None
+    best = min(candidates) if direction == "lower" else max(candidates)
+    return best[1], best[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .compare import compare, lower_is_better
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, loop_argv = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = build_parser()
+    args = parser.parse_args(own)
+    try:
+        setting, values = parse_vary(args.vary)
+        plans = plan_runs(setting, values, loop_argv, args.name)
+    except ValueError as error:
+        parser.exit(2, f"usage error: {error}\n")
+    output_dir = Path(parse_args(loop_argv)[2].output_dir)
+    direction = args.direction or ("lower" if lower_is_better(args.decide) else "higher")
+    launcher = [*PYTHON_ACCELERATE_LAUNCH, "--num_processes", str(args.num_processes), "--num_machines", "1",
+                "--dynamo_backend", "no", str(ROOT / "loops" / "mlm.py")]  # fmt: skip
+    rejected, runs = set(), []
+    for index, (run_name, run_argv) in enumerate(plans, start=1):
+        run_dir = output_dir / run_name
+        runs.append((run_name, run_dir))
+        if finished(run_dir):
+            print(f"[{index}/{len(plans)}] {run_name}: finished earlier, skipped", flush=True)
+        else:
+            print(f"[{index}/{len(plans)}] {run_name}: {setting}={values[index - 1]}", flush=True)
+            code = subprocess.call([*launcher, *run_argv])
+            if code not in (0, GATE_EXIT_CODE):
+                print(f"{run_name} failed with exit code {code}; fix it and rerun the same command", file=sys.stderr)
+                return code
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if any(g["passed"] is False for g in summary.get("gates", [])):
+            rejected.add(run_name)
+    result = compare([d for _, d in runs], report_dir="Cache/reports")
+    print(result["text"])
+    winner = choose_winner(result, runs, args.decide, direction, rejected)
+    verdict = (
+        f"winner by {args.decide} ({direction} is better): {winner[0]} ({args.decide} = {winner[1]:.4g})"
+        if winner
+        else f"no winner: a gate rejected every run ({', '.join(sorted(rejected))})"
+    )
+    if rejected and winner:
+        verdict += f"; rejected by a gate: {', '.join(sorted(rejected))}"
+    print(verdict)
+    report = Path(result["markdown"])
+    report.write_text(report.read_text() + f"\n**{verdict}**\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The research loop's verdicts: decision gates in the loop, run comparison, one-axis ablations."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from loop_runs import COMMON, ROOT, fresh_accelerate, records, run, workdir  # noqa: F401 (fixtures)
+
+import loops.mlm as mlm
+from concept_encoder import ablate
+from concept_encoder.compare import compare
+from concept_encoder.gates import Gate, GateMonitor, parse_gate
+from concept_encoder.training.args import parse_args
+
+
+@pytest.mark.parametrize(
+    ("text", "gate"),
+    [
+        ("health/effective_rank_fraction>=0.25@500", Gate("health/effective_rank_fraction", ">=", 0.25, 500)),
+        (" eval_loss < 6 ", Gate("eval_loss", "<", 6.0, 0)),
+        ("eval_accuracy>1e-2@ 7", Gate("eval_accuracy", ">", 0.01, 7)),
+        ("eval_loss<=-.5", Gate("eval_loss", "<=", -0.5, 0)),
+    ],
+)
+def test_gate_syntax(text, gate):
+    assert parse_gate(text) == gate
+
+
+@pytest.mark.parametrize("text", ["eval_loss", "eval_loss=>6", "eval_loss<", "eval_loss<6@x", "<6", "eval_loss==6"])
+def test_bad_gate_syntax_is_an_error_naming_the_form(text):
+    with pytest.raises(ValueError, match=r"is not `metric<op>threshold\[@step\]`"):
+        parse_args(["--gate", text])
+
+
+def test_gates_repeat_come_from_yaml_and_unknown_metrics_are_refused(tmp_path):
+    _, _, train = parse_args(["--gate", "eval_loss<6", "--max_steps", "9", "--gate", "eval_accuracy>0.1@4"])
+    assert train.gate == ["eval_loss<6", "eval_accuracy>0.1@4"] and train.max_steps == 9
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"gate": ["health/effective_rank_fraction>=0.25@500"], "gate_action": "warn"}))
+    _, _, train = parse_args(["--config", str(config)])
+    assert [g.text for g in train.gates] == ["health/effective_rank_fraction>=0.25@500"] and train.gate_action == "warn"
+    with pytest.raises(ValueError, match="evaluates no metric 'eval_los'.*gateable metrics: eval_loss"):
+        parse_args(["--gate", "eval_los<6"])
+    with pytest.raises(ValueError, match="evaluates no metric 'health/effective_rank'"):
+        parse_args(["--architecture", "bert", "--gate", "health/effective_rank>5"])  # BERT has no concepts
+    assert (
+        parse_args(["--objective", "diffusion", "--gate", "eval_loss_t0.50<9"])[2].gates[0].metric == "eval_loss_t0.50"
+    )
+    with pytest.raises(ValueError, match="gate_action='halt'"):
+        parse_args(["--gate_action", "halt"])
+    out = subprocess.run([sys.executable, str(ROOT / "launch/check_plan.py"), "--profile", "cpu", "--gate", "eval_los<6"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "evaluates no metric 'eval_los'" in out.stderr + out.stdout
+
+
+def test_monitor_checks_from_the_gates_step_and_keeps_the_first_failure():
+    monitor = GateMonitor([parse_gate("eval_loss<5@4"), parse_gate("eval_accuracy>0.1")])
+    assert monitor.check(2, {"eval_loss": 9.0, "eval_accuracy": 0.2}) == []  # eval_loss not due before step 4
+    assert monitor.summary()[0]["passed"] is None
+    failed = monitor.check(4, {"eval_loss": 6.0, "eval_accuracy": 0.3})
+    assert failed == [{"gate": "eval_loss<5@4", "value": 6.0, "step": 4, "passed": False}]
+    monitor.check(6, {"eval_loss": 4.0, "eval_accuracy": 0.05})
+    assert monitor.summary() == [
+        {"gate": "eval_loss<5@4", "value": 6.0, "step": 4, "passed": False},  # its first failure stays
+        {"gate": "eval_accuracy>0.1", "value": 0.05, "step": 6, "passed": False},
+    ]
+
+
+GATED = ["--max_steps", "6", "--eval_steps", "2", "--save_steps", "2"]
+
+
+def test_warn_logs_and_goes_on_stop_ends_with_checkpoint_final_model_and_exit_3(capsys):
+    assert run("--run_name", "warned", *GATED, "--gate", "eval_loss<0@4", "--gate", "eval_loss<100",
+               "--gate_action", "warn") == 0  # fmt: skip
+    summary = json.loads(Path("runs/warned/summary.json").read_text())
+    assert summary["steps"] == 6 and summary["stopped_by_gate"] is False
+    evals = {r["step"]: r["eval_loss"] for r in records("warned", "eval")}
+    assert summary["gates"] == [
+        {"gate": "eval_loss<0@4", "value": evals[4], "step": 4, "passed": False},  # first checked at step 4, not 2
+        {"gate": "eval_loss<100", "value": evals[6], "step": 6, "passed": True},
+    ]
+    logged = capsys.readouterr().out
+    assert "gate failed: eval_loss<0@4 failed" in logged and "going on" in logged
+
+    assert run("--run_name", "stopped", *GATED, "--gate", "eval_loss<0@4") == 3
+    run_dir = Path("runs/stopped")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["stopped_by_gate"] is True and summary["gates"][0]["step"] == 4
+    assert (run_dir / "checkpoints/step_0000004/train_state.json").exists()
+    assert (run_dir / "final/model.safetensors").exists() and (run_dir / "final/README.md").exists()
+
+
+def test_resume_keeps_the_gates(monkeypatch, capsys):
+    real = mlm.train_step
+    calls = {"n": 0}
+
+    def signal_after_three(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    gated = [*GATED, "--max_steps", "8", "--gate", "eval_loss<100", "--gate", "eval_loss<0@6"]
+    monkeypatch.setattr(mlm, "train_step", signal_after_three)
+    assert run("--run_name", "resumed_gates", *gated) == 0  # preempted after step 3, checkpointed
+    monkeypatch.setattr(mlm, "train_step", real)
+    state = json.loads(Path("runs/resumed_gates/checkpoints/step_0000003/train_state.json").read_text())
+    assert state["gates"][0] == {**state["gates"][0], "step": 2, "passed": True}  # checked before the signal
+    assert run("--run_name", "resumed_gates", *gated, "--resume_from_checkpoint", "auto") == 3
+    summary = json.loads(Path("runs/resumed_gates/summary.json").read_text())
+    assert summary["steps"] == 6 and [g["passed"] for g in summary["gates"]] == [True, False]
+    metrics = Path("runs/resumed_gates/metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert run("--run_name", "resumed_gates", *gated, "--resume_from_checkpoint", "auto") == 3  # stays rejected
+    logged = capsys.readouterr().out
+    assert "stopped by a gate" in logged and "--gate_action warn" in logged
+    assert Path("runs/resumed_gates/metrics.jsonl").read_text() == metrics  # nothing trained, nothing written
+
+
+def test_compare_names_exactly_the_varied_argument(tmp_path):
+    names = []
+    for rate in ("1e-3", "2e-3", "4e-3"):
+        names.append(f"lr{rate}")
+        run("--run_name", names[-1], "--max_steps", "3", "--eval_steps", "3", "--learning_rate", rate)
+    result = compare([Path("runs") / n for n in names], report_dir=tmp_path)
+    assert list(result["differs"]) == ["training_args.learning_rate"]
+    assert result["differs"]["training_args.learning_rate"] == [1e-3, 2e-3, 4e-3]
+    summaries = [json.loads((Path("runs") / n / "summary.json").read_text()) for n in names]
+    assert result["metrics"]["eval_loss"] == [s["eval_loss"] for s in summaries]
+    delta = summaries[2]["eval_loss"] - summaries[0]["eval_loss"]
+    assert f"({'+' if delta >= 0 else ''}{delta:.3g})" in Path(result["markdown"]).read_text()
+    assert Path(result["png"]).stat().st_size > 10_000
+    with pytest.raises(ValueError, match=f"{tmp_path} is not a run folder"):
+        compare([Path("runs") / names[0], tmp_path], report_dir=tmp_path)
+
+
+def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys):
+    loop = [*COMMON, "--output_dir", "runs", "--max_steps", "2", "--eval_steps", "2"]
+    argv = ["--vary", "learning_rate=1e-4,5e-3", "--decide", "eval_loss", "--name", "abl", "--", *loop]
+    assert ablate.main(argv) == 0
+    out = capsys.readouterr().out
+    losses = {lr: json.loads(Path(f"runs/abl-learning_rate{lr}/summary.json").read_text())["eval_loss"]
+              for lr in ("1e-4", "5e-3")}  # fmt: skip
+    best = min(losses, key=losses.get)
+    assert f"winner by eval_loss (lower is better): abl-learning_rate{best}" in out
+    assert "| training_args.learning_rate |" in out
+    assert ablate.main(argv) == 0
+    again = capsys.readouterr().out
+    assert again.count("finished earlier, skipped") == 2 and f"abl-learning_rate{best}" in again
+    with pytest.raises(SystemExit) as refused:
+        ablate.main(["--vary", "a=1,2", "--vary", "b=1,2", "--decide", "eval_loss", "--", *loop])
+    assert refused.value.code == 2 and "one thing at a time" in capsys.readouterr().err
