@@ -58,6 +58,11 @@ def finished(run_dir: Path) -> bool:
     return not json.loads(summary.read_text()).get("preempted", False)
 
 
+def run_loop(command: list[str]) -> int:
+    """Run one value's `accelerate launch ... loops/mlm.py ...` command; its exit code."""
+    return subprocess.call(command)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m concept_encoder.ablate",
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{index}/{len(plans)}] {run_name}: finished earlier, skipped", flush=True)
         else:
             print(f"[{index}/{len(plans)}] {run_name}: {setting}={values[index - 1]}", flush=True)
-            code = subprocess.call([*launcher, *run_argv])
+            code = run_loop([*launcher, *run_argv])
             if code not in (0, GATE_EXIT_CODE):
                 print(f"{run_name} failed with exit code {code}; fix it and rerun the same command", file=sys.stderr)
                 return code

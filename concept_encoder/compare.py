@@ -4,7 +4,8 @@
     make compare RUNS="Cache/runs/a Cache/runs/b"
 
 Reads each run's `config.json`, `metrics.jsonl` and `summary.json` (pretraining runs of `loops/mlm.py`
-and fine-tuning runs of `loops/finetune.py`) and prints (1) the resolved settings that differ (the
+and fine-tuning runs of `loops/finetune.py`; for a pretraining run also the fine-tuning reports in
+`Cache/reports/` that name it) and prints (1) the resolved settings that differ (the
 ablation axis) and how many are held fixed, (2) the final metrics side by side with deltas against the
 first run, and gate outcomes; it writes `Cache/reports/compare_<time>.{md,json,png}`, the PNG overlaying
 train loss, eval loss and effective rank against tokens seen. No torch: it reads files.
@@ -83,6 +84,17 @@ def load_run(path: str | Path) -> Run:
     return Run(path, json.loads((path / "config.json").read_text()), summary, records)
 
 
+def add_finetune_reports(runs: list[Run], report_dir: Path) -> None:
+    """Put each pretraining run's fine-tuning scores (from `loops/finetune.py` reports naming it, newest
+    last) into its final metrics as `finetune/<task>/<metric>` (mean over seeds)."""
+    for path in sorted(Path(report_dir).glob("finetune_*.json")):
+        for row in json.loads(path.read_text()).get("rows", []):
+            for run in runs:
+                if row.get("model") == run.name:
+                    for metric in row.get("metrics", []):
+                        run.summary[f"finetune/{row['task']}/{metric}"] = row[f"{metric}_mean"]
+
+
 def differences(runs: list[Run]) -> tuple[dict[str, list], list[str]]:
     """({setting: [value per run]} for the settings that differ, [the settings held fixed])."""
     settings = [run.settings() for run in runs]
@@ -147,6 +159,7 @@ def fmt(value) -> str:
 def compare(paths: list[str | Path], report_dir: str | Path = "Cache/reports") -> dict:
     """Compare the runs at `paths`; writes the report files and returns what they hold."""
     runs = [load_run(p) for p in paths]
+    add_finetune_reports(runs, report_dir)
     differ, fixed = differences(runs)
     metrics = metric_table(runs)
     gates = [run.summary.get("gates", []) for run in runs]

@@ -222,6 +222,7 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
                         main_metric, best.dev[main_metric], validation, baseline)  # fmt: skip
             if wandb_run is not None:
                 wandb_run.summary.update({f"validation/{k}": v for k, v in validation.items()})
+                wandb_run.summary.update({k: result[k] for k in ("gates", "stopped_by_gate") if k in result})
                 wandb_run.finish()
         if accelerator.num_processes > 1:  # each rank's view: with gathered predictions they must agree
             (run_dir / "ranks").mkdir(exist_ok=True)

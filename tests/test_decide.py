@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from accelerate.state import AcceleratorState
 from loop_runs import COMMON, ROOT, fresh_accelerate, records, run, workdir  # noqa: F401 (fixtures)
 
 import loops.mlm as mlm
@@ -128,7 +129,12 @@ def test_compare_names_exactly_the_varied_argument(tmp_path):
     for rate in ("1e-3", "2e-3", "4e-3"):
         names.append(f"lr{rate}")
         run("--run_name", names[-1], "--max_steps", "3", "--eval_steps", "3", "--learning_rate", rate)
+    rows = [
+        {"model": n, "task": "embedded", "metrics": ["accuracy"], "accuracy_mean": 0.1 * i} for i, n in enumerate(names)
+    ]
+    (tmp_path / "finetune_20260101-000000.json").write_text(json.dumps({"rows": rows}))  # a report naming them
     result = compare([Path("runs") / n for n in names], report_dir=tmp_path)
+    assert result["metrics"]["finetune/embedded/accuracy"] == [0.0, 0.1, 0.2]
     assert list(result["differs"]) == ["training_args.learning_rate"]
     assert result["differs"]["training_args.learning_rate"] == [1e-3, 2e-3, 4e-3]
     summaries = [json.loads((Path("runs") / n / "summary.json").read_text()) for n in names]
@@ -140,7 +146,15 @@ def test_compare_names_exactly_the_varied_argument(tmp_path):
         compare([Path("runs") / names[0], tmp_path], report_dir=tmp_path)
 
 
-def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys):
+def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys, monkeypatch):
+    commands = []
+
+    def in_process(command):  # the loop in this process instead of `accelerate launch` (seconds saved per run)
+        commands.append(command)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        return mlm.main(command[command.index(str(ROOT / "loops" / "mlm.py")) + 1 :])
+
+    monkeypatch.setattr(ablate, "run_loop", in_process)
     loop = [*COMMON, "--output_dir", "runs", "--max_steps", "2", "--eval_steps", "2"]
     argv = ["--vary", "learning_rate=1e-4,5e-3", "--decide", "eval_loss", "--name", "abl", "--", *loop]
     assert ablate.main(argv) == 0
@@ -150,6 +164,8 @@ def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys)
     best = min(losses, key=losses.get)
     assert f"winner by eval_loss (lower is better): abl-learning_rate{best}" in out
     assert "| training_args.learning_rate |" in out
+    assert [c[c.index("--run_name") + 1] for c in commands] == ["abl-learning_rate1e-4", "abl-learning_rate5e-3"]
+    assert all(c[:3] == [sys.executable, "-m", "accelerate.commands.launch"] for c in commands)
     assert ablate.main(argv) == 0
     again = capsys.readouterr().out
     assert again.count("finished earlier, skipped") == 2 and f"abl-learning_rate{best}" in again
