@@ -5,8 +5,9 @@
     make ablate VARY=concept_loss_weight=0,0.1,1.0 DECIDE=eval_loss ARGS="--max_steps 300"
 
 Each value runs sequentially as its own run (`<name>-<setting><value>` under the loop's
-`--output_dir`), with the same seed and every other argument fixed. A run stopped by a gate
-(exit code 3) is kept in the comparison as rejected; rerunning the same command skips the values
+`--output_dir`), with the same seed and every other argument fixed. A run stopped by a gate (its
+`summary.json` says so: `accelerate launch` reports the loop's exit code 3 as 1) is kept in the
+comparison as rejected; rerunning the same command skips the values
 whose runs finished, and resumes an interrupted one from its checkpoint. The comparison
 (`concept_encoder.compare`) follows, and the winner is named by the deciding metric (lower is better
 for losses, perplexity and cosines, higher otherwise; `--direction` overrides) among the runs no
@@ -21,7 +22,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .gates import GATE_EXIT_CODE
 from .training.args import parse_args
 from .training.plan import PYTHON_ACCELERATE_LAUNCH, launch_command
 
@@ -61,6 +61,11 @@ def finished(run_dir: Path) -> bool:
 def run_loop(command: list[str]) -> int:
     """Run one value's `accelerate launch ... loops/mlm.py ...` command; its exit code."""
     return subprocess.call(command)
+
+
+def stopped_by_gate(run_dir: Path) -> bool:
+    summary = run_dir / "summary.json"
+    return summary.is_file() and json.loads(summary.read_text()).get("stopped_by_gate") is True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"[{index}/{len(plans)}] {run_name}: {setting}={values[index - 1]}", flush=True)
             code = run_loop([*launcher, *run_argv])
-            if code not in (0, GATE_EXIT_CODE):
+            # `accelerate launch` turns every non-zero exit of the loop into 1, the gate's 3 included:
+            # whether a gate stopped the run is read from its summary.json.
+            if code != 0 and not stopped_by_gate(run_dir):
                 print(f"{run_name} failed with exit code {code}; fix it and rerun the same command", file=sys.stderr)
                 return code
         summary = json.loads((run_dir / "summary.json").read_text())

@@ -152,7 +152,8 @@ def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys,
     def in_process(command):  # the loop in this process instead of `accelerate launch` (seconds saved per run)
         commands.append(command)
         AcceleratorState._reset_state(reset_partial_state=True)
-        return mlm.main(command[command.index(str(ROOT / "loops" / "mlm.py")) + 1 :])
+        code = mlm.main(command[command.index(str(ROOT / "loops" / "mlm.py")) + 1 :])
+        return 1 if code else 0  # as `accelerate launch` reports it: a gate's 3 arrives as 1
 
     monkeypatch.setattr(ablate, "run_loop", in_process)
     loop = [*COMMON, "--output_dir", "runs", "--max_steps", "2", "--eval_steps", "2"]
@@ -169,6 +170,12 @@ def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys,
     assert ablate.main(argv) == 0
     again = capsys.readouterr().out
     assert again.count("finished earlier, skipped") == 2 and f"abl-learning_rate{best}" in again
+    rejected = ["--vary", "learning_rate=1e-4,5e-3", "--decide", "eval_loss", "--name", "rej", "--", *loop,
+                "--gate", "eval_loss<0"]  # fmt: skip
+    assert ablate.main(rejected) == 0
+    assert (
+        "no winner: a gate rejected every run (rej-learning_rate1e-4, rej-learning_rate5e-3)" in capsys.readouterr().out
+    )
     with pytest.raises(SystemExit) as refused:
         ablate.main(["--vary", "a=1,2", "--vary", "b=1,2", "--decide", "eval_loss", "--", *loop])
     assert refused.value.code == 2 and "one thing at a time" in capsys.readouterr().err
