@@ -220,8 +220,10 @@ def test_every_flag_of_the_loop_is_accepted_with_the_loops_default(capsys):
     for flag in sorted(flags - {"--config"}):
         action = options[flag]
         assert resolved[action.dest] == loop_defaults[action.dest], flag  # same default (and default recipe)
-        if isinstance(action, argparse._StoreFalseAction) or action.default is None:
-            value = [] if isinstance(action, argparse._StoreFalseAction) else None
+        if isinstance(action, argparse._StoreFalseAction) or action.default in (None, []):
+            value = (
+                [] if isinstance(action, argparse._StoreFalseAction) else None
+            )  # nothing equals an unset/empty default
         else:
             value = [str(action.default).lower() if isinstance(action.default, bool) else str(action.default)]
         if value is None:
