@@ -18,16 +18,18 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention of `Q` queries over `K` keys/values through SDPA.
 
     The query and key/value projections are separate so one module serves both
-    cross-attention (concepts ← tokens, positions ← concepts) and self-attention.
+    cross-attention (concepts ← tokens, positions ← concepts) and self-attention. With
+    `own_kv=False` the module has no key/value projection: it is handed keys and values already
+    projected (`[B,K,2H]`, by a `TokenKeyValue` shared across layers).
     """
 
-    def __init__(self, config: ConceptEncoderConfig):
+    def __init__(self, config: ConceptEncoderConfig, own_kv: bool = True):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
         self.dropout = config.attention_probs_dropout_prob
         self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.kv_proj = nn.Linear(config.hidden_size, 2 * config.hidden_size)
+        self.kv_proj = nn.Linear(config.hidden_size, 2 * config.hidden_size) if own_kv else None
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(
@@ -36,11 +38,13 @@ class MultiHeadAttention(nn.Module):
         key_value: torch.Tensor,
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`query [B,Q,H]`, `key_value [B,K,H]`, `key_padding_mask [B,K]` bool (True = attend) or None → `[B,Q,H]`."""
+        """`query [B,Q,H]`, `key_value [B,K,H]` (`[B,K,2H]` projected keys/values without own `kv_proj`),
+        `key_padding_mask [B,K]` bool (True = attend) or None → `[B,Q,H]`."""
         batch, q_len, hidden = query.shape
         k_len = key_value.shape[1]
         q = self.q_proj(query).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)  # [B,h,Q,d]
-        kv = self.kv_proj(key_value).view(batch, k_len, 2, self.num_heads, self.head_dim)
+        projected = key_value if self.kv_proj is None else self.kv_proj(key_value)  # [B,K,2H]
+        kv = projected.view(batch, k_len, 2, self.num_heads, self.head_dim)
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # 2 × [B,h,K,d]
         mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]  # [B,1,1,K]
         out = F.scaled_dot_product_attention(
@@ -52,14 +56,17 @@ class MultiHeadAttention(nn.Module):
 class AttentionBlock(nn.Module):
     """Pre-LN residual attention: `x + Dropout(Attn(LN(x), LN_ctx(context)))`.
 
-    With `cross=False` it is self-attention over `x` and has no context norm.
+    With `cross=False` it is self-attention over `x` and has no context norm. With `shared_kv=True`
+    (cross only) the context arrives as keys/values already normed and projected (`TokenKeyValue`).
     """
 
-    def __init__(self, config: ConceptEncoderConfig, cross: bool):
+    def __init__(self, config: ConceptEncoderConfig, cross: bool, shared_kv: bool = False):
         super().__init__()
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.context_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if cross else None
-        self.attn = MultiHeadAttention(config)
+        own_context_norm = cross and not shared_kv
+        self.context_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if own_context_norm else None
+        self.cross = cross
+        self.attn = MultiHeadAttention(config, own_kv=not shared_kv)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(
@@ -68,9 +75,13 @@ class AttentionBlock(nn.Module):
         context: torch.Tensor | None = None,
         context_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`x [B,Q,H]`, `context [B,K,H]` (cross only), `context_mask [B,K]` bool or None → `[B,Q,H]`."""
+        """`x [B,Q,H]`, `context [B,K,H]` (cross only; `[B,K,2H]` keys/values when shared), `context_mask [B,K]`
+        bool or None → `[B,Q,H]`."""
         h = self.norm(x)
-        kv = h if self.context_norm is None else self.context_norm(context)
+        if not self.cross:
+            kv = h
+        else:
+            kv = context if self.context_norm is None else self.context_norm(context)
         return x + self.dropout(self.attn(h, kv, context_mask))
 
 
@@ -91,3 +102,17 @@ class FeedForwardBlock(nn.Module):
         """`x [B,S,H]` → `[B,S,H]` (inner width `[B,S,I]`)."""
         gate, up = self.w_in(self.norm(x)).chunk(2, dim=-1)
         return x + self.dropout(self.w_out(F.gelu(gate) * up))
+
+
+class TokenKeyValue(nn.Module):
+    """The tokens' keys and values for the concepts' cross-attention, computed once and read by a group
+    of layers (`config.token_kv_sharing`): `LN(tokens) W_kv`, `[B,N,H]` → `[B,N,2H]`."""
+
+    def __init__(self, config: ConceptEncoderConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.kv_proj = nn.Linear(config.hidden_size, 2 * config.hidden_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`tokens [B,N,H]` → keys and values `[B,N,2H]`."""
+        return self.kv_proj(self.norm(tokens))

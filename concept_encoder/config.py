@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from .constants import CLASSIFIER_POOLINGS, DECODER_TYPES
+from .constants import CLASSIFIER_POOLINGS, DECODER_TYPES, token_kv_groups
 from .presets import PRESETS
 
 # Where `trust_remote_code=True` finds each class in the code files a saved model carries (heads.py and
@@ -48,6 +48,13 @@ class ConceptEncoderConfig(PretrainedConfig):
             cross-attend to concepts), `posonly` (queries = position embedding only) or
             `weighted` (learned per-position softmax mixture of concepts).
         num_decoder_layers: cross-attention blocks in the `perceiver`/`posonly` decoders.
+        token_kv_sharing: `none` (each encoder layer projects the tokens to its own keys/values, 4·N·H²
+            FLOPs per layer), `all` (one token key/value projection, computed once per forward and read
+            by every layer's cross-attention) or `groups:K` (K contiguous groups of layers, one projection
+            each). The tokens are never updated by the encoder, so each layer only re-projects the same
+            states. Sharing keys/values across layers has precedent in the literature: Cross-Layer
+            Attention (Brandon et al., 2024) shares them between adjacent layers of a decoder, and YOCO
+            (Sun et al., 2024) computes one global key/value cache that every cross-decoder layer reads.
         classifier_pooling: `weighted` (learned attention pooling over concepts) or `mean`.
         pad_token_id, mask_token_id, cls_token_id, sep_token_id, unk_token_id: special token ids.
         tie_word_embeddings: tie the MLM output projection to the input token embeddings.
@@ -69,6 +76,7 @@ class ConceptEncoderConfig(PretrainedConfig):
     layer_norm_eps: float = 1e-5
     decoder_type: str = "perceiver"
     num_decoder_layers: int = 1
+    token_kv_sharing: str = "none"
     classifier_pooling: str = "weighted"
     pad_token_id: int | None = 0
     unk_token_id: int | None = 1
@@ -111,6 +119,7 @@ class ConceptEncoderConfig(PretrainedConfig):
             raise ValueError(f"layer_norm_eps={self.layer_norm_eps!r} must be > 0")
         if self.decoder_type not in DECODER_TYPES:
             raise ValueError(f"decoder_type={self.decoder_type!r} is unknown; choose one of {DECODER_TYPES}")
+        token_kv_groups(self.token_kv_sharing, self.num_hidden_layers)  # raises naming the valid forms
         if self.classifier_pooling not in CLASSIFIER_POOLINGS:
             raise ValueError(
                 f"classifier_pooling={self.classifier_pooling!r} is unknown; choose one of {CLASSIFIER_POOLINGS}"

@@ -57,6 +57,26 @@ TASK_METRIC_NAMES = (
 )
 
 
+def token_kv_groups(sharing: str, num_layers: int) -> int:
+    """How many token key/value projections an encoder of `num_layers` layers has under `token_kv_sharing`:
+    one per layer (`none`), one for all (`all`), or K (`groups:K`, contiguous groups of layers); ValueError otherwise."""
+    if sharing == "none":
+        return num_layers
+    if sharing == "all":
+        return 1
+    count = sharing[len("groups:") :] if isinstance(sharing, str) and sharing.startswith("groups:") else ""
+    if count.isdigit() and 1 <= int(count) <= num_layers:
+        return int(count)
+    raise ValueError(
+        f"token_kv_sharing={sharing!r}: use none, all, or groups:K with 1 <= K <= num_hidden_layers={num_layers}"
+    )
+
+
+def token_kv_group(layer: int, groups: int, num_layers: int) -> int:
+    """The key/value group of encoder layer `layer` (0-based): contiguous, as even as the division allows."""
+    return layer * groups // num_layers
+
+
 def eval_suffixes(objective: str) -> tuple[str, ...]:
     """The suffixes of an objective's own evaluations (`eval_loss_<suffix>`, ...), beside the 15% MLM one."""
     if objective == "diffusion":

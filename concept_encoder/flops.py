@@ -4,7 +4,8 @@ Torch-free, like `memory.py`. Matmuls only (norms, softmax and optimizer are not
 multiply-add is 2 FLOPs, and a training step is 3 × forward (backward computes two products per
 forward matmul). The latent layers are counted on their C concept rows, not the N tokens:
 
-    per encoder layer   4·N·H²      token keys/values (the only H² term linear in N)
+    per encoder layer   4·N·H²      token keys/values (the only H² term linear in N; once per group of
+                                    layers under `token_kv_sharing`: G·4·N·H² in all, G = 1 for `all`)
                         4·C·N·H     concepts attending to the tokens (scores and values)
                         4·C·H²      concept queries and output projection
                         8·C·H² + 4·C²·H   concept self-attention
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from .constants import token_kv_groups
+
 
 def mlm_forward_flops(config: Mapping, seq_len: int, mlm_probability: float = 0.15) -> float:
     """Matmul FLOPs of one sequence's forward pass (`config`: a `ConceptEncoderConfig.to_dict()` or preset)."""
@@ -32,13 +35,14 @@ def mlm_forward_flops(config: Mapping, seq_len: int, mlm_probability: float = 0.
     if config.get("model_type") == "bert":
         return L * (8 * N * H * H + 4 * N * N * H + 4 * N * H * inner) + head
     C = config["concept_num"]
-    layer = 4 * N * H * H + 4 * C * N * H + 4 * C * H * H + 8 * C * H * H + 4 * C * C * H + 6 * C * H * inner
+    groups = token_kv_groups(config.get("token_kv_sharing", "none"), L)
+    layer = 4 * C * N * H + 4 * C * H * H + 8 * C * H * H + 4 * C * C * H + 6 * C * H * inner
     if config.get("decoder_type", "perceiver") == "weighted":
         decoder = 2 * M * C * H
     else:
         decoder_layer = 2 * M * H * H + 4 * C * H * H + 4 * M * C * H + 2 * M * H * H + 6 * M * H * inner
         decoder = config.get("num_decoder_layers", 1) * decoder_layer
-    return L * layer + decoder + head
+    return groups * 4 * N * H * H + L * layer + decoder + head
 
 
 def mlm_training_flops(config: Mapping, batch_size: int, seq_len: int, mlm_probability: float = 0.15) -> float:

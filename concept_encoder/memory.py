@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .constants import VOCAB_CHUNK_ELEMENTS
+from .constants import VOCAB_CHUNK_ELEMENTS, token_kv_groups
 
 GIB = 2**30
 ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default for host-side buffers
@@ -50,9 +50,12 @@ def parameter_count(
     decoder_type: str = "perceiver",
     num_decoder_layers: int = 1,
     tie_word_embeddings: bool = True,
+    token_kv_sharing: str = "none",
     **_ignored,
 ) -> dict[str, int]:
-    """Exact parameter counts of `ConceptEncoderForMaskedLM` from its config fields."""
+    """Exact parameter counts of `ConceptEncoderForMaskedLM` from its config fields (with shared token
+    keys/values, the encoder's cross-attentions keep their queries, output and query norm; each group's
+    `TokenKeyValue` holds the context norm and key/value projection)."""
     V, H, L, I, C, P = (  # noqa: E741 (I: FFN width, as in the config docs)
         vocab_size,
         hidden_size,
@@ -65,7 +68,10 @@ def parameter_count(
     cross_block = attention + 4 * H  # + query norm + context norm
     self_block = attention + 2 * H
     ffn_block = 3 * H * I + 2 * I + H + 2 * H  # w_in (H×2I), w_out (I×H), biases, norm
-    layer = cross_block + self_block + ffn_block
+    token_kv = 2 * H + 2 * H * H + 2 * H  # context norm + key/value projection (H×2H, bias)
+    groups = token_kv_groups(token_kv_sharing, L)
+    encoder_cross = cross_block if token_kv_sharing == "none" else cross_block - token_kv
+    layer = encoder_cross + self_block + ffn_block
     if decoder_type == "weighted":
         decoder = P * C
     else:
@@ -75,6 +81,7 @@ def parameter_count(
         "embeddings": V * H + P * H + 2 * H,
         "concepts": C * H,
         "layers": L * layer,
+        "token_kv": 0 if token_kv_sharing == "none" else groups * token_kv,
         "final_norm": 2 * H,
         "decoder": decoder,
         "lm_head": head,
@@ -190,6 +197,7 @@ def activation_bytes(
     num_attention_heads: int,
     concept_num: int = 0,
     model_type: str = "concept_encoder",
+    token_kv_sharing: str = "none",
     mlm_probability: float = 0.15,
     bytes_per_element: int = 2,
     fused_attention: bool = True,
@@ -221,10 +229,16 @@ def activation_bytes(
         per_layer = B * N * (10 * H + 2 * I) + (0 if fused_attention else B * num_attention_heads * N * N)
         layer_input, decoder = B * N * H, 3 * masked * H
     else:
-        token_per_layer = 3 * B * N * H + (0 if fused_attention else B * num_attention_heads * C * N)
-        per_layer = token_per_layer + B * C * (14 * H + 4 * I)
+        groups = token_kv_groups(token_kv_sharing, num_hidden_layers)
+        token_side = 3 * B * N * H  # normed tokens and their keys/values, per layer or per shared group
+        per_layer = (0 if fused_attention else B * num_attention_heads * C * N) + B * C * (14 * H + 4 * I)
+        per_layer += token_side if token_kv_sharing == "none" else 0
         layer_input, decoder = B * C * H, num_decoder_layers * masked * (12 * H + 4 * I)
+        shared = 0 if token_kv_sharing == "none" else groups * token_side
+    if model_type == "bert":
+        shared = 0
     layers = (num_hidden_layers * layer_input + per_layer) if gradient_checkpointing else num_hidden_layers * per_layer
+    layers += shared
     elements = 4 * B * N * H + layers + decoder
     return int(elements * bytes_per_element + loss_bytes(masked, H, V, bytes_per_element))
 

@@ -22,8 +22,9 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput
 
-from .attention import AttentionBlock, FeedForwardBlock
+from .attention import AttentionBlock, FeedForwardBlock, TokenKeyValue
 from .config import ConceptEncoderConfig
+from .constants import token_kv_group, token_kv_groups
 
 
 class TokenEmbeddings(nn.Module):
@@ -44,16 +45,17 @@ class TokenEmbeddings(nn.Module):
 class ConceptLayer(GradientCheckpointingLayer):
     """One encoder layer: concepts read the tokens, talk among themselves, then pass an FFN."""
 
-    def __init__(self, config: ConceptEncoderConfig):
+    def __init__(self, config: ConceptEncoderConfig, shared_kv: bool = False):
         super().__init__()
-        self.cross_attn = AttentionBlock(config, cross=True)
+        self.cross_attn = AttentionBlock(config, cross=True, shared_kv=shared_kv)
         self.self_attn = AttentionBlock(config, cross=False)
         self.ffn = FeedForwardBlock(config)
 
     def forward(
         self, concepts: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """`concepts [B,C,H]`, `tokens [B,N,H]`, `token_mask [B,N]` bool or None → `concepts [B,C,H]`."""
+        """`concepts [B,C,H]`, `tokens [B,N,H]` (their keys/values `[B,N,2H]` under token_kv_sharing),
+        `token_mask [B,N]` bool or None → `concepts [B,C,H]`."""
         concepts = self.cross_attn(concepts, tokens, token_mask)
         concepts = self.self_attn(concepts)
         return self.ffn(concepts)
@@ -104,7 +106,10 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
         super().__init__(config)
         self.embeddings = TokenEmbeddings(config)
         self.concepts = nn.Parameter(torch.empty(config.concept_num, config.hidden_size))
-        self.layers = nn.ModuleList(ConceptLayer(config) for _ in range(config.num_hidden_layers))
+        shared = config.token_kv_sharing != "none"
+        groups = token_kv_groups(config.token_kv_sharing, config.num_hidden_layers)
+        self.token_kv = nn.ModuleList(TokenKeyValue(config) for _ in range(groups)) if shared else None
+        self.layers = nn.ModuleList(ConceptLayer(config, shared_kv=shared) for _ in range(config.num_hidden_layers))
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.post_init()
 
@@ -137,6 +142,13 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
         tokens = self.embeddings(input_ids, position_ids)  # [B,N,H]
         token_mask = padding_mask(attention_mask)  # [B,N] or None
         concepts = self.concepts.unsqueeze(0).repeat(batch, 1, 1)  # [B,C,H], a real copy per sample
-        for layer in self.layers:
-            concepts = layer(concepts, tokens, token_mask)
+        shared_kv: dict[int, torch.Tensor] = {}  # group → the tokens' keys/values [B,N,2H], computed once
+        for index, layer in enumerate(self.layers):
+            context = tokens
+            if self.token_kv is not None:
+                group = token_kv_group(index, len(self.token_kv), len(self.layers))
+                if group not in shared_kv:
+                    shared_kv[group] = self.token_kv[group](tokens)
+                context = shared_kv[group]
+            concepts = layer(concepts, context, token_mask)
         return BaseModelOutput(last_hidden_state=self.norm(concepts))

@@ -322,7 +322,8 @@ def test_bert_final_model_loads_with_transformers_alone(tmp_path):
         (["--objective", "bert"], "objective='bert' is unknown"),
         (["--architecture", "bert", "--objective", "tsdae"], "use --objective mlm or diffusion with bert"),
         (["--architecture", "bert", "--concept_losses", "uniformity"], "bert has none: drop --concept_losses"),
-        (["--architecture", "bert", "--concept_num", "8"], "--concept_num applies to --architecture concept"),
+        (["--architecture", "bert", "--concept_num", "8"], "--concept_num and --token_kv_sharing apply to"),
+        (["--token_kv_sharing", "groups:9"], "use none, all, or groups:K with 1 <= K <= num_hidden_layers"),
         (["--diffusion_weighting", "sqrt"], "diffusion_weighting='sqrt'"),
     ],
 )

@@ -30,6 +30,7 @@ from ..constants import (
     TASK_METRIC_NAMES,
     check_concept_loss_settings,
     pretraining_metric_names,
+    token_kv_groups,
 )
 from ..data.arguments import DataArguments
 from ..gates import GATE_ACTIONS, GATE_EXIT_CODE, parse_gates
@@ -62,6 +63,10 @@ class ModelArguments:
         },
     )
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
+    token_kv_sharing: str = field(
+        default="none",
+        metadata={"help": "token keys/values: none (per layer), all (computed once, read by every layer) or groups:K"},
+    )
 
     def __post_init__(self):
         if self.model_name_or_path is None and self.preset not in PRESETS:
@@ -72,6 +77,8 @@ class ModelArguments:
             raise ValueError(f"decoder_type={self.decoder_type!r} is unknown; choose one of {DECODER_TYPES}")
         if self.concept_num is not None and self.concept_num < 1:
             raise ValueError(f"concept_num={self.concept_num} must be >= 1 (or unset for the preset's)")
+        if self.model_name_or_path is None:
+            token_kv_groups(self.token_kv_sharing, PRESETS[self.preset]["num_hidden_layers"])
         if self.hidden_dropout_prob is not None and not 0 <= self.hidden_dropout_prob < 1:
             raise ValueError(f"hidden_dropout_prob={self.hidden_dropout_prob} must be in [0, 1)")
 
@@ -273,8 +280,10 @@ def check_pretraining_combination(model_args: ModelArguments, args: TrainingArgu
             raise ValueError("--concept_losses act on concepts; --architecture bert has none: drop --concept_losses")
         if model_args.model_name_or_path is None and model_args.decoder_type is not None:
             raise ValueError("--decoder_type applies to --architecture concept only: drop it for bert")
-        if model_args.concept_num is not None:
-            raise ValueError("--concept_num applies to --architecture concept only: drop it for bert")
+        if model_args.concept_num is not None or model_args.token_kv_sharing != "none":
+            raise ValueError(
+                "--concept_num and --token_kv_sharing apply to --architecture concept only: drop them for bert"
+            )
         return
     if args.objective == "tsdae" and model_args.decoder_type == "perceiver":
         raise ValueError(
