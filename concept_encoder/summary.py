@@ -33,14 +33,15 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     return {**counts, "total": total, "trainable": trainable}
 
 
-def preset_parameter_counts(vocab_size: int = 30522) -> dict[str, dict[str, int]]:
-    """`{preset: parameter_counts(ConceptEncoderForMaskedLM(preset))}` at the given vocabulary size."""
+def preset_parameter_counts(vocab_size: int = 30522, **overrides) -> dict[str, dict[str, int]]:
+    """`{preset: parameter_counts(ConceptEncoderForMaskedLM(preset))}` at the given vocabulary size
+    (and config `overrides`, e.g. `token_kv_sharing="all"`)."""
     from .heads import ConceptEncoderForMaskedLM
 
     out = {}
     for name in PRESETS:
         with torch.device("meta"):
-            model = ConceptEncoderForMaskedLM(config_from_preset(name, vocab_size=vocab_size))
+            model = ConceptEncoderForMaskedLM(config_from_preset(name, vocab_size=vocab_size, **overrides))
         out[name] = parameter_counts(model)
     return out
 
@@ -48,11 +49,13 @@ def preset_parameter_counts(vocab_size: int = 30522) -> dict[str, dict[str, int]
 def format_preset_table(vocab_size: int = 30522) -> str:
     """A markdown table of every preset's shape and exact parameter counts (MLM model, tied embeddings)."""
     counts = preset_parameter_counts(vocab_size)
+    shared = preset_parameter_counts(vocab_size, token_kv_sharing="all")
     lines = [
         f"Concept Encoder presets (ConceptEncoderForMaskedLM, vocab_size={vocab_size}, tied embeddings)",
         "",
-        "| preset | H | L | heads | I | C | max N | embeddings | encoder layers | decoder+head | total |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| preset | H | L | heads | I | C | max N | embeddings | encoder layers | decoder+head | total "
+        "| total, token_kv_sharing=all |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, shape in PRESETS.items():
         c = counts[name]
@@ -61,6 +64,7 @@ def format_preset_table(vocab_size: int = 30522) -> str:
         lines.append(
             f"| {name} | {config.hidden_size} | {config.num_hidden_layers} | {config.num_attention_heads} "
             f"| {config.intermediate_size} | {config.concept_num} | {config.max_position_embeddings} "
-            f"| {c['encoder.embeddings']:,} | {c['encoder.layers']:,} | {head:,} | {c['total']:,} |"
+            f"| {c['encoder.embeddings']:,} | {c['encoder.layers']:,} | {head:,} | {c['total']:,} "
+            f"| {shared[name]['total']:,} |"
         )
     return "\n".join(lines)
