@@ -58,6 +58,7 @@ from concept_encoder.training.checkpoint import (
     resolve_resume,
     resume_settings,
     save_checkpoint,
+    saved_train_state,
 )
 from concept_encoder.training.deepspeed_setup import (
     adamw_class,
@@ -297,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = resume_settings(model.config, data_args, args, state.num_processes)
     if resume is not None:
         check_resume_settings(resume, settings)
+        failed = [o for o in saved_train_state(resume).gates if o["passed"] is False]
+        if failed and args.gate_action == "stop":  # a gate stopped this run: nothing is opened or written
+            logger.error(gate_stop_message(failed, resumed=True))
+            return GATE_EXIT_CODE
     run_dir, run_lock = setup_run_dirs(
         args, model_args.preset, counts["total"], state, resume_dir=resume.parent.parent if resume else None
     )
@@ -362,9 +367,6 @@ def main(argv: list[str] | None = None) -> int:
         progress_state = load_checkpoint(accelerator, resume, per_rank)
         gates.load_state_dict({"outcomes": progress_state.gates})
         logger.info("resumed from %s at step %d", resume, progress_state.step)
-        if (failed := gates.failed()) and args.gate_action == "stop":
-            logger.error(gate_stop_message(failed, resumed=True))
-            return GATE_EXIT_CODE
 
     metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
     if metrics:

@@ -228,6 +228,11 @@ def check_resume_settings(checkpoint: Path, current: dict) -> None:
         )
 
 
+def saved_train_state(checkpoint: Path) -> TrainState:
+    """The loop position a checkpoint holds (read without loading anything else)."""
+    return TrainState(**json.loads((Path(checkpoint) / TRAIN_STATE).read_text()))
+
+
 def load_checkpoint(accelerator, checkpoint: Path, per_rank: dict | None = None) -> TrainState:
     """Restore accelerate's state, this rank's `per_rank` objects, and the loop position."""
     import torch
@@ -244,4 +249,4 @@ def load_checkpoint(accelerator, checkpoint: Path, per_rank: dict | None = None)
                 f"resume with the same number of processes"
             )
         obj.load_state_dict(torch.load(path, weights_only=False))
-    return TrainState(**json.loads((checkpoint / TRAIN_STATE).read_text()))
+    return saved_train_state(checkpoint)
