@@ -42,7 +42,11 @@ class SeededCorruption:
         self.mask_token_id = tokenizer.mask_token_id
         self.pad_token_id = tokenizer.pad_token_id
         self.special_ids = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
-        self.generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()  # a fresh non-deterministic seed for this generator only (not the global RNG)
+        else:
+            self.generator.manual_seed(seed)
 
     def eligible(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """`[B,N]` bool: real (non-pad) tokens that are not special tokens."""
