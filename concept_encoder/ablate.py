@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .constants import pretraining_metric_names
 from .training.args import parse_args
 from .training.plan import PYTHON_ACCELERATE_LAUNCH, launch_command
 
@@ -120,9 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setting, values = parse_vary(args.vary)
         plans = plan_runs(setting, values, loop_argv, args.name)
+        model_args, _, train_args = parse_args(loop_argv)
+        decidable = pretraining_metric_names(train_args.objective, model_args.architecture)
+        if args.decide not in decidable:  # checked before any run starts
+            raise ValueError(
+                f"--decide {args.decide}: the loop evaluates no such metric; choose one of {', '.join(decidable)}"
+            )
     except ValueError as error:
         parser.exit(2, f"usage error: {error}\n")
-    output_dir = Path(parse_args(loop_argv)[2].output_dir)
+    output_dir = Path(train_args.output_dir)
     direction = args.direction or ("lower" if lower_is_better(args.decide) else "higher")
     launcher = [*PYTHON_ACCELERATE_LAUNCH, "--num_processes", str(args.num_processes), "--num_machines", "1",
                 "--dynamo_backend", "no", str(ROOT / "loops" / "mlm.py")]  # fmt: skip

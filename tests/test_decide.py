@@ -179,3 +179,9 @@ def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys,
     with pytest.raises(SystemExit) as refused:
         ablate.main(["--vary", "a=1,2", "--vary", "b=1,2", "--decide", "eval_loss", "--", *loop])
     assert refused.value.code == 2 and "one thing at a time" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as misspelt:  # refused before any run starts
+        ablate.main(["--vary", "learning_rate=1e-4,5e-3", "--decide", "eval_los", "--name", "typo", "--", *loop])
+    assert (
+        misspelt.value.code == 2 and "--decide eval_los: the loop evaluates no such metric" in capsys.readouterr().err
+    )
+    assert not list(Path("runs").glob("typo-*"))
