@@ -16,7 +16,7 @@ BATCH     ?= 16
 ARGS      ?=
 LAUNCH    := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
-.PHONY: install test lint format clean bench train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
+.PHONY: install test lint format clean bench gpu-check train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
 	finetune glue compare ablate
 
 install: $(VENV)/.installed
@@ -116,3 +116,11 @@ bench: install
 	$(PY) benchmarks/scaling.py --json $(BENCH_OUT)/scaling.json $(BENCH_ARGS)
 	$(PY) benchmarks/loop_overhead.py --json $(BENCH_OUT)/loop_overhead.json $(BENCH_ARGS)
 	$(PY) benchmarks/decode_memory.py --json $(BENCH_OUT)/decode_memory.json $(BENCH_ARGS)
+	$(PY) benchmarks/compile_speed.py --json $(BENCH_OUT)/compile_speed.json $(BENCH_ARGS)
+
+# Ten minutes on one GPU (benchmarks/gpu_check.py): kernel probe, bf16 loop with MFU, compile vs eager, the
+# largest preset under ZeRO offload in 10 GB. Summary in Cache/reports/gpu_check_<time>/. Without CUDA: --dry.
+#   make gpu-check GPU_CHECK_ARGS="--peak_tflops 312"
+GPU_CHECK_ARGS ?=
+gpu-check: install
+	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

@@ -7,6 +7,8 @@
 
 Models, all with the same hidden size, layers, heads, intermediate size and vocabulary, dropout off:
 - `concept`: `ConceptEncoderForMaskedLM` (C concepts, sparse decoding at the masked positions);
+- `concept_kv`: the same with `token_kv_sharing="all"` (the tokens' keys/values computed once, read by
+  every layer);
 - `bert`: `transformers.BertForMaskedLM` as users run it (SDPA attention, full-vocabulary MLM head);
 - `bert_sparse`: the same `BertModel` (SDPA) with our sparse masked-position head, so its ratio to
   `concept` isolates the attention architecture from the decoding trick.
@@ -46,9 +48,12 @@ from concept_encoder.flops import mlm_training_flops  # noqa: E402
 from concept_encoder.heads import MaskedLMHead  # noqa: E402
 from concept_encoder.presets import PRESETS  # noqa: E402
 
-MODELS = ("concept", "bert", "bert_sparse")
+MODELS = ("concept", "concept_kv", "bert", "bert_sparse")
+CONCEPT_MODELS = ("concept", "concept_kv")  # compared with the sparse-head BERT, each against its FLOP bound
+TOKEN_KV_SHARING = {"concept": "none", "concept_kv": "all"}
 MASK_RATE = 0.15
 SPEEDUP_TARGETS = {512: 1.2, 4096: 6.0, 8192: 12.0}  # over the sparse-head BERT (benchmarks/README.md)
+BOUND_FRACTION_TARGET = 0.9  # measured speed-up / FLOP bound, every concept model and N
 
 
 class BertWithSparseHead(nn.Module):
@@ -77,7 +82,8 @@ def build(name: str, shape: dict) -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
     ours = ConceptEncoderConfig(**shape, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    if name == "concept":
+    if name in CONCEPT_MODELS:
+        ours.token_kv_sharing = TOKEN_KV_SHARING[name]
         return ConceptEncoderForMaskedLM(ours)
     bert_config = BertConfig(
         vocab_size=shape["vocab_size"],
@@ -105,7 +111,7 @@ def batch(shape: dict, batch_size: int, seq_len: int, dev) -> tuple[torch.Tensor
 
 def training_loss(name: str, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Each model's MLM loss `[]` as it trains: ours as `loops/mlm.py` calls it (no logits kept)."""
-    if name == "concept":
+    if name in CONCEPT_MODELS:
         return model(input_ids=ids, labels=labels, return_logits=False).loss
     if name == "bert":
         return model(input_ids=ids, labels=labels).loss
@@ -129,8 +135,8 @@ def make_step(name: str, model: nn.Module, ids: torch.Tensor, labels: torch.Tens
 def flops_per_step(name: str, shape: dict, batch_size: int, seq_len: int) -> float:
     """Analytic matmul FLOPs of forward + backward (3 × forward) for one step; ours from
     `concept_encoder.flops` (latent layers on C rows), BERT's in the same accounting."""
-    if name == "concept":
-        return mlm_training_flops(shape, batch_size, seq_len, MASK_RATE)
+    if name in CONCEPT_MODELS:
+        return mlm_training_flops({**shape, "token_kv_sharing": TOKEN_KV_SHARING[name]}, batch_size, seq_len, MASK_RATE)
     H, L, V, inner = (shape[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"))
     N, M = seq_len, MASK_RATE * seq_len
     layer = 8 * N * H * H + 4 * N * N * H + 4 * N * H * inner  # QKV+O, attention, 2-matrix FFN
@@ -155,9 +161,11 @@ def flop_bounds(lengths: list[int], vocab_size: int, batch_size: int) -> list[di
     rows = []
     for preset in PRESETS:
         shape = shapes(preset, vocab_size, max(lengths))
-        ratio = {n: flops_per_step("bert_sparse", shape, batch_size, n) / flops_per_step("concept", shape, batch_size, n)
-                 for n in lengths}  # fmt: skip
-        rows.append({"preset": preset, **{f"N={n}": f"{r:.2f}x" for n, r in ratio.items()}})
+        for name in CONCEPT_MODELS:
+            ratio = {n: flops_per_step("bert_sparse", shape, batch_size, n) / flops_per_step(name, shape, batch_size, n)
+                     for n in lengths}  # fmt: skip
+            rows.append({"preset": preset, "token_kv_sharing": TOKEN_KV_SHARING[name],
+                         **{f"N={n}": f"{r:.2f}x" for n, r in ratio.items()}})  # fmt: skip
     return rows
 
 
@@ -218,6 +226,23 @@ def parse_args(argv=None):
     return args
 
 
+def verdicts(rows: list[dict]) -> list[dict]:
+    """The targets, met or not: the shared-K/V model's speed-up over the sparse-head BERT at the lengths of
+    `SPEEDUP_TARGETS`, and for both concept models at every N their speed-up ≥ 90% of their FLOP bound."""
+    checks = []
+    for row in rows:
+        n = row["N"]
+        if n in SPEEDUP_TARGETS:
+            measured = row["concept_kv_speedup_vs_bert_sparse"]
+            checks.append({"model": "concept_kv", "N": n, "target": f"speed-up ≥ {SPEEDUP_TARGETS[n]}x",
+                           "measured": f"{measured:.2f}x", "met": measured >= SPEEDUP_TARGETS[n]})  # fmt: skip
+        for name in CONCEPT_MODELS:
+            fraction = row[f"{name}_of_bound"]
+            checks.append({"model": name, "N": n, "target": f"≥ {BOUND_FRACTION_TARGET:.0%} of FLOP bound",
+                           "measured": f"{fraction:.0%}", "met": fraction >= BOUND_FRACTION_TARGET})  # fmt: skip
+    return checks
+
+
 def plot(rows: list[dict], path: str) -> None:
     """Left: step time vs N (log-log), all three models. Right: speed-up over the sparse-head BERT,
     measured and at equal FLOP/s (the analytic bound)."""
@@ -231,14 +256,18 @@ def plot(rows: list[dict], path: str) -> None:
     fig, (times, speedup) = plt.subplots(1, 2, figsize=(11, 4.5))
     for name, label in (
         ("concept", "Concept Encoder"),
+        ("concept_kv", "Concept Encoder, shared token K/V"),
         ("bert_sparse", "BERT + sparse head"),
         ("bert", "BertForMaskedLM"),
     ):
         times.plot(lengths, [r[f"{name}_step_s"] for r in rows], "o-", label=label)
     times.set_ylabel("training step time (s)")
     times.set_title("MLM training step vs sequence length")
-    speedup.plot(lengths, [r["speedup_vs_bert_sparse"] for r in rows], "o-", label="measured")
-    speedup.plot(lengths, [r["flop_ratio_vs_bert_sparse"] for r in rows], "k--", label="FLOP ratio (equal FLOP/s)")
+    for name, label, color in (("concept", "per-layer K/V", "C0"), ("concept_kv", "shared K/V", "C1")):
+        speedup.plot(lengths, [r[f"{name}_speedup_vs_bert_sparse"] for r in rows], "o-", color=color,
+                     label=f"{label}, measured")  # fmt: skip
+        speedup.plot(lengths, [r[f"{name}_flop_bound"] for r in rows], "--", color=color,
+                     label=f"{label}, FLOP bound")  # fmt: skip
     targets = [(n, t) for n, t in SPEEDUP_TARGETS.items() if n in lengths]
     if targets:
         speedup.plot(*zip(*targets, strict=True), "rx", markersize=9, label="targets")
@@ -271,7 +300,7 @@ def main(argv=None) -> int:
         print(
             markdown_table(
                 flop_bounds(args.lengths, args.vocab_size, args.batch_size),
-                ["preset"] + [f"N={n}" for n in args.lengths],
+                ["preset", "token_kv_sharing"] + [f"N={n}" for n in args.lengths],
             )
         )
         return 0
@@ -302,9 +331,11 @@ def main(argv=None) -> int:
                                        "--vocab_size", str(args.vocab_size), "--lengths", ",".join(map(str, args.lengths)),
                                        "--memory_lengths", str(n))  # fmt: skip
                 row[f"{name}_peak_gb"] = result["peak_gb"]
-        row["speedup_vs_bert_sparse"] = times["bert_sparse"] / times["concept"]
-        row["flop_ratio_vs_bert_sparse"] = row["bert_sparse_gflops"] / row["concept_gflops"]
-        row["speedup_vs_bert"] = times["bert"] / times["concept"]
+        for name in CONCEPT_MODELS:
+            row[f"{name}_speedup_vs_bert_sparse"] = times["bert_sparse"] / times[name]
+            row[f"{name}_flop_bound"] = row["bert_sparse_gflops"] / row[f"{name}_gflops"]
+            row[f"{name}_of_bound"] = row[f"{name}_speedup_vs_bert_sparse"] / row[f"{name}_flop_bound"]
+            row[f"{name}_speedup_vs_bert"] = times["bert"] / times[name]
         rows.append(row)
         print(
             f"N={n}: "
@@ -312,22 +343,27 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
     growth = concept_growth(models["concept"], shape, args) if {1024, 8192} <= set(args.lengths) else None
-    columns = ["N", "concept_step_s", "bert_sparse_step_s", "bert_step_s", "speedup_vs_bert_sparse",
-               "flop_ratio_vs_bert_sparse", "speedup_vs_bert",
-               "concept_tokens_per_s", "concept_gflops", "bert_sparse_gflops", "concept_achieved_gflops_per_s",
+    columns = ["N", "concept_step_s", "concept_kv_step_s", "bert_sparse_step_s", "bert_step_s",
+               "concept_speedup_vs_bert_sparse", "concept_flop_bound", "concept_of_bound",
+               "concept_kv_speedup_vs_bert_sparse", "concept_kv_flop_bound", "concept_kv_of_bound",
+               "concept_speedup_vs_bert", "concept_kv_speedup_vs_bert",
+               "concept_achieved_gflops_per_s", "concept_kv_achieved_gflops_per_s",
                "bert_sparse_achieved_gflops_per_s"]  # fmt: skip
     if not args.no_memory:
-        columns += ["concept_peak_gb", "bert_sparse_peak_gb", "bert_peak_gb"]
+        columns += [f"{name}_peak_gb" for name in MODELS]
     print(f"Sequence-length scaling · {machine()} · shape {args.preset} {PRESETS[args.preset]} · vocab "
           f"{args.vocab_size} · batch {args.batch_size} · {args.precision} · median of {args.repeats}\n")  # fmt: skip
     print(markdown_table(rows, columns))
+    print("\n" + markdown_table(verdicts(rows), ["model", "N", "target", "measured", "met"]))
     if growth is not None:
         print(f"\nconcept step(8192) / step(1024) = {growth:.2f} (8x the tokens; the two lengths interleaved, "
               f"median of {args.repeats + 2})")  # fmt: skip
     plot(rows, args.plot)
     write_json(
-        args.json, {"machine": machine(), "args": vars(args), "rows": rows, "concept_growth_8192_over_1024": growth}
-    )
+        args.json,
+        {"machine": machine(), "args": vars(args), "rows": rows, "verdicts": verdicts(rows),
+         "concept_growth_8192_over_1024": growth},
+    )  # fmt: skip
     return 0
 
 

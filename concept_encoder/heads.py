@@ -138,11 +138,17 @@ class MaskedLMHead(nn.Module):
 def labelled_order(labels: torch.Tensor) -> torch.Tensor:
     """`labels [B,N]` → `order [B,M]`: each sample's labelled positions packed to the front, in order.
 
-    M is the largest labelled count of any sample; slots past a sample's count point at unlabelled
-    positions (`labels.gather(1, order) == IGNORE_INDEX` there). A stable sort keeps positions in order.
+    M is the largest labelled count of any sample, at least 1 (so attention over M query slots is never
+    empty: a data-dependent size that torch.compile can trace as "≥ 1"); slots past a sample's count point
+    at unlabelled positions (`labels.gather(1, order) == IGNORE_INDEX` there). A stable sort keeps positions
+    in order.
     """
     labelled = labels.ne(IGNORE_INDEX)  # [B,N]
-    m = int(labelled.sum(dim=1).max()) if labels.numel() else 0
+    if labels.numel() == 0:
+        return labels.new_zeros(labels.shape)
+    m = labelled.sum(dim=1).max().clamp(min=1).item()
+    torch._check(m >= 1)
+    torch._check(m <= labels.shape[1])
     return torch.sort(labelled.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :m]
 
 

@@ -138,10 +138,10 @@ def zero3_model_states(
     nodes: int,
     cpu_offload: bool,
     cpu_offload_params: bool,
-    zero_init: bool = False,
+    zero_init: bool = True,
 ) -> tuple[int, int]:
-    """(cpu_bytes, gpu_bytes) per DeepSpeed's ZeRO-3 estimator (our loop builds the model before
-    the engine, so `zero_init=False` by default)."""
+    """(cpu_bytes, gpu_bytes) per DeepSpeed's ZeRO-3 estimator; `zero_init` as the loop builds a ZeRO-3
+    model: partitioned by `deepspeed.zero.Init` (training/model.py:construct), never whole on one process."""
     total_gpus = nodes * gpus_per_node
     gpus_factor = 1 / nodes
     largest = 4 * largest_layer
@@ -185,6 +185,29 @@ def model_state_bytes(
     if stage == 3:
         return zero3_model_states(params, largest_layer, gpus_per_node, nodes, offload_optimizer, offload_params)
     raise ValueError(f"ZeRO stage {stage} does not exist; use 0, 1, 2 or 3")
+
+
+def nvme_offloaded(ds_config: dict | None) -> bool:
+    zero = (ds_config or {}).get("zero_optimization", {}) or {}
+    return any((zero.get(key) or {}).get("device") == "nvme" for key in ("offload_optimizer", "offload_param"))
+
+
+def host_and_nvme_bytes(ds_config: dict | None, cpu_model_states: int, params: int) -> tuple[int, int]:
+    """(host RAM, NVMe) bytes for the offloaded model states. With NVMe offload the states DeepSpeed's
+    estimator puts in host RAM live on the NVMe, and the host holds DeepSpeed's pinned swap buffers instead:
+    parameters `buffer_count × buffer_size` 16-bit elements (defaults 5 × 1e8), optimizer
+    `buffer_count × min(sub_group_size, params)` fp32 elements (defaults 4 × 1e9). Our estimate, not DeepSpeed's."""
+    if not nvme_offloaded(ds_config):
+        return cpu_model_states, 0
+    zero = ds_config["zero_optimization"]
+    host = 0
+    param = zero.get("offload_param") or {}
+    if param.get("device") == "nvme":
+        host += int(param.get("buffer_count", 5) * param.get("buffer_size", 1e8) * PARAM16)
+    optimizer = zero.get("offload_optimizer") or {}
+    if optimizer.get("device") == "nvme":
+        host += int(optimizer.get("buffer_count", 4) * min(zero.get("sub_group_size", 1e9), params) * 4)
+    return host, cpu_model_states
 
 
 def activation_bytes(
@@ -256,6 +279,8 @@ class MemoryEstimate:
     cpu_model_states: int
     activations: int
     workspace: int  # CUDA context, allocator fragmentation, communication buckets
+    parameters: int = 0  # the model's parameter count the states were estimated for
+    largest_layer: int = 0  # its largest layer's (what ZeRO-3 gathers at once)
 
     @property
     def gpu_peak(self) -> int:
@@ -265,6 +290,8 @@ class MemoryEstimate:
         return {
             "gpu_model_states_gib": round(self.gpu_model_states / GIB, 3),
             "cpu_model_states_gib": round(self.cpu_model_states / GIB, 3),
+            "parameters": self.parameters,
+            "largest_layer": self.largest_layer,
             "activations_gib": round(self.activations / GIB, 3),
             "workspace_gib": round(self.workspace / GIB, 3),
             "gpu_peak_gib": round(self.gpu_peak / GIB, 3),
@@ -298,4 +325,4 @@ def estimate_training_memory(
         **model_config,
     )
     workspace = int(0.75 * GIB)  # CUDA context + allocator slack, measured on typical setups
-    return MemoryEstimate(gpu_states, cpu_states, activations, workspace)
+    return MemoryEstimate(gpu_states, cpu_states, activations, workspace, counts["total"], counts["largest_layer"])

@@ -80,13 +80,15 @@ class ConceptEncoderPreTrainedModel(PreTrainedModel):
 def padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """`attention_mask [B,N]` (1 = token, 0 = pad) → bool key mask `[B,N]`, or None when nothing is padded.
 
-    Returning None for a padding-free batch keeps SDPA's fused kernels (flash) eligible.
+    Returning None for a padding-free batch keeps SDPA's fused kernels (flash) eligible. That test reads
+    the data, so under torch.compile it is skipped (a data-dependent branch would split the graph) and the
+    mask is always kept: pass `attention_mask=None` for padding-free batches there (the training loops do).
     A row with no real token would make attention NaN, so such a row attends to all positions.
     """
     if attention_mask is None:
         return None
     mask = attention_mask.bool()
-    if bool(mask.all()):
+    if not torch.compiler.is_compiling() and bool(mask.all()):
         return None
     return mask | ~mask.any(dim=-1, keepdim=True)
 

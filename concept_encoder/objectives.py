@@ -147,14 +147,19 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "label_weights")
 def model_inputs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """A corrupted batch → (the model's keyword inputs, the loss normaliser `[]`: the batch's own
     `loss_normalizer` or, by default, its labelled-position count, and the tokens `[]` of the
-    uncorrupted batch: its `source_tokens` or the encoder's non-pad count)."""
+    uncorrupted batch: its `source_tokens` or the encoder's non-pad count). A padding-free batch's
+    all-ones `attention_mask` is left out: the model then needs no mask, eager or compiled
+    (`modeling.padding_mask`), which keeps SDPA's flash kernel eligible."""
     normalizer = batch.get(LOSS_NORMALIZER)
     if normalizer is None:
         normalizer = (batch["labels"] != IGNORE_INDEX).sum()
     tokens = batch.get(SOURCE_TOKENS)
     if tokens is None:
         tokens = batch["attention_mask"].sum()
-    return {k: v for k, v in batch.items() if k in MODEL_INPUTS}, normalizer, tokens
+    inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
+    if "attention_mask" in inputs and bool(inputs["attention_mask"].all()):
+        del inputs["attention_mask"]
+    return inputs, normalizer, tokens
 
 
 def build_corruption(objective: str, mlm_collator, tokenizer, args, seed: int | None):

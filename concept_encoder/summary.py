@@ -27,9 +27,10 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
         seen.add(id(param))
         parts = name.split(".")
         component = ".".join(parts[:2]) if parts[0] == "encoder" and len(parts) > 1 else parts[0]
-        counts[component] = counts.get(component, 0) + param.numel()
-        total += param.numel()
-        trainable += param.numel() if param.requires_grad else 0
+        numel = getattr(param, "ds_numel", param.numel())  # a ZeRO-3 partitioned parameter's full size
+        counts[component] = counts.get(component, 0) + numel
+        total += numel
+        trainable += numel if param.requires_grad else 0
     return {**counts, "total": total, "trainable": trainable}
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import register_flop_formula
 
 from .constants import VOCAB_CHUNK_ELEMENTS
 
@@ -31,62 +32,103 @@ def chunk_rows(vocab_size: int) -> int:
     return max(1, VOCAB_CHUNK_ELEMENTS // max(vocab_size, 1))
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    """`hidden [L,H]`, `weight [V,H]`, `bias [V]` or None, `targets [L]`, `row_weights [L]` or None
-    → weighted summed cross-entropy `[]` (float32)."""
+def _chunked_loss_and_gradients(hidden, weight, bias, targets, row_weights, compute_dtype, needs):
+    """The work of `linear_cross_entropy`: (loss `[]` float32, grad_hidden `[L,H]`, grad_weight `[V,H]` float32,
+    grad_bias `[V]` float32), each gradient an empty `[0]` where `needs` (hidden, weight, bias) says it is not
+    wanted; the gradients are of the loss itself (backward multiplies them by the incoming scalar)."""
+    empty = hidden.new_empty(0)
+    with torch.autocast(hidden.device.type, enabled=False):
+        h = hidden.to(compute_dtype)
+        w = weight.to(compute_dtype)
+        b = None if bias is None else bias.to(compute_dtype)
+        rows, vocab = h.shape[0], w.shape[0]
+        grad_hidden = torch.empty_like(h) if needs[0] else None  # [L,H]
+        grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if needs[1] else None  # [V,H]
+        grad_bias = torch.zeros(vocab, dtype=torch.float32, device=w.device) if needs[2] and b is not None else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        step = chunk_rows(vocab)
+        for start in range(0, rows, step):
+            part = slice(start, start + step)
+            z = torch.mm(h[part], w.t()) if b is None else torch.addmm(b, h[part], w.t())  # [R,V]
+            zf = z.float()  # the same tensor in float32 compute
+            t = targets[part, None]  # [R,1]
+            picked = zf.gather(1, t)  # [R,1] logit of the target
+            peak = zf.amax(dim=1, keepdim=True)  # [R,1]
+            zf.sub_(peak).exp_()
+            total = zf.sum(dim=1, keepdim=True)  # [R,1]
+            row_loss = peak + total.log() - picked  # [R,1] logsumexp - logit[target]
+            scale = None if row_weights is None else row_weights[part, None].float()  # [R,1]
+            loss += (row_loss if scale is None else row_loss * scale).sum()
+            if grad_hidden is None and grad_weight is None and grad_bias is None:
+                continue
+            zf.div_(total).scatter_add_(1, t, torch.full_like(picked, -1.0))  # softmax - onehot
+            if scale is not None:
+                zf.mul_(scale)
+            g = zf.to(compute_dtype)  # [R,V]
+            if grad_hidden is not None:
+                torch.mm(g, w, out=grad_hidden[part])
+            if grad_weight is not None:
+                grad_weight += (g.t() @ h[part]).float()
+            if grad_bias is not None:
+                grad_bias += zf.sum(dim=0)
+    return tuple(x if x is not None else empty for x in (loss, grad_hidden, grad_weight, grad_bias))
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, row_weights, compute_dtype):
-        needs = ctx.needs_input_grad
-        with torch.autocast(hidden.device.type, enabled=False):
-            h = hidden.to(compute_dtype)
-            w = weight.to(compute_dtype)
-            b = None if bias is None else bias.to(compute_dtype)
-            rows, vocab = h.shape[0], w.shape[0]
-            grad_hidden = torch.empty_like(h) if needs[0] else None  # [L,H]
-            grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if needs[1] else None  # [V,H]
-            grad_bias = torch.zeros(vocab, dtype=torch.float32, device=w.device) if needs[2] and b is not None else None
-            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            step = chunk_rows(vocab)
-            for start in range(0, rows, step):
-                part = slice(start, start + step)
-                z = torch.mm(h[part], w.t()) if b is None else torch.addmm(b, h[part], w.t())  # [R,V]
-                zf = z.float()  # the same tensor in float32 compute
-                t = targets[part, None]  # [R,1]
-                picked = zf.gather(1, t)  # [R,1] logit of the target
-                peak = zf.amax(dim=1, keepdim=True)  # [R,1]
-                zf.sub_(peak).exp_()
-                total = zf.sum(dim=1, keepdim=True)  # [R,1]
-                row_loss = peak + total.log() - picked  # [R,1] logsumexp - logit[target]
-                scale = None if row_weights is None else row_weights[part, None].float()  # [R,1]
-                loss += (row_loss if scale is None else row_loss * scale).sum()
-                if grad_hidden is None and grad_weight is None and grad_bias is None:
-                    continue
-                zf.div_(total).scatter_add_(1, t, torch.full_like(picked, -1.0))  # softmax - onehot
-                if scale is not None:
-                    zf.mul_(scale)
-                g = zf.to(compute_dtype)  # [R,V]
-                if grad_hidden is not None:
-                    torch.mm(g, w, out=grad_hidden[part])
-                if grad_weight is not None:
-                    grad_weight += (g.t() @ h[part]).float()
-                if grad_bias is not None:
-                    grad_bias += zf.sum(dim=0)
-        ctx.save_for_backward(*(x if x is not None else torch.empty(0) for x in (grad_hidden, grad_weight, grad_bias)))
-        ctx.input_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return loss
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        saved = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        grads = []
-        for i, dtype in enumerate(ctx.input_dtypes):
-            if dtype is None or not needs[i]:
-                grads.append(None)
-            else:
-                grads.append((saved[i] * grad_loss.to(saved[i].dtype)).to(dtype))
-        return (*grads, None, None, None)
+def _fake_loss_and_gradients(hidden, weight, bias, targets, row_weights, compute_dtype, needs):
+    """Shapes and dtypes of `_chunked_loss_and_gradients`, for torch.compile's tracing."""
+    empty = hidden.new_empty(0)
+    f32 = torch.float32
+    return (
+        hidden.new_empty((), dtype=f32),
+        hidden.new_empty(hidden.shape, dtype=compute_dtype) if needs[0] else empty,
+        weight.new_empty(weight.shape, dtype=f32) if needs[1] else empty,
+        weight.new_empty(weight.shape[:1], dtype=f32) if needs[2] and bias is not None else empty,
+    )
+
+
+def _save_gradients(ctx, inputs, output):
+    hidden, weight, bias, *_, needs = inputs
+    ctx.save_for_backward(*output[1:])
+    dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.grad_dtypes = [dtype if need else None for dtype, need in zip(dtypes, needs, strict=True)]
+
+
+def _scale_gradients(ctx, grad_loss, *unused_output_grads):
+    grads = []
+    for saved, dtype in zip(ctx.saved_tensors, ctx.grad_dtypes, strict=True):
+        grads.append(None if dtype is None else (saved * grad_loss.to(saved.dtype)).to(dtype))
+    return (*grads, None, None, None, None)
+
+
+def _matmul_flops(hidden_shape, weight_shape, *unused, out_shape=None) -> int:
+    """For `FlopCounterMode`: the logits `2·L·H·V`, and as much again for each gradient computed in forward
+    (`needs`, the operator's last argument, is passed through as a list of bools)."""
+    (rows, hidden), vocab, needs = hidden_shape, weight_shape[0], unused[-1]
+    return 2 * rows * hidden * vocab * (1 + int(needs[0]) + int(needs[1]))
+
+
+def _register_operator():
+    """`torch.ops.concept_encoder.linear_cross_entropy`: a custom operator, so torch.compile treats the
+    chunk loop as one opaque call with symbolic shapes (traced as Python, its `range(0, L, step)` would
+    specialise the graph on L, the masked count, and recompile every batch). A model loaded from a
+    saved folder imports a copy of this file: the operator is registered once per process."""
+    namespace = torch.ops.concept_encoder
+    if hasattr(namespace, "linear_cross_entropy"):
+        return namespace.linear_cross_entropy
+    op = torch.library.custom_op(
+        "concept_encoder::linear_cross_entropy",
+        _chunked_loss_and_gradients,
+        mutates_args=(),
+        schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor? row_weights, "
+        "ScalarType compute_dtype, bool[] needs) -> (Tensor, Tensor, Tensor, Tensor)",
+    )
+    op.register_fake(_fake_loss_and_gradients)
+    op.register_autograd(_scale_gradients, setup_context=_save_gradients)
+    register_flop_formula(namespace.linear_cross_entropy)(_matmul_flops)
+    return op
+
+
+_linear_cross_entropy_op = _register_operator()
 
 
 def linear_cross_entropy(
@@ -117,7 +159,8 @@ def linear_cross_entropy(
         raise ValueError(
             f"row_weights shape {tuple(row_weights.shape)} must equal targets shape {tuple(targets.shape)}"
         )
-    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, row_weights, compute_dtype)
+    needs = [hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
+    return _linear_cross_entropy_op(hidden, weight, bias, targets, row_weights, compute_dtype, needs)[0]
 
 
 class VocabProjection(nn.Linear):

@@ -395,15 +395,18 @@ def check_zero(plan: Plan, ds_cfg, estimate) -> list[Check]:
             else:
                 checks.append(Check(f"NVMe path ({key})", OK, f"{path} is writable"))
     if plan.host_memory_gb:
-        need = estimate.cpu_model_states / memory.GIB
-        share = need / plan.host_memory_gb
+        host, nvme = (
+            b / memory.GIB for b in memory.host_and_nvme_bytes(ds_cfg, estimate.cpu_model_states, estimate.parameters)
+        )
+        share = host / plan.host_memory_gb
         status = ERROR if share > 1 else WARNING if share > HEADROOM else OK
+        source = f"swap buffers; ~{nvme:.1f} GiB of model states on the NVMe" if nvme else "DeepSpeed's estimator"
         checks.append(
             Check(
                 "host RAM for model states",
                 status,
-                f"~{need:.1f} GiB of {plan.host_memory_gb:.1f} GiB per machine (DeepSpeed's estimator)",
-                "" if status == OK else "less offload, a smaller preset, or more RAM",
+                f"~{host:.1f} GiB of {plan.host_memory_gb:.1f} GiB per machine ({source})",
+                "" if status == OK else "NVMe offload (ds_configs/zero3_nvme.json), a smaller preset, or more RAM",
             )
         )
     return checks
@@ -613,29 +616,33 @@ def check_memory(plan: Plan, estimate) -> list[Check]:
 
 
 def suggest(plan: Plan, config: dict) -> list[dict]:
-    """Every ds config (and plain DDP) with its estimated peak: those that fit first, and among them
-    no offload before optimizer offload before parameter offload (offload costs step time), then
-    by estimated peak memory."""
+    """Every ds config (and plain DDP) with its estimated GPU peak, host RAM and NVMe use: those that fit
+    both the GPU and the host RAM first, and among them no offload before optimizer offload before
+    parameter offload before NVMe (each costs step time), then by estimated peak memory."""
     rows = []
     candidates = [("none", None)] + [
         (p.stem, json.loads(p.read_text())) for p in sorted((ROOT / "ds_configs").glob("*.json"))
     ]
     for name, cfg in candidates:
-        if name == "zero3_nvme":
-            continue  # a template until its nvme_path is set
         stage, offload_opt, offload_par = memory.zero_settings(cfg)
+        nvme = memory.nvme_offloaded(cfg)
         est = plan_estimate(plan, config, cfg)
         peak = est.gpu_peak / memory.GIB
-        fits = plan.gpu_memory_gb is None or peak <= HEADROOM * plan.gpu_memory_gb
+        host, on_nvme = (b / memory.GIB for b in memory.host_and_nvme_bytes(cfg, est.cpu_model_states, est.parameters))
+        gpu_fits = plan.gpu_memory_gb is None or peak <= HEADROOM * plan.gpu_memory_gb
+        host_fits = not plan.host_memory_gb or host <= HEADROOM * plan.host_memory_gb
+        where = "nvme" if nvme else "params+optimizer" if offload_par else "optimizer" if offload_opt else "none"
         rows.append(
             {
                 "ds_config": name,
                 "zero_stage": stage,
-                "offload": "params+optimizer" if offload_par else "optimizer" if offload_opt else "none",
-                "_cost": 2 if offload_par else 1 if offload_opt else 0,
+                "offload": where,
+                "_cost": 3 if nvme else 2 if offload_par else 1 if offload_opt else 0,
                 "est_gpu_peak_gib": round(peak, 2),
-                "est_host_gib": round(est.cpu_model_states / memory.GIB, 2),
-                "fits": fits,
+                "est_host_gib": round(host, 2),
+                "est_nvme_gib": round(on_nvme, 2),
+                "fits": gpu_fits and host_fits,
+                "why_not": "" if gpu_fits and host_fits else "GPU" if not gpu_fits else "host RAM",
             }
         )
     rows.sort(key=lambda r: (not r["fits"], r["_cost"], r["est_gpu_peak_gib"]))
@@ -758,13 +765,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(format_table(checks))
         if suggestions is not None:
+            host = f"{plan.host_memory_gb:g} GiB host RAM" if plan.host_memory_gb else "this machine's host RAM"
             print(
-                f"\nds configs for a {plan.gpu_memory_gb or '?'} GiB GPU (fits = under {HEADROOM:.0%}), cheapest first:"
+                f"\nds configs for a {plan.gpu_memory_gb or '?'} GiB GPU and {host} (fits = under {HEADROOM:.0%} "
+                "of both), cheapest first:"
             )
             for r in suggestions:
-                mark = "fits " if r["fits"] else "over "
-                print(f"  {mark} {r['ds_config']:<14} stage {r['zero_stage']}  offload={r['offload']:<16}  "
-                      f"~{r['est_gpu_peak_gib']:.2f} GiB GPU, ~{r['est_host_gib']:.2f} GiB host")  # fmt: skip
+                mark = "fits " if r["fits"] else f"over ({r['why_not']})"
+                nvme = f", ~{r['est_nvme_gib']:.2f} GiB NVMe" if r["est_nvme_gib"] else ""
+                print(f"  {mark:<16} {r['ds_config']:<14} stage {r['zero_stage']}  offload={r['offload']:<16}  "
+                      f"~{r['est_gpu_peak_gib']:.2f} GiB GPU, ~{r['est_host_gib']:.2f} GiB host{nvme}")  # fmt: skip
         verdict = f"{errors} error(s): fix them before launching" if errors else "plan is sound"
         print(f"\n{verdict}\n\n  {shlex.join(command)}")
     if errors:

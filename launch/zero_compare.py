@@ -45,7 +45,7 @@ from concept_encoder.training.plan import (  # noqa: E402
     launch_command,
 )
 
-PRESET_ORDER = ["micro", "tiny", "small", "base", "large", "xl"]
+PRESET_ORDER = ["micro", "tiny", "small", "base", "large", "xl", "3b"]
 COLUMNS = [
     "config", "preset", "status", "cuda_peak_allocated_gb", "cuda_peak_reserved_gb", "rss_gb",
     "est_gpu_peak_gb", "est_model_states_gpu_gb", "est_model_states_cpu_gb", "est_activations_gb",

@@ -121,8 +121,8 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
                          shuffle=name == "train", collate_fn=collate, generator=torch.Generator().manual_seed(seed))
         for name, split in splits.items()
     }  # fmt: skip
-    # 8. attention-kernel probe (main process, the model's real forward)
-    probe_attention_kernels(model.to(state.device), next(iter(loaders["dev"])), state)
+    # 8. attention-kernel probe (main process, attention calls of the model's shape)
+    probe_attention_kernels(model.config, next(iter(loaders["dev"])), state, decoder=False)
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
     # 10. run dir: one per model and seed; a resume must continue the same settings

@@ -64,6 +64,7 @@ from concept_encoder.training.deepspeed_setup import (
     adamw_class,
     fill_deepspeed_auto_values,
     outside_zero3,
+    zero3_construction_config,
 )
 from concept_encoder.training.evaluation import evaluate, health_of
 from concept_encoder.training.logs import (
@@ -73,7 +74,7 @@ from concept_encoder.training.logs import (
     log_system_info,
     setup_logging,
 )
-from concept_encoder.training.model import build_model
+from concept_encoder.training.model import build_model, held_parameters
 from concept_encoder.training.model_card import write_model_card
 from concept_encoder.training.objective import ConceptObjective, build_concept_objective
 from concept_encoder.training.optim import build_optimizer, build_scheduler
@@ -193,6 +194,7 @@ def save_final(
     last_eval,
     wandb_run,
     notes: dict | None = None,
+    held: dict | None = None,
 ):
     """Final model (`save_pretrained` + tokenizer, ZeRO-3 shards gathered), export check, loss curve,
     summary, W&B finish.
@@ -201,7 +203,8 @@ def save_final(
     the saved folder reloaded by `from_pretrained` (the max |difference| goes to `summary.json`),
     which catches a broken ZeRO-3 gather or a lost tied weight at the end of the run, not later.
     With several processes each rank also writes `ranks/rank<r>.json` (its view of the last eval
-    loss and a checksum of its parameters), so a run can show that the ranks agree.
+    loss and a checksum of its parameters), so a run can show that the ranks agree, and `held`: the parameter
+    elements it held right after construction (`held_parameters`; a fraction of the total under ZeRO-3).
     """
     accelerator.wait_for_everyone()
     final_dir = run_dir / "final"
@@ -226,7 +229,8 @@ def save_final(
         sharded = any(hasattr(p, "ds_numel") for p in params)  # ZeRO-3 holds only a shard per rank
         checksum = None if sharded else sum(float(p.detach().double().sum()) for p in params)
         (run_dir / "ranks").mkdir(exist_ok=True)
-        view = {"eval_loss": (last_eval or {}).get("eval_loss"), "param_checksum": checksum, "step": progress.step}
+        view = {"eval_loss": (last_eval or {}).get("eval_loss"), "param_checksum": checksum, "step": progress.step,
+                "held_at_construction": held}  # fmt: skip
         (run_dir / "ranks" / f"rank{accelerator.process_index}.json").write_text(json.dumps(view))
     if accelerator.is_main_process:
         plot = plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
@@ -273,8 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     # 6. dataset sizes after load/filter/packing
     log_dataset_sizes(data)
-    # 7. model config, loss config, model
-    model = build_model(model_args, data_args, data.tokenizer, args.objective)
+    # 7. model config, loss config, model (partitioned as it is built under ZeRO-3)
+    zero3_config = zero3_construction_config(args, state.num_processes)
+    model = build_model(model_args, data_args, data.tokenizer, args.objective, args.seed, zero3_config)
+    held = held_parameters(model)
+    if zero3_config is not None:
+        logger.info("ZeRO-3 partitioned construction: this process holds %d of %d parameter elements", held["local"],
+                    held["total"])  # fmt: skip
     counts = log_model_info(
         model,
         {"preset": model_args.preset, "architecture": model_args.architecture, "objective": args.objective,
@@ -285,13 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         args.t_min, args.deletion_rate,
     )  # fmt: skip
     concept = build_concept_objective(args, model.config, state.device)
-    # 8. attention-kernel probe (main process, the model's real forward)
+    # 8. attention-kernel probe (main process, attention calls of the model's shape; the model stays put)
     eval_collator = collator_for(data_args, data.tokenizer, seed=args.seed + 1)  # same masks at every eval
     eval_collator_state = eval_collator.state_dict()
     extra_evals = evaluation_corruptions(args.objective, data.tokenizer, args, seed=args.seed + 1)
     extra_eval_states = {name: extra.state_dict() for name, extra in extra_evals.items()}
     first_validation_example = next(iter(data.validation))  # also for the export check at the end
-    probe_attention_kernels(model.to(state.device), eval_collator([first_validation_example]), state)
+    probe_attention_kernels(model.config, eval_collator([first_validation_example]), state)
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
     # 10. run dirs + argument guards: nothing is written before a resume is known to fit
@@ -485,8 +494,9 @@ def main(argv: list[str] | None = None) -> int:
         notes["gates"] = gates.summary()
         notes["stopped_by_gate"] = gate_stopped
     save_final(
-        accelerator, model, data.tokenizer, probe_ids, run_dir, progress_state, preempted, last_eval, wandb_run, notes
-    )
+        accelerator, model, data.tokenizer, probe_ids, run_dir, progress_state, preempted, last_eval, wandb_run, notes,
+        held,
+    )  # fmt: skip
     if accelerator.is_main_process and not preempted:
         summary = json.loads((run_dir / "summary.json").read_text())
         command = launch_command([], model_args, data_args, args)

@@ -1,6 +1,7 @@
 """Benchmarks run end to end at toy sizes and their analytic FLOP counts have the right shape in N."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -40,7 +41,12 @@ def test_scaling_smoke(tmp_path, capsys):
     assert scaling.main([*args, "--json", str(out), "--plot", str(tmp_path / "scaling.png")]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["N"] for r in rows] == [128, 256]
-    assert all(r["speedup_vs_bert_sparse"] > 0 and r["concept_gflops"] > 0 for r in rows)
+    for name in scaling.CONCEPT_MODELS:
+        assert all(r[f"{name}_speedup_vs_bert_sparse"] > 0 and r[f"{name}_gflops"] > 0 for r in rows)
+        assert all(r[f"{name}_of_bound"] == r[f"{name}_speedup_vs_bert_sparse"] / r[f"{name}_flop_bound"] for r in rows)
+    assert all(r["concept_kv_gflops"] < r["concept_gflops"] for r in rows)  # keys/values once, not per layer
+    verdicts = json.loads(out.read_text())["verdicts"]
+    assert {(v["model"], v["N"]) for v in verdicts} == {(m, n) for m in scaling.CONCEPT_MODELS for n in (128, 256)}
     assert (tmp_path / "scaling.png").stat().st_size > 0
     assert "| N |" in capsys.readouterr().out
 
@@ -57,20 +63,20 @@ def test_decode_memory_smoke(tmp_path):
 def test_bounds_table_lists_every_preset_with_its_flop_ratio(capsys):
     assert scaling.main(["--bounds", "--lengths", "512,8192"]) == 0
     out = capsys.readouterr().out
-    rows = {
-        line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "preset" not in line
-    }
-    assert set(rows) == set(PRESETS)
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line for line in lines}
+    assert set(rows) - {("preset", "token_kv_sharing")} == {(p, s) for p in PRESETS for s in ("none", "all")}
     shape = {**PRESETS["small"], "vocab_size": 30522}
-    ratio = scaling.flops_per_step("bert_sparse", shape, 1, 8192) / scaling.flops_per_step("concept", shape, 1, 8192)
-    assert f"{ratio:.2f}x" in rows["small"]
+    for name, sharing in scaling.TOKEN_KV_SHARING.items():
+        ratio = scaling.flops_per_step("bert_sparse", shape, 1, 8192) / scaling.flops_per_step(name, shape, 1, 8192)
+        assert f"{ratio:.2f}x" in rows[("small", sharing)]
 
 
 def test_profile_prints_the_profiler_table_and_rejects_unknown_models(capsys):
     args = ["--preset", "micro", "--vocab_size", "500", "--lengths", "128"]
     assert scaling.main([*args, "--profile", "concept", "128"]) == 0
     assert "aten::" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="unknown model 'gpt'; choose one of concept, bert, bert_sparse"):
+    with pytest.raises(SystemExit, match="unknown model 'gpt'; choose one of concept, concept_kv, bert, bert_sparse"):
         scaling.main([*args, "--profile", "gpt", "128"])
 
 
@@ -79,3 +85,39 @@ def test_growth_is_timed_on_one_model_at_both_lengths():
     shape = scaling.shapes("micro", 500, 8192)
     growth = scaling.concept_growth(scaling.build("concept", shape), shape, args)
     assert growth > 1.5  # 8x the tokens cannot cost about the same
+
+
+def test_gpu_check_dry_runs_every_part_and_marks_gpu_numbers_unavailable(tmp_path, capsys):
+    from benchmarks import gpu_check
+
+    assert gpu_check.main(["--dry", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["parts"]) == set(gpu_check.PARTS) and summary["cuda"] is False
+    for part, entry in summary["parts"].items():
+        assert entry["status"] == "ok", f"{part}: {entry.get('error')}\n{entry.get('output_tail', '')[-1500:]}"
+        assert entry["gpu_numbers"].startswith("unavailable")
+    parts = summary["parts"]
+    assert parts["probe"]["result"]["math"] is True and parts["probe"]["result"]["dtype"] == "fp32"
+    assert parts["loop"]["result"]["tokens_per_s"] > 0 and "mfu" not in parts["loop"]["result"]  # no peak on a CPU
+    assert (
+        parts["compile"]["result"]["recompiles_after_warmup"] == 0 and parts["compile"]["result"]["graph_breaks"] == 0
+    )
+    assert parts["zero"]["result"]["largest_that_completes"]["zero3_offload"]["status"] == "ok"
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "GPU numbers are unavailable" in markdown and markdown.count("| ok |") == 4
+    assert markdown in capsys.readouterr().out
+
+
+def test_gpu_check_peak_lookup_and_a_failing_part_does_not_stop_the_rest(tmp_path, monkeypatch):
+    from benchmarks import gpu_check
+
+    assert gpu_check.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert gpu_check.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert gpu_check.peak_tflops("NVIDIA GeForce RTX 3080") == 59.5
+    assert gpu_check.peak_tflops("Some Future GPU") is None
+    broken = lambda settings, work: ([sys.executable, "-c", "raise SystemExit('no kernel for you')"], None)  # noqa: E731
+    monkeypatch.setattr(gpu_check, "compile_part", broken)
+    assert gpu_check.main(["--dry", "--out", str(tmp_path), "--parts", "compile,probe"]) == 0
+    parts = json.loads((tmp_path / "summary.json").read_text())["parts"]
+    assert parts["compile"]["status"] == "failed" and "no kernel for you" in parts["compile"]["error"]
+    assert parts["probe"]["status"] == "ok" and parts["loop"]["status"] == parts["zero"]["status"] == "skipped"

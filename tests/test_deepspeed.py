@@ -1,5 +1,5 @@
-"""DeepSpeed on CPU (gloo): every ZeRO config trains like ZeRO-0, ZeRO-3 resumes exactly and exports a
-plain HF model, the simulated multi-node launch matches single-node, and zero_compare writes its report.
+"""DeepSpeed on CPU (gloo): every ZeRO config trains like ZeRO-0 (ZeRO-3 building the model partitioned, with
+the same initial weights), ZeRO-3 resumes exactly and exports a plain HF model, the simulated multi-node launch matches single-node, and zero_compare writes its report.
 
 Every launch is a real `accelerate launch` with 2 processes on the tiny `micro` preset, with a timeout.
 """
@@ -80,6 +80,12 @@ def test_zero_config_matches_zero0(workdir, zero0_losses, ds_config):
     assert got == pytest.approx(zero0_losses, rel=2e-3), f"{ds_config}: {got} vs zero0 {zero0_losses}"
     ranks = [json.loads((workdir / f"runs/{ds_config}/ranks/rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1]
+    held = [rank["held_at_construction"] for rank in ranks]
+    if ds_config.startswith("zero3"):  # built under deepspeed.zero.Init: each rank only ever held its shard
+        total = held[0]["total"]
+        assert all(h["local"] <= total / 2 + 100 for h in held) and sum(h["local"] for h in held) >= total
+    else:
+        assert all(h["local"] == h["total"] for h in held)
 
 
 def test_zero3_resume_is_exact_and_export_is_a_plain_hf_model(workdir):

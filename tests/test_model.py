@@ -262,3 +262,29 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model(input_ids, labels=labels).loss.backward()
         grads.append(model.encoder.concepts.grad.clone())
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_construct_draws_weights_from_the_seed_alone_and_leaves_the_global_rng_alone():
+    from concept_encoder.bert_baseline import BertForSparseMaskedLM, bert_config
+    from concept_encoder.training.model import construct, held_parameters
+
+    config = config_from_preset("micro", vocab_size=300)
+    torch.manual_seed(123)
+    first = construct(ConceptEncoderForMaskedLM, config, seed=7)
+    after = torch.rand(3)
+    torch.manual_seed(456)
+    second = construct(ConceptEncoderForMaskedLM, config, seed=7)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), after)  # construction drew nothing from the global generator
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    other = construct(ConceptEncoderForMaskedLM, config, seed=8)
+    assert not torch.equal(other.encoder.concepts, first.encoder.concepts)
+    assert float(first.encoder.concepts.std()) == pytest.approx(
+        config.initializer_range, rel=0.2
+    )  # initialised, not empty
+    assert first.lm_head.decoder.weight is first.encoder.embeddings.word_embeddings.weight  # still tied
+    held = held_parameters(first)
+    assert held["local"] == held["total"] == sum(p.numel() for p in {id(p): p for p in first.parameters()}.values())
+    bert = construct(BertForSparseMaskedLM, bert_config(PRESETS["micro"], 300, pad_token_id=0), seed=7)
+    assert float(bert.bert.embeddings.word_embeddings.weight.std()) == pytest.approx(0.02, rel=0.2)

@@ -158,7 +158,7 @@ def test_suggest_orders_by_offload_then_estimated_memory(capsys):
     assert {r["ds_config"] for r in rows} >= {"zero0", "zero2", "zero2_offload", "zero3_offload"}
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True)  # everything that fits comes first
-    level = {"none": 0, "optimizer": 1, "params+optimizer": 2}
+    level = {"none": 0, "optimizer": 1, "params+optimizer": 2, "nvme": 3}
     fitting = [r for r in rows if r["fits"]]
     assert [level[r["offload"]] for r in fitting] == sorted(level[r["offload"]] for r in fitting)
     for lvl in level.values():
@@ -166,6 +166,47 @@ def test_suggest_orders_by_offload_then_estimated_memory(capsys):
         assert peaks == sorted(peaks)
     xl = json.loads(run(capsys, *XL_3080, "--suggest", "--json")[1])["suggest"]
     assert [r["ds_config"] for r in xl if r["fits"]][0] == "zero2_offload"  # xl needs offload on 10 GB
+
+
+PLAN_3B = [*XL_3080, "--preset", "3b", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "32",
+           "--gradient_checkpointing"]  # fmt: skip
+
+
+def test_3b_preset_counts_equal_the_model_built_on_the_meta_device():
+    import torch
+
+    from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
+    from concept_encoder.memory import parameter_count
+
+    config = config_from_preset("3b", vocab_size=30522)
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        model = ConceptEncoderForMaskedLM(config)
+    built = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert parameter_count(**config.to_dict())["total"] == built and 2.9e9 < built < 3.3e9
+
+
+def test_3b_plan_on_a_10gb_card_equals_deepspeeds_estimator_and_goes_to_nvme_when_host_ram_is_short(capsys):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    from concept_encoder.memory import GIB
+
+    code, out = run(capsys, *PLAN_3B, "--ds_config", "ds_configs/zero3_offload.json", "--suggest", "--json")
+    data = json.loads(out)
+    params, largest = data["estimate"]["parameters"], data["estimate"]["largest_layer"]
+    assert 2.9e9 < params < 3.3e9
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, 1, 1, True, True, zero_init=True)
+    assert data["estimate"]["gpu_model_states_gib"] == pytest.approx(gpu / GIB, abs=1e-3)
+    assert data["estimate"]["cpu_model_states_gib"] == pytest.approx(cpu / GIB, abs=1e-3)
+    rows = {r["ds_config"]: r for r in data["suggest"]}
+    assert rows["zero3_offload"]["est_host_gib"] == pytest.approx(cpu / GIB, abs=0.01)
+    # 32 GB of host RAM (the profile) cannot hold ~78 GiB of offloaded states: NVMe is what fits
+    assert not rows["zero3_offload"]["fits"] and rows["zero3_offload"]["why_not"] == "host RAM"
+    assert rows["zero3_nvme"]["fits"] and rows["zero3_nvme"]["est_nvme_gib"] == rows["zero3_offload"]["est_host_gib"]
+    assert [r["ds_config"] for r in data["suggest"] if r["fits"]] == ["zero3_nvme"]
+    assert code == 1  # the plan's own ds config (zero3_offload) is refused on host RAM
+    assert any(c["name"] == "host RAM for model states" and c["status"] == "ERROR" for c in data["checks"])
+    big_host = json.loads(run(capsys, *PLAN_3B, "--host_memory", "128GB", "--suggest", "--json")[1])["suggest"]
+    assert [r["ds_config"] for r in big_host if r["fits"]][:2] == ["zero2_offload", "zero3_offload"]
 
 
 def test_usage_errors_exit_2(capsys):

@@ -37,6 +37,31 @@ def launched_zero_stage() -> int | None:
     return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 0))
 
 
+def zero3_construction_config(training_args, world_size: int) -> dict | None:
+    """The ds config a model is built under by `deepspeed.zero.Init` (each module's parameters partitioned
+    across ranks, or offloaded, as soon as it is constructed), or None: not a ZeRO-3 launch, or one that
+    turned it off (`accelerate launch --zero3_init_flag false`; on by default for stage 3, as in accelerate).
+
+    It is the launched ds config file with its `"auto"` entries resolved as accelerate resolves them for its
+    own `zero3_init_flag` (batch sizes, here from the loop's arguments; bf16/fp16 from the mixed precision),
+    since the Accelerator, which would do it, is created later in the init order (step 12)."""
+    if launched_zero_stage() != 3 or os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true").lower() == "false":
+        return None
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if path != "none" and Path(path).is_file():
+        config = json.loads(Path(path).read_text())
+    else:  # `accelerate launch --zero_stage 3 --offload_param_device ...` without a file
+        device = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")
+        config = {"zero_optimization": {"stage": 3, "offload_param": {"device": device}}}
+    config.update(deepspeed_batch_values(training_args, world_size))
+    precision = training_args.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    for name in ("bf16", "fp16"):
+        if config.get(name, {}).get("enabled") == "auto":
+            config[name]["enabled"] = precision == name
+    config.pop("gradient_clipping", None)
+    return config
+
+
 def deepspeed_config(accelerator) -> dict | None:
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return None

@@ -9,18 +9,64 @@ from ..heads import ConceptEncoderForMaskedLM
 from .plan import fresh_model_fields
 
 
-def build_model(model_args, data_args, tokenizer, objective: str = "mlm"):
+def construct(model_class, config, seed: int, zero3_config: dict | None = None):
+    """A fresh `model_class(config)`: the module tree built without initialising it, then every weight
+    initialised (`initialize_weights`) from torch's generator seeded with `seed`, in a forked RNG state (the
+    weights depend on the seed alone, not on what ran before, and the global RNG is left as it was).
+
+    With `zero3_config` the tree is built under `deepspeed.zero.Init`: each module's parameters are
+    partitioned across the ranks (or offloaded, `offload_param`) as soon as the module exists, so no process
+    ever holds the whole model; transformers' `initialize_weights_zero3` then gathers one module at a time on
+    rank 0 to initialise it. It runs the same initialisers in the same order, so on CPU both ways give equal
+    weights (on CUDA the gathered weights draw from the GPU's generator)."""
+    import contextlib
+
+    import torch
+    from transformers import initialization as init
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(init.no_init_weights())
+        if zero3_config is not None:
+            import deepspeed
+
+            stack.enter_context(deepspeed.zero.Init(config_dict_or_path=zero3_config))
+        model = model_class(config)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        if zero3_config is None:
+            model.initialize_weights()
+        else:
+            from transformers.integrations.deepspeed import initialize_weights_zero3
+
+            initialize_weights_zero3(model)
+    model.tie_weights()
+    return model
+
+
+def held_parameters(model) -> dict[str, int]:
+    """Parameter elements this process holds (`local`) of the model's `total`: equal unless ZeRO-3 built the
+    model partitioned (a partitioned parameter keeps its shard in `ds_tensor` and its full size in `ds_numel`,
+    with no data of its own between forwards); tied weights once."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    local = sum(p.numel() + (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else 0) for p in unique)
+    return {"local": local, "total": sum(getattr(p, "ds_numel", p.numel()) for p in unique)}
+
+
+def build_model(model_args, data_args, tokenizer, objective: str = "mlm", seed: int = 0, zero3_config=None):
     """A fresh preset (vocabulary and special ids from the tokenizer, position table grown to the
-    sequence length) or the saved model of `model_args.model_name_or_path`: a `ConceptEncoderForMaskedLM`,
-    or with `--architecture bert` the `BertForSparseMaskedLM` baseline of the same shape; checked against
-    the tokenizer, the sequence length and the objective; activation checkpointing on request."""
+    sequence length; weights from `seed`, partitioned under `zero3_config`: `construct`) or the saved model
+    of `model_args.model_name_or_path`: a `ConceptEncoderForMaskedLM`, or with `--architecture bert` the
+    `BertForSparseMaskedLM` baseline of the same shape; checked against the tokenizer, the sequence length
+    and the objective; activation checkpointing on request."""
     bert = model_args.architecture == "bert"
     model_class = BertForSparseMaskedLM if bert else ConceptEncoderForMaskedLM
     if model_args.model_name_or_path:
-        model = model_class.from_pretrained(model_args.model_name_or_path)
+        model = from_pretrained(model_class, model_args.model_name_or_path, zero3_config)
     elif bert:
         fields = fresh_model_fields(model_args, data_args.max_seq_length, len(tokenizer))
-        model = BertForSparseMaskedLM(bert_config(fields, len(tokenizer), pad_token_id=tokenizer.pad_token_id))
+        config = bert_config(fields, len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+        model = construct(BertForSparseMaskedLM, config, seed, zero3_config)
     else:
         fields = fresh_model_fields(
             model_args,
@@ -32,7 +78,7 @@ def build_model(model_args, data_args, tokenizer, objective: str = "mlm"):
             sep_token_id=tokenizer.sep_token_id,
             unk_token_id=tokenizer.unk_token_id,
         )
-        model = ConceptEncoderForMaskedLM(ConceptEncoderConfig(**fields))
+        model = construct(ConceptEncoderForMaskedLM, ConceptEncoderConfig(**fields), seed, zero3_config)
     check_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
     if data_args.max_seq_length > model.config.max_position_embeddings:
         raise ValueError(
@@ -50,6 +96,20 @@ def build_model(model_args, data_args, tokenizer, objective: str = "mlm"):
         else:
             model.activation_checkpointing_enable()
     return model
+
+
+def from_pretrained(model_class, path: str, zero3_config: dict | None):
+    """`model_class.from_pretrained(path)`; under `zero3_config` loaded partitioned (transformers' ZeRO-3
+    loading, which reads the ds config through `HfDeepSpeedConfig`, kept alive only while loading)."""
+    if zero3_config is None:
+        return model_class.from_pretrained(path)
+    from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    keep_alive = HfDeepSpeedConfig(zero3_config)  # noqa: F841 (transformers holds only a weak reference)
+    try:
+        return model_class.from_pretrained(path)
+    finally:
+        unset_hf_deepspeed_config()
 
 
 def build_classifier(model_path: str, task, from_scratch: bool = False):

@@ -15,7 +15,8 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             if not param.requires_grad or id(param) in seen:
                 continue  # a tied weight is grouped where it is first met (the input embedding)
             seen.add(id(param))
-            is_matrix = param.ndim >= 2 and not isinstance(module, nn.Embedding) and name != "concepts"
+            ndim = len(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 partition is a flat shard
+            is_matrix = ndim >= 2 and not isinstance(module, nn.Embedding) and name != "concepts"
             (decay if is_matrix else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},

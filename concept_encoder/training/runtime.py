@@ -122,52 +122,78 @@ def apply_memory_budget(budget_gb: float | None, state: PartialState) -> None:
     logger.info("CUDA memory capped at %.1f GiB (%.1f%% of %.1f GiB)", budget_gb, 100 * fraction, total / 2**30)
 
 
-def probe_attention_kernels(model, batch: dict, state: PartialState) -> dict[str, bool]:
-    """Step 8: which SDPA backends the model's real attention calls can run on, on this device.
+def attention_calls(config, seq_len: int, decoder: bool = True) -> list[tuple[str, int, int, bool]]:
+    """The SDPA calls one forward of a model with `config` makes on `seq_len` tokens, as (what, queries,
+    keys, masked by padding): BERT's self-attention; the concepts reading the tokens and each other, and
+    with `decoder` the MLM decoder's masked positions (15%) reading the concepts."""
+    if config.model_type == "bert":
+        return [("tokens ← tokens", seq_len, seq_len, True)]
+    concepts = config.concept_num
+    calls = [("concepts ← tokens", concepts, seq_len, True), ("concepts ← concepts", concepts, concepts, False)]
+    if decoder and config.decoder_type != "weighted":
+        calls.append(("positions ← concepts", max(1, round(0.15 * seq_len)), concepts, False))
+    return calls
 
-    Runs the model's own forward on a real batch under `sdpa_kernel([backend])`, one backend at
-    a time; a backend that cannot serve these calls (mask, dtype, head size, device) raises and
-    is reported as unavailable. PyTorch picks the first available in the order listed.
+
+def probe_attention_kernels(config, batch: dict, state: PartialState, decoder: bool = True) -> dict[str, bool]:
+    """Step 8: which SDPA backends can serve the model's attention calls on this device.
+
+    Runs every call of `attention_calls` (the model's head count, head size and lengths, two rows of
+    `batch`, its padding mask where one is needed, bf16 on CUDA) on random queries, keys and values under
+    `sdpa_kernel([backend])`, one backend at a time; a backend that cannot serve a call (mask, dtype, head
+    size, device) raises and is reported as unavailable. PyTorch picks the first available in the order
+    listed. Probing attention calls, not the model, keeps the model where it is: a ZeRO-3 model stays
+    partitioned, and a model larger than the GPU is never moved onto it whole.
     """
+    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if not state.is_main_process:
         return {}
     candidates = [("flash", SDPBackend.FLASH_ATTENTION), ("memory_efficient", SDPBackend.EFFICIENT_ATTENTION)]
     candidates.append(("math", SDPBackend.MATH))
-    inputs = {k: v[:2].to(state.device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
-    was_training = model.training
-    model.eval()
+    ids = batch["input_ids"][:2]
+    rows, seq_len = ids.shape
+    mask = batch.get("attention_mask")
+    padded = mask is not None and not bool(mask[:2].all())
+    key_mask = mask[:2].bool().to(state.device)[:, None, None, :] if padded else None  # [B,1,1,N]
+    dtype = torch.bfloat16 if state.device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    heads = config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    calls = attention_calls(config, seq_len, decoder)
     result = {}
-    dtype = torch.bfloat16 if state.device.type == "cuda" and torch.cuda.is_bf16_supported() else None
     for name, backend in candidates:
         try:
-            with (
-                torch.no_grad(),
-                sdpa_kernel([backend]),
-                torch.autocast(state.device.type, dtype=dtype, enabled=dtype is not None),
-            ):
-                model(**inputs)
+            with torch.no_grad(), sdpa_kernel([backend]):
+                for _, queries, keys, masked in calls:
+                    q = torch.randn(rows, heads, queries, head_dim, device=state.device, dtype=dtype)
+                    kv = torch.randn(2, rows, heads, keys, head_dim, device=state.device, dtype=dtype)
+                    F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=key_mask if masked else None)
             result[name] = True
         except RuntimeError:
             result[name] = False
-    model.train(was_training)
     chosen = next((name for name, ok in result.items() if ok), "none")
-    padded = "attention_mask" in inputs and not bool(inputs["attention_mask"].all())
     logger.info(
-        "attention kernels on %s (%s batch, %s): %s → PyTorch will use %s",
+        "attention kernels on %s (%s batch, %s; %s): %s → PyTorch will use %s",
         state.device,
         "padded" if padded else "unpadded",
-        "bf16" if dtype else "fp32",
+        "bf16" if dtype == torch.bfloat16 else "fp32",
+        ", ".join(f"{what} {q}×{k}" for what, q, k, _ in calls),
         ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in result.items()),
         chosen,
     )
     return result
 
 
-def maybe_compile(model, enabled: bool):
-    """Step 9: `torch.compile(model, dynamic=True)`: masked counts change the decoder shapes every batch."""
+def maybe_compile(model, enabled: bool, backend="inductor"):
+    """Step 9: `torch.compile(model, dynamic=True)`, traced as one graph that never recompiles for a new
+    masked count: the labelled-position count M and row count L are data-dependent sizes, so dynamo is told
+    to capture `.item()` and boolean-mask indexing as symbolic sizes instead of breaking the graph there,
+    and the vocabulary loss is one custom operator (`vocab_projection`). Process-wide settings, set here once.
+    `backend`: torch.compile's (tests count graphs with dynamo's `CompileCounterWithBackend`)."""
     if not enabled:
         return model
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
     logger.info("compiling the model with torch.compile(dynamic=True)")
-    return torch.compile(model, dynamic=True)
+    return torch.compile(model, dynamic=True, backend=backend)
