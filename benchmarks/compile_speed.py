@@ -146,7 +146,8 @@ def main(argv=None) -> int:
         rows.append(measure(shape, n, args))
         print(f"N={n}: " + ", ".join(f"{k}={v:.3g}" for k, v in rows[-1].items()), file=sys.stderr)
     for row in rows:
-        row["met"] = row["speedup"] >= SPEEDUP_TARGET and row["recompiles_after_warmup"] == 0
+        ok = row["speedup"] >= SPEEDUP_TARGET and row["recompiles_after_warmup"] == 0
+        row["met"] = "yes" if ok else "**no**"
     print(f"torch.compile(dynamic=True, backend={args.backend}) vs eager · {machine()} · shape {args.preset} · vocab {args.vocab_size} · "
           f"batch {args.batch_size} · {args.precision} · median of {args.repeats}\n")  # fmt: skip
     columns = ["N", "eager_step_s", "compiled_step_s", "speedup", "compile_s", "recompiles_after_warmup",

@@ -226,6 +226,10 @@ def parse_args(argv=None):
     return args
 
 
+def met(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
 def verdicts(rows: list[dict]) -> list[dict]:
     """The targets, met or not: the shared-K/V model's speed-up over the sparse-head BERT at the lengths of
     `SPEEDUP_TARGETS`, and for both concept models at every N their speed-up ≥ 90% of their FLOP bound."""
@@ -235,11 +239,11 @@ def verdicts(rows: list[dict]) -> list[dict]:
         if n in SPEEDUP_TARGETS:
             measured = row["concept_kv_speedup_vs_bert_sparse"]
             checks.append({"model": "concept_kv", "N": n, "target": f"speed-up ≥ {SPEEDUP_TARGETS[n]}x",
-                           "measured": f"{measured:.2f}x", "met": measured >= SPEEDUP_TARGETS[n]})  # fmt: skip
+                           "measured": f"{measured:.2f}x", "met": met(measured >= SPEEDUP_TARGETS[n])})  # fmt: skip
         for name in CONCEPT_MODELS:
             fraction = row[f"{name}_of_bound"]
             checks.append({"model": name, "N": n, "target": f"≥ {BOUND_FRACTION_TARGET:.0%} of FLOP bound",
-                           "measured": f"{fraction:.0%}", "met": fraction >= BOUND_FRACTION_TARGET})  # fmt: skip
+                           "measured": f"{fraction:.0%}", "met": met(fraction >= BOUND_FRACTION_TARGET)})  # fmt: skip
     return checks
 
 

@@ -15,6 +15,8 @@ which multiplies them by the incoming scalar: peak memory is one chunk plus the 
 L and V. No library does this for CPU and CUDA in eager PyTorch (Liger's fused linear
 cross-entropy, the same idea, is Triton-only), hence our own; the result equals
 `(w * cross_entropy(linear(h), t, reduction="none")).sum()` (tested, values and gradients).
+It is a custom operator (`torch.ops.concept_encoder.linear_cross_entropy`) so that torch.compile
+sees one call with symbolic shapes rather than a loop over a data-dependent row count.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def _chunked_loss_and_gradients(hidden, weight, bias, targets, row_weights, comp
         b = None if bias is None else bias.to(compute_dtype)
         rows, vocab = h.shape[0], w.shape[0]
         grad_hidden = torch.empty_like(h) if needs[0] else None  # [L,H]
-        grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if needs[1] else None  # [V,H]
+        grad_weight = None  # [V,H] float32: the first chunk's product, then summed into (no [V,H] zero fill)
         grad_bias = torch.zeros(vocab, dtype=torch.float32, device=w.device) if needs[2] and b is not None else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         step = chunk_rows(vocab)
@@ -59,7 +61,7 @@ def _chunked_loss_and_gradients(hidden, weight, bias, targets, row_weights, comp
             row_loss = peak + total.log() - picked  # [R,1] logsumexp - logit[target]
             scale = None if row_weights is None else row_weights[part, None].float()  # [R,1]
             loss += (row_loss if scale is None else row_loss * scale).sum()
-            if grad_hidden is None and grad_weight is None and grad_bias is None:
+            if not (needs[0] or needs[1] or grad_bias is not None):
                 continue
             zf.div_(total).scatter_add_(1, t, torch.full_like(picked, -1.0))  # softmax - onehot
             if scale is not None:
@@ -67,10 +69,16 @@ def _chunked_loss_and_gradients(hidden, weight, bias, targets, row_weights, comp
             g = zf.to(compute_dtype)  # [R,V]
             if grad_hidden is not None:
                 torch.mm(g, w, out=grad_hidden[part])
-            if grad_weight is not None:
-                grad_weight += (g.t() @ h[part]).float()
+            if needs[1]:
+                product = g.t() @ h[part]  # [V,H]
+                if grad_weight is None:
+                    grad_weight = product.float()  # no copy in float32
+                else:
+                    grad_weight += product
             if grad_bias is not None:
                 grad_bias += zf.sum(dim=0)
+    if needs[1] and grad_weight is None:  # no rows
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     return tuple(x if x is not None else empty for x in (loss, grad_hidden, grad_weight, grad_bias))
 
 
