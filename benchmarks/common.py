@@ -117,6 +117,25 @@ def in_subprocess(script: Path, *args: str, timeout: int = 1800) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def add_step_arguments(parser, lengths: str, repeats: int) -> None:
+    """The flags of the training-step benchmarks (`scaling.py`, `compile_speed.py`): sizes and precision."""
+    parser.add_argument("--full", action="store_true", help="GPU sizes: base shape, batch 8")
+    parser.add_argument("--preset", default=None, help="model shape (default: small on CPU, base with --full)")
+    parser.add_argument("--lengths", default=lengths, help="comma-separated sequence lengths")
+    parser.add_argument("--batch_size", type=int, default=None, help="default 1 (CPU) or 8 (--full)")
+    parser.add_argument("--vocab_size", type=int, default=30522)
+    parser.add_argument("--repeats", type=int, default=repeats, help="timed steps of each model, interleaved")
+    parser.add_argument("--precision", default=None, choices=["fp32", "bf16"], help="default bf16 on CUDA")
+
+
+def resolve_step_arguments(args) -> None:
+    """Defaults that depend on `--full` and the device; lengths as ints."""
+    args.preset = args.preset or ("base" if args.full else "small")
+    args.batch_size = args.batch_size or (8 if args.full else 1)
+    args.precision = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
+    args.lengths = [int(n) for n in args.lengths.split(",")]
+
+
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     def fmt(value) -> str:
         if value is None:

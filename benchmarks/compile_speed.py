@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,12 +22,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
+    add_step_arguments,
     configure_timing_process,
     device,
     interleaved_medians,
     machine,
     markdown_table,
-    synchronize,
+    resolve_step_arguments,
+    timed,
     write_json,
 )
 from benchmarks.scaling import MASK_RATE, build, shapes  # noqa: E402
@@ -89,8 +90,8 @@ def measure(shape: dict, seq_len: int, args) -> dict:
     compiled = maybe_compile(twin, True, backend=args.backend)
     batches = varied_batches(shape, args.batch_size, seq_len, args.repeats + args.warmup + 1, dev)
     steps = {"eager": stepper(eager, batches, args.precision), "compiled": stepper(compiled, batches, args.precision)}
-    eager_first = timed_step(steps["eager"])
-    compile_s = timed_step(steps["compiled"]) - eager_first
+    eager_first = timed(steps["eager"])
+    compile_s = timed(steps["compiled"]) - eager_first
     for _ in range(args.warmup):  # dynamic=True may trace once more when a size first varies
         steps["compiled"]()
         steps["eager"]()
@@ -109,31 +110,14 @@ def measure(shape: dict, seq_len: int, args) -> dict:
     }
 
 
-def timed_step(step) -> float:
-    synchronize()
-    start = time.perf_counter()
-    step()
-    synchronize()
-    return time.perf_counter() - start
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="GPU sizes: base shape, batch 8")
-    parser.add_argument("--preset", default=None, help="model shape (default: small on CPU, base with --full)")
-    parser.add_argument("--lengths", default="512,4096")
-    parser.add_argument("--batch_size", type=int, default=None, help="default 1 (CPU) or 8 (--full)")
-    parser.add_argument("--vocab_size", type=int, default=30522)
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps of each, interleaved")
+    add_step_arguments(parser, lengths="512,4096", repeats=5)
     parser.add_argument("--warmup", type=int, default=2, help="steps of each after the first, not timed")
-    parser.add_argument("--precision", default=None, choices=["fp32", "bf16"], help="default bf16 on CUDA")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: trace only, fast)")
     parser.add_argument("--json", default=None, help="write the rows to this path")
     args = parser.parse_args(argv)
-    args.lengths = [int(n) for n in args.lengths.split(",")]
-    args.preset = args.preset or ("base" if args.full else "small")
-    args.batch_size = args.batch_size or (8 if args.full else 1)
-    args.precision = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
+    resolve_step_arguments(args)
     return args
 
 

@@ -13,8 +13,9 @@ reported and the next one runs; the whole stays under `--budget_s`, 8 minutes by
    peak bf16 dense TFLOP/s, looked up from the device name (`PEAK_BF16_TFLOPS`) or `--peak_tflops`.
 3. `compile`: `benchmarks/compile_speed.py` on `base` with bf16: compiled / eager step-time ratio,
    compile time, recompiles after warm-up.
-4. `zero`: `launch/zero_compare.py --find_max --memory_budget 10GB` for `zero2_offload` and
-   `zero3_offload`: the largest preset that completes on a 10 GB slice of the GPU, with its parameter count.
+4. `zero`: `launch/zero_compare.py --find_max --find_max_from xl --memory_budget 10GB` for
+   `zero2_offload` and `zero3_offload` (micro-batch 4, N=512): the largest preset from xl (1B) up that
+   completes on a 10 GB slice of the GPU (xl or 3b), with its parameter count at the 8k vocabulary.
 
 Writes `summary.json` and `summary.md` under `--out` and prints the markdown. Without CUDA (or with
 `--dry`) every part runs at toy size on the CPU (micro preset, a few steps, compile traced by
@@ -45,7 +46,7 @@ PEAK_BF16_TFLOPS = [
     ("A10", 125.0), ("RTX 4090", 165.0), ("RTX 3090", 71.0), ("RTX 3080", 59.5), ("A6000", 155.0),
 ]  # fmt: skip
 PARTS = ("probe", "loop", "compile", "zero")
-TIME_LIMITS_S = {"probe": 60, "loop": 150, "compile": 120, "zero": 150}  # on an H100-class GPU, 480 s in all
+TIME_LIMITS_S = {"probe": 30, "loop": 120, "compile": 100, "zero": 230}  # on an H100-class GPU, 480 s in all
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -145,9 +146,13 @@ def zero_part(settings: dict, work: Path, cuda: bool):
     configs = "zero2_offload,zero3_offload" if cuda else "zero3_offload"
     command = [sys.executable, str(ROOT / "launch/zero_compare.py"), "--configs", configs,
                "--out_dir", str(work / "zero"), "--workdir", str(work), "--steps", "2", "--untimed_steps", "1",
-               "--timeout", str(TIME_LIMITS_S["zero"]), "--max_seq_length", str(settings["seq_len"]),
-               "--per_device_train_batch_size", str(settings["batch"]), "--tokenizer", "train:wordpiece:8000"]  # fmt: skip
-    command += ["--find_max", "--memory_budget", "10GB"] if cuda else ["--preset", settings["preset"]]
+               "--timeout", str(TIME_LIMITS_S["zero"] // (2 if cuda else 1)), "--max_seq_length", str(settings["seq_len"]),
+               "--per_device_train_batch_size", str(4 if cuda else settings["batch"]),
+               "--tokenizer", "train:wordpiece:8000"]  # fmt: skip
+    # from xl (1B) up: the presets below it fit 10 GB with room to spare, and each run costs time
+    command += (
+        ["--find_max", "--find_max_from", "xl", "--memory_budget", "10GB"] if cuda else ["--preset", settings["preset"]]
+    )
 
     def read(output: str) -> dict:
         [path] = sorted((work / "zero").glob("zero_compare_*.csv"))[-1:]

@@ -32,6 +32,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
+    add_step_arguments,
     configure_timing_process,
     device,
     in_subprocess,
@@ -39,6 +40,7 @@ from benchmarks.common import (  # noqa: E402
     machine,
     markdown_table,
     peak_memory_of,
+    resolve_step_arguments,
     synchronize,
     write_json,
 )
@@ -198,13 +200,7 @@ def measure_memory(name: str, shape: dict, batch_size: int, seq_len: int, precis
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="GPU grid: base shape, batch 8")
-    parser.add_argument("--preset", default=None, help="model shape (default: small on CPU, base with --full)")
-    parser.add_argument("--lengths", default="512,1024,2048,4096,8192")
-    parser.add_argument("--batch_size", type=int, default=None, help="default 1 (CPU) or 8 (--full)")
-    parser.add_argument("--vocab_size", type=int, default=30522)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--precision", default=None, choices=["fp32", "bf16"], help="default bf16 on CUDA")
+    add_step_arguments(parser, lengths="512,1024,2048,4096,8192", repeats=3)
     parser.add_argument("--no_memory", action="store_true", help="skip the per-model peak-memory subprocesses")
     parser.add_argument("--memory_lengths", default="1024,8192", help="lengths whose peak memory is measured")
     parser.add_argument("--json", default=None, help="write results (ratios included) to this path")
@@ -218,10 +214,7 @@ def parse_args(argv=None):
     parser.add_argument("--bounds", action="store_true", help="print the analytic FLOP ratio of every preset and exit")
     parser.add_argument("--measure", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.preset = args.preset or ("base" if args.full else "small")
-    args.batch_size = args.batch_size or (8 if args.full else 1)
-    args.precision = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
-    args.lengths = [int(n) for n in args.lengths.split(",")]
+    resolve_step_arguments(args)
     args.memory_lengths = [int(n) for n in args.memory_lengths.split(",")]
     return args
 

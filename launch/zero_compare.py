@@ -2,7 +2,7 @@
 
     python launch/zero_compare.py --configs zero0,zero2,zero2_offload,zero3_offload --preset large \\
         --per_device_train_batch_size 8 --max_seq_length 512 --steps 10 --memory_budget 10GB
-    python launch/zero_compare.py --configs zero2,zero2_offload --find_max --memory_budget 10GB
+    python launch/zero_compare.py --configs zero2,zero2_offload --find_max --memory_budget 10GB [--find_max_from xl]
 
 It lives beside the plan checker because it is the plan checker's measured counterpart: both take
 the loop's own flags (parsed by the loop's parser, here with a micro-batch of 8 by default), build
@@ -237,6 +237,8 @@ def parse_args(argv=None):
     parser.add_argument("--num_processes", type=int, default=1)
     parser.add_argument("--memory_budget", type=size_argument, default=None, help="cap CUDA memory, e.g. 10GB")
     parser.add_argument("--find_max", action="store_true", help="largest preset that completes under each config")
+    parser.add_argument("--find_max_from", default=PRESET_ORDER[0], choices=PRESET_ORDER,
+                        help="--find_max: the smallest preset tried (default micro; skip the ones known to fit)")  # fmt: skip
     parser.add_argument("--out_dir", default="Cache/reports")
     parser.add_argument("--workdir", default=str(ROOT), help="where the runs' Cache/ (data, tokenizers) lives")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
@@ -276,7 +278,7 @@ def main(argv=None) -> int:
     report_dir = out_dir / f"zero_compare_{stamp}"
     report_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    presets = [args.loop[0].preset] if not args.find_max else PRESET_ORDER
+    presets = [args.loop[0].preset] if not args.find_max else PRESET_ORDER[PRESET_ORDER.index(args.find_max_from) :]
     jobs = [(c, p) for c in args.configs for p in presets]
     bar = tqdm(total=len(jobs), desc="zero-compare", unit="run")
     for i, config in enumerate(args.configs):
@@ -290,7 +292,7 @@ def main(argv=None) -> int:
             elif row["status"] == "ok":
                 best = row
             else:
-                bar.update(len(PRESET_ORDER) - PRESET_ORDER.index(preset) - 1)
+                bar.update(len(presets) - presets.index(preset) - 1)
                 break  # larger presets need more memory
         if args.find_max:
             rows.append(best or {"config": config, "preset": "—", "status": "failed", "error": "nothing fits"})

@@ -9,32 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
-from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType
 
 from ..extension_locks import StaleLockError, stale_lock_message, stale_op_locks
 from ..memory import zero_settings
-from .plan import deepspeed_batch_values
-
-
-def using_deepspeed() -> bool:
-    """Launched by `accelerate launch` with DeepSpeed (known before the Accelerator exists)."""
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+from .plan import deepspeed_batch_values, launched_ds_config
 
 
 def launched_zero_stage() -> int | None:
-    """The ZeRO stage `accelerate launch` was given (its ds config file or `--zero_stage`), known before the
-    Accelerator exists; None without DeepSpeed."""
-    if not using_deepspeed():
-        return None
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    if path != "none" and Path(path).is_file():
-        return zero_settings(json.loads(Path(path).read_text()))[0]
-    return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 0))
+    """The ZeRO stage `accelerate launch` was given (`plan.launched_ds_config`); None without DeepSpeed."""
+    config = launched_ds_config()
+    return None if config is None else zero_settings(config)[0]
 
 
 def zero3_construction_config(training_args, world_size: int) -> dict | None:
@@ -42,17 +30,12 @@ def zero3_construction_config(training_args, world_size: int) -> dict | None:
     across ranks, or offloaded, as soon as it is constructed), or None: not a ZeRO-3 launch, or one that
     turned it off (`accelerate launch --zero3_init_flag false`; on by default for stage 3, as in accelerate).
 
-    It is the launched ds config file with its `"auto"` entries resolved as accelerate resolves them for its
+    It is the launched ds config with its `"auto"` entries resolved as accelerate resolves them for its
     own `zero3_init_flag` (batch sizes, here from the loop's arguments; bf16/fp16 from the mixed precision),
     since the Accelerator, which would do it, is created later in the init order (step 12)."""
     if launched_zero_stage() != 3 or os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true").lower() == "false":
         return None
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    if path != "none" and Path(path).is_file():
-        config = json.loads(Path(path).read_text())
-    else:  # `accelerate launch --zero_stage 3 --offload_param_device ...` without a file
-        device = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")
-        config = {"zero_optimization": {"stage": 3, "offload_param": {"device": device}}}
+    config = launched_ds_config()
     config.update(deepspeed_batch_values(training_args, world_size))
     precision = training_args.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     for name in ("bf16", "fp16"):

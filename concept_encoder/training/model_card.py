@@ -45,6 +45,19 @@ def description(model: dict, parameters: int, objective: str) -> list[str]:
     ]
 
 
+def concept_loss_rows(train: dict) -> list[str]:
+    """The concept losses the run added to its objective (the default recipe's, or none), as a table row."""
+    losses = train.get("concept_losses")
+    if losses in (None, "none", ""):
+        return [] if losses is None else ["| concept losses | none |"]
+    weighting = train.get("loss_weighting", "fixed")
+    weight = f"weight {train.get('concept_loss_weight')}" if weighting == "fixed" else f"{weighting} weighting"
+    warmup = train.get("concept_loss_warmup_steps") or 0
+    return [
+        f"| concept losses | {losses.replace(',', ', ')} ({weight}{f', warmed up over {warmup} steps' if warmup else ''}) |"
+    ]
+
+
 def model_card(run_name: str, config: dict, summary: dict, command: list[str]) -> str:
     """Markdown with Hugging Face front matter, from the run's resolved `config` and its `summary`."""
     model, data, train = config["model_config"], config["data_args"], config["training_args"]
@@ -70,6 +83,7 @@ def model_card(run_name: str, config: dict, summary: dict, command: list[str]) -
         f"| data | `{data['dataset']}` (field `{data['text_field']}`), {blocks} of {data['max_seq_length']} tokens |",
         f"| tokenizer | `{data['tokenizer']}` ({model['vocab_size']:,} tokens) |",
         f"| objective | {OBJECTIVE_TEXT[train.get('objective', 'mlm')].format(**train, **data)} |",
+        *concept_loss_rows(train),
         f"| steps | {summary.get('steps')} optimizer steps, {summary.get('tokens_seen', 0):,} tokens seen |",
         f"| batch | {batch} sequences per step ({world} process(es)) |",
         f"| optimizer | AdamW, peak learning rate {train['learning_rate']}, {train['lr_scheduler_type']} schedule |",

@@ -11,6 +11,7 @@ Torch-free (the plan checker must answer in about a second):
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -56,6 +57,20 @@ def deepspeed_batch_values(training_args, world_size: int) -> dict[str, int]:
         "gradient_accumulation_steps": accumulation,
         "train_batch_size": micro * accumulation * world_size,
     }
+
+
+def launched_ds_config() -> dict | None:
+    """The ds config `accelerate launch` handed this process (known before the Accelerator exists): its
+    `--deepspeed_config_file`, or the stage and offload devices of its flags; None without DeepSpeed."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if path != "none" and Path(path).is_file():
+        return json.loads(Path(path).read_text())
+    zero = {"stage": int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 0))}
+    for key, variable in (("offload_optimizer", "OPTIMIZER"), ("offload_param", "PARAM")):
+        zero[key] = {"device": os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{variable}_DEVICE", "none")}
+    return {"zero_optimization": zero}
 
 
 def output_dir_problem(output_dir: str) -> str | None:

@@ -15,8 +15,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from ..extension_locks import StaleLockError, stale_lock_message, stale_op_locks
+from ..memory import zero_settings
 from .args import ARGUMENT_CLASSES, parse_args
-from .plan import output_dir_problem
+from .plan import launched_ds_config, output_dir_problem
 
 
 def effective_precision(mixed_precision: str | None) -> str:
@@ -32,7 +34,8 @@ def cuda_present() -> bool:
 
 
 def preflight(model_args, data_args, training_args, cuda: bool) -> None:
-    """ValueError naming the first argument this run cannot work with (`cuda`: a GPU is in use).
+    """ValueError naming the first argument this run cannot work with (`cuda`: a GPU is in use), or
+    `StaleLockError` when the launch offloads the optimizer and a stale CPU Adam build lock would hang it.
 
     `model_args` needs `model_name_or_path`, `data_args` `max_seq_length` (both loops' arguments have them).
     """
@@ -43,6 +46,8 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
             "mixed precision fp16 needs a CUDA GPU and this run is on the CPU; "
             "use --mixed_precision bf16 (supported on CPU) or no"
         )
+    if zero_settings(launched_ds_config())[1] and (stale := stale_op_locks("cpu_adam")):
+        raise StaleLockError(stale_lock_message("cpu_adam", stale))  # the optimizer would wait on it forever
     if model_args.model_name_or_path:
         config_path = Path(model_args.model_name_or_path) / "config.json"
         if not config_path.is_file():
