@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(model_args, data_args, data.tokenizer, args.objective, args.seed, zero3_config)
     held = held_parameters(model)
     if zero3_config is not None:
-        logger.info("ZeRO-3 partitioned construction: this process holds %d of %d parameter elements", held["local"],
+        logger.info("ZeRO-3 partitioned model: this process holds %d of %d parameter elements", held["local"],
                     held["total"])  # fmt: skip
     counts = log_model_info(
         model,
