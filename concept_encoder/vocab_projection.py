@@ -36,9 +36,8 @@ def chunk_rows(vocab_size: int) -> int:
 
 def _chunked_loss_and_gradients(hidden, weight, bias, targets, row_weights, compute_dtype, needs):
     """The work of `linear_cross_entropy`: (loss `[]` float32, grad_hidden `[L,H]`, grad_weight `[V,H]` float32,
-    grad_bias `[V]` float32), each gradient an empty `[0]` where `needs` (hidden, weight, bias) says it is not
+    grad_bias `[V]` float32), each gradient its own empty `[0]` (outputs may not alias) where `needs` (hidden, weight, bias) says it is not
     wanted; the gradients are of the loss itself (backward multiplies them by the incoming scalar)."""
-    empty = hidden.new_empty(0)
     with torch.autocast(hidden.device.type, enabled=False):
         h = hidden.to(compute_dtype)
         w = weight.to(compute_dtype)
@@ -79,18 +78,17 @@ def _chunked_loss_and_gradients(hidden, weight, bias, targets, row_weights, comp
                 grad_bias += zf.sum(dim=0)
     if needs[1] and grad_weight is None:  # no rows
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    return tuple(x if x is not None else empty for x in (loss, grad_hidden, grad_weight, grad_bias))
+    return tuple(x if x is not None else hidden.new_empty(0) for x in (loss, grad_hidden, grad_weight, grad_bias))
 
 
 def _fake_loss_and_gradients(hidden, weight, bias, targets, row_weights, compute_dtype, needs):
     """Shapes and dtypes of `_chunked_loss_and_gradients`, for torch.compile's tracing."""
-    empty = hidden.new_empty(0)
     f32 = torch.float32
     return (
         hidden.new_empty((), dtype=f32),
-        hidden.new_empty(hidden.shape, dtype=compute_dtype) if needs[0] else empty,
-        weight.new_empty(weight.shape, dtype=f32) if needs[1] else empty,
-        weight.new_empty(weight.shape[:1], dtype=f32) if needs[2] and bias is not None else empty,
+        hidden.new_empty(hidden.shape, dtype=compute_dtype) if needs[0] else hidden.new_empty(0),
+        weight.new_empty(weight.shape, dtype=f32) if needs[1] else hidden.new_empty(0),
+        weight.new_empty(weight.shape[:1], dtype=f32) if needs[2] and bias is not None else hidden.new_empty(0),
     )
 
 
@@ -167,7 +165,12 @@ def linear_cross_entropy(
         raise ValueError(
             f"row_weights shape {tuple(row_weights.shape)} must equal targets shape {tuple(targets.shape)}"
         )
-    needs = [hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
+    grad = torch.is_grad_enabled()  # no gradients are computed under torch.no_grad()
+    needs = [
+        grad and hidden.requires_grad,
+        grad and weight.requires_grad,
+        grad and bias is not None and bias.requires_grad,
+    ]
     return _linear_cross_entropy_op(hidden, weight, bias, targets, row_weights, compute_dtype, needs)[0]
 
 

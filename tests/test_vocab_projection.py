@@ -67,3 +67,16 @@ def test_vocab_projection_is_a_linear_layer_with_a_loss_path():
     torch.testing.assert_close(layer(hidden), F.linear(hidden, layer.weight, layer.bias))
     torch.testing.assert_close(layer(hidden, targets), reference(hidden, layer.weight, layer.bias, targets))
     assert set(layer.state_dict()) == {"weight", "bias"}  # checkpoints are those of nn.Linear
+
+
+def test_no_gradients_are_computed_under_no_grad():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, weight = torch.randn(6, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True)
+    targets = torch.randint(0, 20, (6,))
+    with FlopCounterMode(display=False) as training:
+        linear_cross_entropy(hidden, weight, None, targets)
+    with torch.no_grad(), FlopCounterMode(display=False) as inference:
+        loss = linear_cross_entropy(hidden, weight, None, targets)
+    assert inference.get_total_flops() == 2 * 6 * 8 * 20 and training.get_total_flops() == 3 * 2 * 6 * 8 * 20
+    assert not loss.requires_grad
