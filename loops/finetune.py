@@ -67,7 +67,13 @@ from concept_encoder.training.logs import log_model_info, log_system_info, setup
 from concept_encoder.training.model import build_classifier
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.runs import init_wandb, save_run_config, setup_run_dirs
-from concept_encoder.training.runtime import maybe_compile, probe_attention_kernels, setup_distributed
+from concept_encoder.training.runtime import (
+    maybe_compile,
+    model_state_dict,
+    plain_model,
+    probe_attention_kernels,
+    setup_distributed,
+)
 from concept_encoder.training.selection import BestStep
 from concept_encoder.training.tracking import MetricsWriter, PreemptionFlag
 
@@ -185,7 +191,7 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
                 dev = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
                 if metrics:
                     metrics.write({"kind": "dev", "step": step, **dev})
-                best.offer(step, dev, lambda: accelerator.get_state_dict(model))
+                best.offer(step, dev, lambda: model_state_dict(accelerator, model))
                 for failure in gates.check(step, dev):
                     logger.warning("seed %d: gate failed: %s; %s", seed, describe_outcome(failure),
                                    GATE_ACTION_TEXT[args.gate_action])  # fmt: skip
@@ -203,7 +209,7 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
             accelerator.wait_for_everyone()
             return None
         # 13. the chosen step on the validation split (evaluated once), beside the baseline; save
-        accelerator.unwrap_model(model).load_state_dict(best.weights)
+        plain_model(accelerator, model).load_state_dict(best.weights)
         logits, labels = predict(accelerator, model, validation_loader)
         validation = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
         baseline = compute_metrics(
@@ -216,7 +222,7 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
         if accelerator.is_main_process:
             metrics.write({"kind": "validation", "step": best.step, **validation})
             (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
-            accelerator.unwrap_model(model).save_pretrained(run_dir / "final", state_dict=best.weights)
+            plain_model(accelerator, model).save_pretrained(run_dir / "final", state_dict=best.weights)
             tokenizer.save_pretrained(run_dir / "final")
             logger.info("seed %d: step %d chosen on dev (%s %.4f); validation %s; baseline %s", seed, best.step,
                         main_metric, best.dev[main_metric], validation, baseline)  # fmt: skip

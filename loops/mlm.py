@@ -83,6 +83,8 @@ from concept_encoder.training.runs import finished_run, init_wandb, save_run_con
 from concept_encoder.training.runtime import (
     apply_memory_budget,
     maybe_compile,
+    model_state_dict,
+    plain_model,
     probe_attention_kernels,
     setup_distributed,
 )
@@ -213,19 +215,19 @@ def save_final(
         model.eval()
         with torch.no_grad():  # every rank runs it: under ZeRO-3 the forward gathers parameters
             reference = model(input_ids=probe_ids.to(accelerator.device)).logits.float().cpu()
-        state_dict = accelerator.get_state_dict(model)  # collective: gathers ZeRO-3 shards
+        state_dict = model_state_dict(accelerator, model)  # collective: gathers ZeRO-3 shards
         if accelerator.is_main_process:
-            accelerator.unwrap_model(model).save_pretrained(final_dir, state_dict=state_dict)
+            plain_model(accelerator, model).save_pretrained(final_dir, state_dict=state_dict)
             tokenizer.save_pretrained(final_dir)
             with outside_zero3():
-                reloaded = type(accelerator.unwrap_model(model)).from_pretrained(final_dir).eval()
+                reloaded = type(plain_model(accelerator, model)).from_pretrained(final_dir).eval()
             with torch.no_grad():
                 export_diff = (reloaded(input_ids=probe_ids).logits.float() - reference).abs().max().item()
             logger.info(
                 "export check: reloaded final model matches the trained one to %.2e (max |Δlogit|)", export_diff
             )
     if accelerator.num_processes > 1:
-        params = list(accelerator.unwrap_model(model).parameters())
+        params = list(plain_model(accelerator, model).parameters())
         sharded = any(hasattr(p, "ds_numel") for p in params)  # ZeRO-3 holds only a shard per rank
         checksum = None if sharded else sum(float(p.detach().double().sum()) for p in params)
         (run_dir / "ranks").mkdir(exist_ok=True)

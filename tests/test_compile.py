@@ -82,3 +82,25 @@ def test_model_inputs_drops_an_all_ones_attention_mask_only():
     assert "attention_mask" not in inputs and int(normalizer) == 5 and int(tokens) == 96
     inputs, _, tokens = model_inputs(masked_batch([3, 2], padded=True))
     assert inputs["attention_mask"].shape == (2, 48) and int(tokens) == 88
+
+
+def test_a_compiled_model_saves_and_reloads_under_its_plain_names(tmp_path):
+    """The loops save through `model_state_dict`/`plain_model`: a compiled model's own state dict names every
+    weight `_orig_mod.<name>`, which `save_pretrained` would write as weights no model loads."""
+    from accelerate import Accelerator
+
+    from concept_encoder.training.runtime import model_state_dict, plain_model
+
+    torch.manual_seed(0)
+    model = ConceptEncoderForMaskedLM(config_from_preset("micro", vocab_size=VOCAB, hidden_dropout_prob=0.0))
+    accelerator = Accelerator(cpu=True)
+    compiled = accelerator.prepare(maybe_compile(model, True, backend="eager"))
+    assert all(name.startswith("_orig_mod.") for name in accelerator.get_state_dict(compiled))
+    state = model_state_dict(accelerator, compiled)
+    assert state.keys() == model.state_dict().keys()
+    assert type(plain_model(accelerator, compiled)) is ConceptEncoderForMaskedLM
+    plain_model(accelerator, compiled).save_pretrained(tmp_path, state_dict=state)
+    reloaded = ConceptEncoderForMaskedLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(5, VOCAB, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model.eval()(ids).logits)

@@ -197,3 +197,16 @@ def maybe_compile(model, enabled: bool, backend="inductor"):
     torch._dynamo.config.capture_dynamic_output_shape_ops = True
     logger.info("compiling the model with torch.compile(dynamic=True)")
     return torch.compile(model, dynamic=True, backend=backend)
+
+
+def plain_model(accelerator, model):
+    """The model `prepare` wrapped (DDP, DeepSpeed) and `maybe_compile` compiled, as its own class:
+    what `save_pretrained`, `from_pretrained` of its type and parameter walks need."""
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
+def model_state_dict(accelerator, model) -> dict:
+    """`accelerator.get_state_dict(model)` (a collective under ZeRO-3: the shards are gathered) under the plain
+    model's parameter names: a compiled model's names carry torch.compile's `_orig_mod.` prefix, which a
+    saved model must not (it would load as missing weights)."""
+    return {name.removeprefix("_orig_mod."): value for name, value in accelerator.get_state_dict(model).items()}
