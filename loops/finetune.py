@@ -135,7 +135,8 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
     settings = {"model": model_path, "from_scratch": fargs.from_scratch, "task": task.name, "seed": seed,
                 "world_size": state.num_processes,
                 "per_device_train_batch_size": args.per_device_train_batch_size,
-                "gradient_accumulation_steps": args.gradient_accumulation_steps}  # fmt: skip
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "torch_compile": args.torch_compile}  # fmt: skip
     if resume is not None:
         check_resume_settings(resume, settings)
     run_dir, run_lock = setup_run_dirs(run_args, "finetune", counts["total"], state)

@@ -63,6 +63,7 @@ def test_resuming_another_runs_checkpoint_continues_in_the_new_run_and_leaves_it
         (["--preset", "tiny"], "model.hidden_size: checkpoint 64, this run 128"),
         (["--per_device_train_batch_size", "4"], "per_device_train_batch_size: checkpoint 8, this run 4"),
         (["--max_seq_length", "32"], "data.max_seq_length: checkpoint 64, this run 32"),
+        (["--torch_compile"], "torch_compile: checkpoint False, this run True"),  # compiled weights are renamed
     ],
 )
 def test_a_resume_that_cannot_continue_is_refused_before_anything_is_written(finished_run, change, named):

@@ -187,8 +187,8 @@ MODEL_SHAPE_KEYS = (
 
 def resume_settings(model_config, data_args, training_args, world_size: int) -> dict:
     """What a resume must keep: the model's shape, the processes, the per-device batch and
-    accumulation (they fix the data position), the data (source, tokenizer, blocks, masking) and the
-    objective (its corruption's generator state is in the checkpoint)."""
+    accumulation (they fix the data position), the data (source, tokenizer, blocks, masking), the
+    objective (its corruption's generator state is in the checkpoint) and `--torch_compile`."""
     config = model_config.to_dict()
     return {
         **{f"model.{key}": config.get(key) for key in MODEL_SHAPE_KEYS},
@@ -196,6 +196,7 @@ def resume_settings(model_config, data_args, training_args, world_size: int) -> 
         "per_device_train_batch_size": training_args.per_device_train_batch_size,
         "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
         "objective": training_args.objective,
+        "torch_compile": training_args.torch_compile,  # a compiled model's checkpoint names its weights `_orig_mod.*`
         **{
             f"data.{key}": getattr(data_args, key)
             for key in ("dataset", "text_field", "tokenizer", "max_seq_length", "packing", "streaming", "masking")
@@ -204,7 +205,7 @@ def resume_settings(model_config, data_args, training_args, world_size: int) -> 
 
 
 # Settings added after the first release, with the value every earlier checkpoint was written with.
-RESUME_DEFAULTS = {"objective": "mlm", "model.model_type": "concept_encoder"}
+RESUME_DEFAULTS = {"objective": "mlm", "model.model_type": "concept_encoder", "torch_compile": False}
 
 
 def check_resume_settings(checkpoint: Path, current: dict) -> None:
