@@ -205,8 +205,10 @@ def plain_model(accelerator, model):
     return accelerator.unwrap_model(model, keep_torch_compile=False)
 
 
-def model_state_dict(accelerator, model) -> dict:
-    """`accelerator.get_state_dict(model)` (a collective under ZeRO-3: the shards are gathered) under the plain
-    model's parameter names: a compiled model's names carry torch.compile's `_orig_mod.` prefix, which a
-    saved model must not (it would load as missing weights)."""
-    return {name.removeprefix("_orig_mod."): value for name, value in accelerator.get_state_dict(model).items()}
+def model_state_dict(accelerator, model) -> dict | None:
+    """`accelerator.get_state_dict(model)` (a collective under ZeRO-3: the shards are gathered, and only the
+    main process gets them; None elsewhere) under the plain model's parameter names: a compiled model's
+    names carry torch.compile's `_orig_mod.` prefix, which a saved model must not (it would load as missing
+    weights)."""
+    state = accelerator.get_state_dict(model)
+    return None if state is None else {name.removeprefix("_orig_mod."): value for name, value in state.items()}
