@@ -167,3 +167,30 @@ def test_zero_compare_writes_csv_markdown_and_plot(workdir, tmp_path):
     assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 and float(r["rss_gb"]) > 0 for r in rows)
     assert csv_path.with_suffix(".md").read_text().count("| zero") == 2
     assert csv_path.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_zero3_construction_config_resolves_autos_as_accelerate_does(monkeypatch):
+    from types import SimpleNamespace
+
+    from concept_encoder.training.deepspeed_setup import zero3_construction_config
+
+    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=8, mixed_precision=None)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", raising=False)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ROOT / "ds_configs/zero3_offload.json"))
+    config = zero3_construction_config(args, world_size=2)
+    assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (4, 8)
+    assert config["train_batch_size"] == 64 and "gradient_clipping" not in config
+    assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false")  # `accelerate launch --zero3_init_flag false`
+    assert zero3_construction_config(args, world_size=2) is None
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_ZERO3_INIT")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ROOT / "ds_configs/zero2_offload.json"))
+    assert zero3_construction_config(args, world_size=2) is None  # not stage 3: built whole, as before
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")  # `--zero_stage 3 --offload_param_device cpu`
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "cpu")
+    flags = zero3_construction_config(args, world_size=1)
+    assert flags["zero_optimization"]["stage"] == 3 and flags["zero_optimization"]["offload_param"]["device"] == "cpu"
