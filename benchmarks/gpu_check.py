@@ -206,8 +206,14 @@ def describe(part: str, result: dict) -> str:
         return (f"{r['speedup']:.2f}x eager ({r['backend']}), compile {r['compile_s']:.1f} s, "
                 f"{r['recompiles_after_warmup']} recompiles after warm-up, {r['graph_breaks']} graph breaks")  # fmt: skip
     largest = r["largest_that_completes"]
-    return "; ".join(f"{config}: {v['preset']} ({(v['parameters'] or 0) / 1e6:,.0f}M params, {v['status']})"
+    return "; ".join(f"{config}: {v['preset']} ({params_text(v['parameters'])} parameters, {v['status']})"
                      for config, v in largest.items())  # fmt: skip
+
+
+def params_text(count: int | None) -> str:
+    if not count:
+        return "?"
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:,.1f}M"
 
 
 def markdown(summary: dict) -> str:
