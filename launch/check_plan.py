@@ -45,6 +45,7 @@ from concept_encoder.training.args import (  # noqa: E402
     parse_args,
     read_yaml_mapping,
 )
+from concept_encoder.training.checkpoint import CheckpointError, resolve_resume  # noqa: E402
 from concept_encoder.training.plan import (  # noqa: E402
     decoded_fraction,
     deepspeed_batch_values,
@@ -543,37 +544,28 @@ def check_paths(plan: Plan) -> list[Check]:
         checks.append(Check("output dir", ERROR, problem, "choose --output_dir"))
     else:
         checks.append(Check("output dir", OK, f"{out} writable"))
-    resume = plan.train.resume_from_checkpoint
-    if resume and resume != "auto":
-        path = Path(resume).expanduser()
-        known = ("train_state.json", "latest", "model.safetensors", "pytorch_model.bin", "optimizer.bin")
-        if not path.is_dir():
-            checks.append(
-                Check("resume checkpoint", ERROR, f"{path} does not exist", "a <run>/checkpoints/step_N folder")
-            )
-        elif not any((path / name).exists() for name in known):
-            checks.append(
-                Check(
-                    "resume checkpoint",
-                    ERROR,
-                    f"{path} is neither an accelerate state nor a DeepSpeed tag folder",
-                    "a <run>/checkpoints/step_N folder",
-                )
-            )
-        elif out.resolve() == path.resolve() or path.resolve() in out.resolve().parents:
-            checks.append(
-                Check(
-                    "resume checkpoint",
-                    ERROR,
-                    f"--output_dir {out} is (inside) the checkpoint being resumed: new runs would write into it",
-                    "keep --output_dir at the runs folder (e.g. Cache/runs); a resumed run continues in its own run dir",
-                )
-            )
-        else:
-            checks.append(Check("resume checkpoint", OK, f"{path} (the run continues in {path.parent.parent})"))
-    elif resume == "auto":
-        checks.append(Check("resume checkpoint", OK, "auto: newest checkpoint of the run if any, else a fresh start"))
+    if plan.train.resume_from_checkpoint:
+        checks.append(check_resume(plan, out))
     return checks
+
+
+def check_resume(plan: Plan, out: Path) -> Check:
+    """The checkpoint the loop would resume, found by the loop's own `resolve_resume` (its errors, word for
+    word: not a checkpoint, damaged against its manifest), and not the folder new runs are written to."""
+    try:
+        found = resolve_resume(plan.train.resume_from_checkpoint, plan.train.output_dir, plan.train.run_name)
+    except CheckpointError as error:
+        return Check("resume checkpoint", ERROR, str(error), "a <run>/checkpoints/step_N folder, or auto")
+    if found is None:
+        return Check("resume checkpoint", OK, "auto: no intact checkpoint of this run yet, so a fresh start")
+    if out.resolve() == found.resolve() or found.resolve() in out.resolve().parents:
+        return Check(
+            "resume checkpoint",
+            ERROR,
+            f"--output_dir {out} is (inside) the checkpoint being resumed: new runs would write into it",
+            "keep --output_dir at the runs folder (e.g. Cache/runs); a resumed run continues in its own run dir",
+        )
+    return Check("resume checkpoint", OK, f"{found} (the run continues in {found.parent.parent})")
 
 
 def plan_estimate(plan: Plan, config: dict, ds_cfg):

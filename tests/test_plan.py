@@ -52,10 +52,12 @@ def tokenizer_dir(tmp_path, vocab: int, specials: dict) -> str:
     return str(path)
 
 
-def checkpoint_dir(tmp_path) -> str:
+def checkpoint_dir(tmp_path, manifest: dict | None = None) -> str:
+    """A checkpoint folder as the loop writes it (train state, a manifest of its files: none by default)."""
     path = tmp_path / "runs" / "r1" / "checkpoints" / "step_0000010"
     path.mkdir(parents=True, exist_ok=True)
     (path / "train_state.json").write_text("{}")
+    (path / "manifest.json").write_text(json.dumps(manifest or {}))
     return str(path)
 
 
@@ -105,10 +107,11 @@ BROKEN = {
     ),  # fmt: skip
     "dataset": (lambda t: ["--dataset", "./no/such/corpus.txt"], "no such file or folder"),
     "output dir": (lambda t: ["--output_dir", str(Path(__file__)) + "/runs"], "is a file, not a folder"),
-    "resume missing": (lambda t: ["--resume_from_checkpoint", str(t / "nothing")], "does not exist"),
-    "resume not a checkpoint": (
-        lambda t: ["--resume_from_checkpoint", str(t)],
-        "neither an accelerate state nor a DeepSpeed tag folder",
+    "resume missing": (lambda t: ["--resume_from_checkpoint", str(t / "nothing")], "not a checkpoint folder"),
+    "resume not a checkpoint": (lambda t: ["--resume_from_checkpoint", str(t)], "not a checkpoint folder"),
+    "resume damaged": (
+        lambda t: ["--resume_from_checkpoint", checkpoint_dir(t, manifest={"model.safetensors": 10})],
+        "is damaged: model.safetensors is missing",
     ),
     "output dir is the resume dir": (
         lambda t: ["--resume_from_checkpoint", checkpoint_dir(t), "--output_dir", checkpoint_dir(t)],
@@ -190,6 +193,7 @@ def test_3b_plan_on_a_10gb_card_equals_deepspeeds_estimator_and_goes_to_nvme_whe
 
     from concept_encoder.memory import GIB
 
+    capsys.readouterr()  # DeepSpeed's first import prints its accelerator to stdout
     code, out = run(capsys, *PLAN_3B, "--ds_config", "ds_configs/zero3_offload.json", "--suggest", "--json")
     data = json.loads(out)
     params, largest = data["estimate"]["parameters"], data["estimate"]["largest_layer"]
