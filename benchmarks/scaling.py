@@ -83,9 +83,11 @@ def shapes(preset: str, vocab_size: int, max_len: int) -> dict:
 def build(name: str, shape: dict) -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
-    ours = ConceptEncoderConfig(**shape, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    sharing = TOKEN_KV_SHARING.get(name, "none")  # the BERTs' sparse head only reads the shape
+    ours = ConceptEncoderConfig(
+        **shape, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, token_kv_sharing=sharing
+    )
     if name in CONCEPT_MODELS:
-        ours.token_kv_sharing = TOKEN_KV_SHARING[name]
         return ConceptEncoderForMaskedLM(ours)
     bert_config = BertConfig(
         vocab_size=shape["vocab_size"],

@@ -250,7 +250,7 @@ def activation_bytes(
     masked = max(1, round(mlm_probability * N)) * B
     if model_type == "bert":
         per_layer = B * N * (10 * H + 2 * I) + (0 if fused_attention else B * num_attention_heads * N * N)
-        layer_input, decoder = B * N * H, 3 * masked * H
+        layer_input, decoder, shared = B * N * H, 3 * masked * H, 0
     else:
         groups = token_kv_groups(token_kv_sharing, num_hidden_layers)
         token_side = 3 * B * N * H  # normed tokens and their keys/values, per layer or per shared group
@@ -258,8 +258,6 @@ def activation_bytes(
         per_layer += token_side if token_kv_sharing == "none" else 0
         layer_input, decoder = B * C * H, num_decoder_layers * masked * (12 * H + 4 * I)
         shared = 0 if token_kv_sharing == "none" else groups * token_side
-    if model_type == "bert":
-        shared = 0
     layers = (num_hidden_layers * layer_input + per_layer) if gradient_checkpointing else num_hidden_layers * per_layer
     layers += shared
     elements = 4 * B * N * H + layers + decoder

@@ -396,9 +396,7 @@ def check_zero(plan: Plan, ds_cfg, estimate) -> list[Check]:
             else:
                 checks.append(Check(f"NVMe path ({key})", OK, f"{path} is writable"))
     if plan.host_memory_gb:
-        host, nvme = (
-            b / memory.GIB for b in memory.host_and_nvme_bytes(ds_cfg, estimate.cpu_model_states, estimate.parameters)
-        )
+        host, nvme = host_and_nvme_gib(ds_cfg, estimate)
         share = host / plan.host_memory_gb
         status = ERROR if share > 1 else WARNING if share > HEADROOM else OK
         source = f"swap buffers; ~{nvme:.1f} GiB of model states on the NVMe" if nvme else "DeepSpeed's estimator"
@@ -411,6 +409,12 @@ def check_zero(plan: Plan, ds_cfg, estimate) -> list[Check]:
             )
         )
     return checks
+
+
+def host_and_nvme_gib(ds_cfg, estimate) -> tuple[float, float]:
+    """(host RAM, NVMe) GiB of the offloaded model states per machine (`memory.host_and_nvme_bytes`)."""
+    host, nvme = memory.host_and_nvme_bytes(ds_cfg, estimate.cpu_model_states, estimate.parameters)
+    return host / memory.GIB, nvme / memory.GIB
 
 
 def check_precision(plan: Plan, ds_cfg) -> list[Check]:
@@ -620,7 +624,7 @@ def suggest(plan: Plan, config: dict) -> list[dict]:
         nvme = memory.nvme_offloaded(cfg)
         est = plan_estimate(plan, config, cfg)
         peak = est.gpu_peak / memory.GIB
-        host, on_nvme = (b / memory.GIB for b in memory.host_and_nvme_bytes(cfg, est.cpu_model_states, est.parameters))
+        host, on_nvme = host_and_nvme_gib(cfg, est)
         gpu_fits = plan.gpu_memory_gb is None or peak <= HEADROOM * plan.gpu_memory_gb
         host_fits = not plan.host_memory_gb or host <= HEADROOM * plan.host_memory_gb
         where = "nvme" if nvme else "params+optimizer" if offload_par else "optimizer" if offload_opt else "none"

@@ -6,6 +6,7 @@ from ..bert_baseline import BertForSparseMaskedLM, bert_config
 from ..config import ConceptEncoderConfig
 from ..data.tokenizer import check_tokenizer
 from ..heads import ConceptEncoderForMaskedLM
+from ..summary import parameter_counts
 from .plan import fresh_model_fields
 
 
@@ -50,7 +51,7 @@ def held_parameters(model) -> dict[str, int]:
     with no data of its own between forwards); tied weights once."""
     unique = {id(p): p for p in model.parameters()}.values()
     local = sum(p.numel() + (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else 0) for p in unique)
-    return {"local": local, "total": sum(getattr(p, "ds_numel", p.numel()) for p in unique)}
+    return {"local": local, "total": parameter_counts(model)["total"]}
 
 
 def build_model(model_args, data_args, tokenizer, objective: str = "mlm", seed: int = 0, zero3_config=None):
