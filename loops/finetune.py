@@ -1,17 +1,20 @@
-"""Fine-tuning on a labelled task, several seeds, beside the trivial baseline: is a pretrained model any good?
+"""Fine-tuning and linear probes on a labelled task, several seeds, beside strong simple baselines:
+is a pretrained model any good?
 
     accelerate launch loops/finetune.py --model_name_or_path Cache/runs/<run>/final --task embedded
-    accelerate launch loops/finetune.py --model_name_or_path Cache/runs/<run>/final --from_scratch
+    accelerate launch loops/finetune.py --model_name_or_path Cache/runs/<run>/final --from_scratch --probe
     accelerate launch loops/finetune.py --model_name_or_path path/to/bert --task glue:rte --seeds 5
 
-`main()` runs steps 1-6 of the project's init order once (process, logging, arguments, checks, task),
-then steps 7-13 for every model and seed in `fine_tune()` (model, kernel probe, compile, run dir,
-config + W&B, train with the step chosen on the dev split, evaluate that step on the validation split,
-save); finally the report (`Cache/reports/finetune_<time>.{md,json,png}`). The dev split is carved
-from the training split with a fixed seed; the validation split is evaluated once per run, after
-selection, so no number is selected on the split it is reported on. Decision gates (`--gate
-"accuracy>=0.3@100"`, on the task's dev metrics) stop a seed's run that fails one (its best step so far
-is still evaluated and saved); the invocation then exits with code 3 (`concept_encoder.gates`).
+`main()` runs steps 1-6 of the project's init order once (process, logging, arguments, checks, task and its
+baselines), then for every model: the linear probe (`--probe`, frozen features) and the fine-tuning runs,
+each of which is steps 7-12 in `fine_tune()` (model, kernel probe, compile, run dir, config + W&B, train with
+the step chosen on the dev split). Every choice is made on the dev split, carved from the training split
+with a fixed seed: the learning rate (each rate of `--learning_rates` tried on the first seed, the best
+used for all seeds), the step, the probe's and the TF-IDF baseline's regularisation. Step 13, the
+validation split, is evaluated once per seed, after every choice (`validate()`, from the saved model).
+Finally the report (`Cache/reports/finetune_<time>.{md,json,png}`). Decision gates (`--gate
+"accuracy>=0.3@100"`, on the task's dev metrics) stop a run that fails one (its best step so far is still
+evaluated and saved); the invocation then exits with code 3 (`concept_encoder.gates`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import datetime as dt
 import inspect
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -40,17 +44,13 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, broadcast_object_list, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, DataCollatorWithPadding
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
 from concept_encoder.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, GateMonitor, describe_outcome, parse_gates
+from concept_encoder.tasks.baselines import split_rows, task_baselines
 from concept_encoder.tasks.loading import encode_splits, load_task
-from concept_encoder.tasks.metrics import (
-    LOWER_IS_BETTER,
-    baseline_predictions,
-    compute_metrics,
-    predictions_from_logits,
-)
+from concept_encoder.tasks.metrics import LOWER_IS_BETTER, compute_metrics, predictions_from_logits
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from concept_encoder.training.batches import accumulation_windows
 from concept_encoder.training.checkpoint import (
@@ -64,8 +64,9 @@ from concept_encoder.training.deepspeed_setup import adamw_class, fill_deepspeed
 from concept_encoder.training.evaluation import predict
 from concept_encoder.training.finetune_report import write_report
 from concept_encoder.training.logs import log_model_info, log_system_info, setup_logging
-from concept_encoder.training.model import build_classifier
+from concept_encoder.training.model import build_classifier, check_pooling
 from concept_encoder.training.optim import build_optimizer, build_scheduler
+from concept_encoder.training.probe import describe_pooling, linear_probe
 from concept_encoder.training.runs import init_wandb, save_run_config, setup_run_dirs
 from concept_encoder.training.runtime import (
     maybe_compile,
@@ -100,40 +101,56 @@ def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm:
     return out.loss.item()
 
 
-def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs, args, run_base: str) -> dict | None:
-    """Steps 7-13 for one model and seed; returns the run's result (validation metrics at the chosen step),
-    or None when a signal stopped it (after a checkpoint)."""
-    started = time.perf_counter()
-    tag = model_tag(model_path, fargs.from_scratch)
-    run_args = dataclasses.replace(args, run_name=f"{run_base}-{tag}-seed{seed}", seed=seed)
-    finished = Path(args.output_dir) / run_args.run_name / "summary.json"
-    if args.resume_from_checkpoint and finished.exists():  # resuming an invocation: this seed is done
-        logger.info("%s finished before: reusing its result", finished.parent)
-        return json.loads(finished.read_text())
-    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, run_args.run_name)
-    set_seed(seed)
-    # 7. model: the checkpoint's encoder with a fresh task head (or fresh weights with --from_scratch)
-    model, note = build_classifier(model_path, task, fargs.from_scratch)
-    logger.info("model %s (seed %d): %s", model_path, seed, note)
-    counts = log_model_info(model, {"task": task.name, "seed": seed})
+def make_loaders(splits, tokenizer, model, args, seed: int, shuffle_train: bool = True) -> dict[str, DataLoader]:
+    """split → DataLoader, padded per batch, with only the keys `model.forward` accepts (the row `id` stays out)."""
     accepted = set(inspect.signature(model.forward).parameters)
     pad = DataCollatorWithPadding(tokenizer)
 
     def collate(examples):
         return {k: v for k, v in pad(examples).items() if k in accepted}
 
-    loaders = {
+    return {
         name: DataLoader(split, batch_size=args.per_device_train_batch_size if name == "train" else args.per_device_eval_batch_size,
-                         shuffle=name == "train", collate_fn=collate, generator=torch.Generator().manual_seed(seed))
+                         shuffle=shuffle_train and name == "train", collate_fn=collate,
+                         generator=torch.Generator().manual_seed(seed))
         for name, split in splits.items()
     }  # fmt: skip
+
+
+def train_losses(metrics_path: Path) -> list[float]:
+    """The logged training losses of a run, in step order."""
+    records = (json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip())
+    return [r["loss"] for r in records if r.get("kind") == "train"]
+
+
+def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, tokenizer, fargs, args, run_base: str):
+    """Steps 7-12 for one model, seed and learning rate; returns the run's result (the step chosen on dev, its
+    dev metrics, the training loss at the start and end), or None when a signal stopped it (after a
+    checkpoint). The chosen step's weights are saved to `<run>/final`; the validation split is not touched."""
+    started = time.perf_counter()
+    tag = model_tag(model_path, fargs.from_scratch)
+    run_args = dataclasses.replace(
+        args, run_name=f"{run_base}-{tag}-lr{rate:g}-seed{seed}", seed=seed, learning_rate=rate
+    )
+    finished = Path(args.output_dir) / run_args.run_name / "summary.json"
+    if args.resume_from_checkpoint and finished.exists():  # resuming an invocation: this run is done
+        logger.info("%s finished before: reusing its result", finished.parent)
+        return json.loads(finished.read_text())
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, run_args.run_name)
+    set_seed(seed)
+    # 7. model: the checkpoint's encoder with a fresh task head (or fresh weights with --from_scratch)
+    model, note = build_classifier(model_path, task, fargs.from_scratch, fargs.pooling)
+    logger.info("model %s (seed %d, lr %g): %s", model_path, seed, rate, note)
+    counts = log_model_info(model, {"task": task.name, "seed": seed, "learning_rate": rate})
+    loaders = make_loaders(splits, tokenizer, model, args, seed)
     # 8. attention-kernel probe (main process, attention calls of the model's shape)
     probe_attention_kernels(model.config, next(iter(loaders["dev"])), state, decoder=False)
+    pooling = describe_pooling(model)
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
-    # 10. run dir: one per model and seed; a resume must continue the same settings
+    # 10. run dir: one per model, seed and rate; a resume must continue the same settings
     settings = {"model": model_path, "from_scratch": fargs.from_scratch, "task": task.name, "seed": seed,
-                "world_size": state.num_processes,
+                "learning_rate": rate, "pooling": fargs.pooling, "world_size": state.num_processes,
                 "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps,
                 "torch_compile": args.torch_compile}  # fmt: skip
@@ -145,11 +162,12 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
         # 11. resolved config saved + logged; W&B
         config = {"finetune_args": dataclasses.asdict(fargs), "task": {"name": task.name, "type": task.task_type,
                   "num_labels": task.num_labels, "sizes": task.sizes(), "metrics": task.metric_names},
-                  "training_args": dataclasses.asdict(run_args), "model": model_path, "note": note, "parameters": counts}  # fmt: skip
+                  "training_args": dataclasses.asdict(run_args), "model": model_path, "note": note,
+                  "pooling": pooling, "parameters": counts}  # fmt: skip
         if state.is_main_process:
             save_run_config(run_dir, config)
         wandb_run = init_wandb(run_args, run_dir, config, state)
-        # 12. Accelerator, prepare, train (checkpoints, preemption, exact resume); select on dev
+        # 12. Accelerator, prepare, train (checkpoints, preemption, exact resume); select the step on dev
         accelerator = Accelerator(
             mixed_precision=args.mixed_precision,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -158,8 +176,8 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
         fill_deepspeed_auto_values(accelerator, run_args)
         optimizer = build_optimizer(model, run_args, adamw=adamw_class(accelerator))
         scheduler = build_scheduler(optimizer, run_args)
-        model, optimizer, train_loader, dev_loader, validation_loader = accelerator.prepare(
-            model, optimizer, loaders["train"], loaders["dev"], loaders["validation"]
+        model, optimizer, train_loader, dev_loader = accelerator.prepare(
+            model, optimizer, loaders["train"], loaders["dev"]
         )
         main_metric = task.metric_names[0]
         best = BestStep(main_metric, sign=-1.0 if main_metric in LOWER_IS_BETTER else 1.0)
@@ -174,10 +192,11 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
         if metrics:
             metrics.drop_after(progress.step)
         source = accumulation_windows(train_loader, args.gradient_accumulation_steps, progress, lambda batch: batch)
-        bar = tqdm(total=args.max_steps, initial=progress.step, desc=f"seed {seed}",
+        bar = tqdm(total=args.max_steps, initial=progress.step, desc=f"{tag} lr {rate:g} seed {seed}",
                    disable=not (accelerator.is_main_process and args.progress_bar))  # fmt: skip
         preempted = False
         gate_stopped = bool(gates.failed()) and args.gate_action == "stop"  # a resumed run a gate had stopped
+        last_evaluated = best.step
         model.train()
         while progress.step < args.max_steps and not gate_stopped:
             loss = train_step(accelerator, model, optimizer, next(source), args.max_grad_norm)
@@ -193,6 +212,7 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
                 if metrics:
                     metrics.write({"kind": "dev", "step": step, **dev})
                 best.offer(step, dev, lambda: model_state_dict(accelerator, model))
+                last_evaluated = step
                 for failure in gates.check(step, dev):
                     logger.warning("seed %d: gate failed: %s; %s", seed, describe_outcome(failure),
                                    GATE_ACTION_TEXT[args.gate_action])  # fmt: skip
@@ -209,32 +229,28 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
         if preempted:
             accelerator.wait_for_everyone()
             return None
-        # 13. the chosen step on the validation split (evaluated once), beside the baseline; save
-        plain_model(accelerator, model).load_state_dict(best.weights)
-        logits, labels = predict(accelerator, model, validation_loader)
-        validation = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
-        baseline = compute_metrics(
-            task.metric_names, baseline_predictions(task.task_type, splits["train"]["labels"], len(labels)), labels
-        )
-        result = {"model": tag, "task": task.name, "seed": seed,
-                  "best_step": best.step, "dev": best.dev, "validation": validation, "baseline": baseline,
+        still_improving = best.step == last_evaluated and not gate_stopped
+        if still_improving:
+            logger.warning("%s lr %g seed %d: the chosen step %d is the last one evaluated: still improving: train "
+                           "longer (--max_steps or --epochs)", tag, rate, seed, best.step)  # fmt: skip
+        result = {"model": tag, "method": "fine-tune", "task": task.name, "seed": seed, "learning_rate": rate,
+                  "pooling": pooling, "best_step": best.step, "steps": progress.step,
+                  "still_improving": still_improving, "dev": best.dev,
                   "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir),
                   **({"gates": gates.summary(), "stopped_by_gate": gate_stopped} if args.gate else {})}  # fmt: skip
         if accelerator.is_main_process:
-            metrics.write({"kind": "validation", "step": best.step, **validation})
-            (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+            losses = train_losses(run_dir / "metrics.jsonl")
+            ends = max(1, len(losses) // 10)  # mean of the first and the last tenth of the logged losses
+            result["train_loss"] = [sum(losses[:ends]) / ends, sum(losses[-ends:]) / ends] if losses else None
             plain_model(accelerator, model).save_pretrained(run_dir / "final", state_dict=best.weights)
             tokenizer.save_pretrained(run_dir / "final")
-            logger.info("seed %d: step %d chosen on dev (%s %.4f); validation %s; baseline %s", seed, best.step,
-                        main_metric, best.dev[main_metric], validation, baseline)  # fmt: skip
+            (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+            logger.info("%s lr %g seed %d: step %d chosen on dev (%s %.4f)", tag, rate, seed, best.step, main_metric,
+                        best.dev[main_metric])  # fmt: skip
             if wandb_run is not None:
-                wandb_run.summary.update({f"validation/{k}": v for k, v in validation.items()})
+                wandb_run.summary.update({f"dev/{k}": v for k, v in best.dev.items()})
                 wandb_run.summary.update({k: result[k] for k in ("gates", "stopped_by_gate") if k in result})
                 wandb_run.finish()
-        if accelerator.num_processes > 1:  # each rank's view: with gathered predictions they must agree
-            (run_dir / "ranks").mkdir(exist_ok=True)
-            view = {"best_step": best.step, "dev": best.dev, "validation": validation}
-            (run_dir / "ranks" / f"rank{accelerator.process_index}.json").write_text(json.dumps(view))
         accelerator.wait_for_everyone()
         accelerator.free_memory()
         return result
@@ -242,6 +258,87 @@ def fine_tune(state, model_path: str, seed: int, task, splits, tokenizer, fargs,
         preemption.restore()
         if run_lock is not None:
             run_lock.release()
+
+
+def validate(state, result: dict, task, splits, tokenizer, args) -> dict:
+    """Step 13: the validation split, evaluated once for a run whose every choice is made: the saved model of
+    `result["run_dir"]` (the step chosen on dev) predicts it; the metrics join `result` and its summary.json."""
+    run_dir = Path(result["run_dir"])
+    if "validation" in result:  # a finished run of an earlier invocation
+        return result
+    state.wait_for_everyone()  # the main process saved final/
+    model = AutoModelForSequenceClassification.from_pretrained(run_dir / "final")
+    accelerator = Accelerator(mixed_precision=args.mixed_precision)
+    loader = make_loaders({"validation": splits["validation"]}, tokenizer, model, args, result["seed"])["validation"]
+    model, loader = accelerator.prepare(model, loader)
+    logits, labels = predict(accelerator, model, loader)
+    validation = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
+    result = {**json.loads((run_dir / "summary.json").read_text()), "validation": validation,
+              "rows": {name: split_rows(split) for name, split in splits.items()}}  # fmt: skip
+    if accelerator.is_main_process:
+        MetricsWriter(run_dir / "metrics.jsonl").write(
+            {"kind": "validation", "step": result["best_step"], **validation}
+        )
+        (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+        logger.info("%s lr %g seed %d: validation %s", result["model"], result["learning_rate"], result["seed"],
+                    validation)  # fmt: skip
+    if accelerator.num_processes > 1:  # each rank's view: with gathered predictions they must agree
+        (run_dir / "ranks").mkdir(exist_ok=True)
+        view = {"best_step": result["best_step"], "dev": result["dev"], "validation": validation}
+        (run_dir / "ranks" / f"rank{accelerator.process_index}.json").write_text(json.dumps(view))
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
+    return result
+
+
+def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, args, run_base: str):
+    """Every learning rate of the grid on the first seed, the rate with the best dev metric for every seed,
+    then each seed's chosen run evaluated once on validation. Returns the runs (one per seed, each with the
+    grid's dev scores and the chosen rate), or None when a signal stopped a run."""
+    main_metric = task.metric_names[0]
+    sign = -1.0 if main_metric in LOWER_IS_BETTER else 1.0
+    seeds = list(range(args.seed, args.seed + fargs.seeds))
+    tried = {}
+    for rate in fargs.rates:
+        tried[rate] = fine_tune(state, model_path, seeds[0], rate, task, splits, tokenizer, fargs, args, run_base)
+        if tried[rate] is None:
+            return None
+    chosen = max(fargs.rates, key=lambda rate: sign * tried[rate]["dev"][main_metric])  # ties: the first rate
+    grid = {f"{rate:g}": tried[rate]["dev"][main_metric] for rate in fargs.rates}
+    if len(grid) > 1:
+        logger.info("%s: learning rate %g chosen on dev (%s by rate: %s)", model_tag(model_path, fargs.from_scratch),
+                    chosen, main_metric, grid)  # fmt: skip
+    runs = [tried[chosen]]
+    for seed in seeds[1:]:
+        run = fine_tune(state, model_path, seed, chosen, task, splits, tokenizer, fargs, args, run_base)
+        if run is None:
+            return None
+        runs.append(run)
+    return [{**validate(state, run, task, splits, tokenizer, args), "rate_grid": grid} for run in runs]
+
+
+def probe_model(state, model_path: str, task, splits, tokenizer, fargs, args) -> list[dict]:
+    """Linear probes on the frozen features of `model_path` (main process; the others wait): one run for
+    pretrained weights (the features are deterministic), one per seed for `--from_scratch` (random weights)."""
+    results = []
+    if state.is_main_process:
+        seeds = range(args.seed, args.seed + (fargs.seeds if fargs.from_scratch else 1))
+        for seed in seeds:
+            started = time.perf_counter()
+            set_seed(seed)
+            model, _ = build_classifier(model_path, task, fargs.from_scratch, fargs.pooling)
+            model.to(state.device)
+            loaders = make_loaders(splits, tokenizer, model, args, seed, shuffle_train=False)
+            for features, fit in linear_probe(model, loaders, splits, task, state.device).items():
+                results.append({"model": model_tag(model_path, fargs.from_scratch), "method": f"probe: {features}",
+                                "task": task.name, "seed": seed, "pooling": features, "dev": fit["dev"],
+                                "validation": fit["validation"], "probe_grid": fit["grid"], "probe_C": fit["chosen"],
+                                "rows": {name: split_rows(split) for name, split in splits.items()},
+                                "seconds": round(time.perf_counter() - started, 1)})  # fmt: skip
+                logger.info("probe of %s (%s, seed %d): C=%g chosen on dev; validation %s", model_path, features, seed,
+                            fit["chosen"], fit["validation"])  # fmt: skip
+    state.wait_for_everyone()
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,12 +365,22 @@ def main(argv: list[str] | None = None) -> int:
             "fine-tuning resumes with --resume_from_checkpoint auto and the --run_name of the interrupted "
             "invocation (finished seeds are reused, the interrupted one continues from its checkpoint)"
         )
+    for path in fargs.models:  # --pooling must be one this model's head has, before any training
+        check_pooling(AutoConfig.from_pretrained(path), fargs.pooling, path)
     set_seed(args.seed)
     log_system_info(state)
-    # 5-6. the task's splits (train, dev carved with a fixed seed, validation), sizes logged
+    # 5-6. the task's splits (train, dev carved with a fixed seed, validation), sizes logged; its baselines
     task = load_task(task_args)
     parse_gates(args.gate, task.metric_names, f"task {task.name}'s dev split")  # the task's own metrics
     logger.info("task %s (%s, %d labels): %s", task.name, task.task_type, task.num_labels, task.sizes())
+    if fargs.epochs is not None:  # the length in passes over the training split, as optimizer steps
+        per_step = args.per_device_train_batch_size * state.num_processes * args.gradient_accumulation_steps
+        args = dataclasses.replace(args, max_steps=max(1, math.ceil(fargs.epochs * len(task.train) / per_step)))
+        logger.info("--epochs %g: %d optimizer steps of %d examples", fargs.epochs, args.max_steps, per_step)
+    baselines = task_baselines(task)
+    logger.info("baselines on validation: majority %s; %s (%s=%g chosen on dev) %s", baselines["majority"],
+                baselines["tfidf"]["name"], baselines["tfidf"]["parameter"], baselines["tfidf"]["chosen"],
+                baselines["tfidf"]["validation"])  # fmt: skip
     stamp = [f"{dt.datetime.now():%Y%m%d-%H%M%S}"]
     if state.num_processes > 1:
         broadcast_object_list(stamp, from_process=0)  # one name for the run folders on every rank
@@ -282,17 +389,19 @@ def main(argv: list[str] | None = None) -> int:
     for model_path in fargs.models:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         splits = encode_splits(task, tokenizer, task_args.max_seq_length)
-        for seed in range(args.seed, args.seed + fargs.seeds):
-            result = fine_tune(state, model_path, seed, task, splits, tokenizer, fargs, args, run_base)
-            if result is None:  # stopped by a signal, checkpointed: no report from a partial set of seeds
+        if fargs.probe:
+            results += probe_model(state, model_path, task, splits, tokenizer, fargs, args)
+        if fargs.finetune:
+            runs = fine_tune_model(state, model_path, task, splits, tokenizer, fargs, args, run_base)
+            if runs is None:  # stopped by a signal, checkpointed: no report from a partial set of runs
                 return 0
-            results.append(result)
-    # report: one row per (model, task), mean ± std over seeds, beside the baseline
+            results += runs
+    # report: one row per (model, method, task), mean ± std over seeds, beside the baselines
     if state.is_main_process:
-        title = (
-            f"Fine-tuning on `{task.name}`: {fargs.seeds} seed(s), {args.max_steps} steps, step chosen on the dev split"
-        )
-        paths = write_report(results, Path("Cache/reports"), stamp[0], title)
+        what = " and ".join(w for w, on in (("fine-tuning", fargs.finetune), ("linear probes", fargs.probe)) if on)
+        title = (f"{what[0].upper()}{what[1:]} on `{task.name}`: {fargs.seeds} seed(s), {args.max_steps} steps, "
+                 f"learning rate from {fargs.learning_rates}, every choice on the dev split")  # fmt: skip
+        paths = write_report(results, {task.name: baselines}, Path("Cache/reports"), stamp[0], title)
         logger.info("report: %s", ", ".join(str(p) for p in paths.values()))
         print(paths["md"].read_text())
     state.wait_for_everyone()

@@ -5,6 +5,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma omega red green blue".split()
 COMMON = ["--max_steps", "60", "--eval_steps", "15", "--logging_steps", "5", "--per_device_train_batch_size", "16",
-          "--learning_rate", "3e-3", "--report_to", "none", "--progress_bar", "false"]  # fmt: skip
+          "--learning_rates", "3e-3", "--report_to", "none", "--progress_bar", "false"]  # fmt: skip
 
 
 def sentence(rng: random.Random, cue: str | None = None) -> str:
@@ -103,7 +104,9 @@ def test_each_task_type_trains_and_reports_every_seed(workdir, concept_model, ki
     assert row[f"{metric}_mean"] == pytest.approx(sum(row[f"{metric}_seeds"]) / 2)
     values = row[f"{metric}_seeds"]
     assert row[f"{metric}_std"] == pytest.approx(abs(values[0] - values[1]) / 2**0.5)
-    assert row["baseline"][metric] is not None
+    baselines = report["baselines"][task.name]
+    assert set(baselines) == {"majority", "tfidf"} and metric in baselines["tfidf"]["validation"]
+    assert row["rate_grid"] == {"0.003": report["runs"][0]["dev"][metric]} and row["learning_rate"] == 3e-3
     for run in report["runs"]:
         losses = [r["loss"] for r in map(json.loads, Path(run["run_dir"], "metrics.jsonl").read_text().splitlines())
                   if r["kind"] == "train"]  # fmt: skip
@@ -140,11 +143,22 @@ def test_a_pretrained_encoder_loads_into_the_classifier_and_bert_runs_the_same_p
     assert [row["model"] for row in report["rows"]] == ["concept", "bert"]
 
 
-def test_the_step_is_chosen_on_dev_never_on_the_reported_split(workdir, concept_model, monkeypatch):
+def test_the_rate_and_step_are_chosen_on_dev_never_on_the_reported_split(workdir, concept_model, monkeypatch):
     task_file = str(write_tasks(workdir / "tasks")["single"])
-    argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "1", *COMMON]
+    argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "2", *COMMON,
+            "--learning_rates", "3e-4,3e-3"]  # fmt: skip
     finetune.main([*argv, "--run_name", "clean"])
-    clean = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())["runs"][0]
+    clean = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())
+    assert list(clean["rows"][0]["rate_grid"]) == ["0.0003", "0.003"]
+    # every rate on the first seed; the chosen one for the second seed only
+    folders = sorted(p.name for p in Path("Cache/finetune").glob("clean-*"))
+    chosen = f"{clean['rows'][0]['learning_rate']:g}"
+    assert folders == sorted(["clean-concept-lr0.0003-seed42", "clean-concept-lr0.003-seed42",
+                              f"clean-concept-lr{chosen}-seed43"])  # fmt: skip
+    # validation evaluated once per seed, for the chosen run only
+    evaluated = {p.parent.name for p in Path("Cache/finetune").glob("clean-*/metrics.jsonl")
+                 if any(json.loads(line)["kind"] == "validation" for line in p.read_text().splitlines())}  # fmt: skip
+    assert evaluated == {f"clean-concept-lr{chosen}-seed42", f"clean-concept-lr{chosen}-seed43"}
 
     real_load = finetune.load_task
 
@@ -157,9 +171,116 @@ def test_the_step_is_chosen_on_dev_never_on_the_reported_split(workdir, concept_
     AcceleratorState._reset_state(reset_partial_state=True)
     monkeypatch.setattr(finetune, "load_task", poisoned)
     finetune.main([*argv, "--run_name", "poisoned"])
-    dirty = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())["runs"][0]
-    assert dirty["best_step"] == clean["best_step"] and dirty["dev"] == clean["dev"]
-    assert dirty["validation"] != clean["validation"]
+    dirty = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())
+    assert dirty["rows"][0]["rate_grid"] == clean["rows"][0]["rate_grid"]
+    assert dirty["rows"][0]["learning_rate"] == clean["rows"][0]["learning_rate"]
+    for before, after in zip(clean["runs"], dirty["runs"], strict=True):
+        assert after["best_step"] == before["best_step"] and after["dev"] == before["dev"]
+    assert [r["validation"] for r in dirty["runs"]] != [r["validation"] for r in clean["runs"]]
+
+
+def test_baselines_and_probes_see_exactly_the_rows_the_models_see_and_the_report_shows_them(
+    workdir, concept_model, bert_model
+):
+    from concept_encoder.tasks.baselines import split_rows
+
+    task_file = workdir / "tasks" / "colors.csv"
+    write_tasks(workdir / "tasks")
+    assert finetune.main(["--model_name_or_path", str(concept_model), "--compare_to", str(bert_model),
+                          "--task", str(task_file), "--seeds", "1", "--run_name", "rows", "--probe", *COMMON,
+                          "--max_steps", "15"]) == 0  # fmt: skip
+    report_json = sorted(Path("Cache/reports").glob("finetune_*.json"))[-1]
+    report = json.loads(report_json.read_text())
+    tfidf = report["baselines"]["colors.csv"]["tfidf"]
+    task = load_task(TaskArguments(task=str(task_file)))
+    expected = {name: split_rows(split) for name, split in (("train", task.train), ("dev", task.dev),
+                                                            ("validation", task.validation))}  # fmt: skip
+    assert tfidf["rows"] == expected and [r["count"] for r in expected.values()] == [len(task.train), len(task.dev),
+                                                                                    len(task.validation)]  # fmt: skip
+    assert len(report["runs"]) == 5  # concept: 2 probes + 1 fine-tune; bert: 1 probe + 1 fine-tune
+    for run in report["runs"]:
+        assert run["rows"] == tfidf["rows"], run["method"]  # the encoded splits the loaders iterate
+    assert tfidf["validation"]["accuracy"] > 0.9  # the cue word decides the class: a bag of words finds it
+    methods = [(row["model"], row["method"]) for row in report["rows"]]
+    assert methods == [("concept", "probe: concepts mean"), ("concept", "probe: embeddings mean"),
+                       ("concept", "fine-tune"), ("bert", "probe: hidden mean"), ("bert", "fine-tune")]  # fmt: skip
+    for row in report["rows"]:
+        if row["method"].startswith("probe"):
+            assert set(row["probe_C"]) <= {0.01, 0.1, 1.0, 10.0, 100.0, 1000.0}
+    # random embeddings still separate a cue word: the bag-of-embeddings probe learns the task
+    assert next(r for r in report["rows"] if r["method"] == "probe: embeddings mean")["accuracy_mean"] > 0.6
+    markdown = report_json.with_suffix(".md").read_text()
+    for text in ("TF-IDF (word 1-2 grams) + linear", "majority class", "probe: concepts mean", "Learning rate grid",
+                 "**", "learned softmax weights over concepts → dense+tanh", "[CLS] → pooler dense+tanh"):
+        assert text in markdown, text
+    assert report_json.with_suffix(".png").stat().st_size > 0
+
+
+def test_probe_only_leaves_the_model_untouched_and_trains_nothing(workdir, concept_model):
+    from transformers import AutoTokenizer
+
+    from concept_encoder.tasks.loading import encode_splits
+    from concept_encoder.training.model import build_classifier
+    from concept_encoder.training.probe import linear_probe
+
+    task = load_task(TaskArguments(task=str(write_tasks(workdir / "tasks")["single"])))
+    tokenizer = AutoTokenizer.from_pretrained(concept_model)
+    splits = encode_splits(task, tokenizer, 64)
+    model, _ = build_classifier(str(concept_model), task)
+    model.train()  # the probe evaluates in eval mode and gives the model back as it found it
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loaders = finetune.make_loaders(splits, tokenizer, model, SimpleNamespace(per_device_train_batch_size=16,
+                                    per_device_eval_batch_size=16), 0, shuffle_train=False)  # fmt: skip
+    fits = linear_probe(model, loaders, splits, task, torch.device("cpu"))
+    assert set(fits) == {"concepts mean", "embeddings mean"}
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and model.training
+    assert fits["embeddings mean"]["chosen"] in (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)
+    assert finetune.main(["--model_name_or_path", str(concept_model), "--task", str(workdir / "tasks" / "colors.csv"),
+                          "--probe", "--finetune", "false", "--run_name", "probe-only", *COMMON]) == 0  # fmt: skip
+    report = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())
+    assert {row["method"] for row in report["rows"]} == {"probe: concepts mean", "probe: embeddings mean"}
+    assert not list(Path("Cache/finetune").glob("probe-only-*"))  # no fine-tuning run folder
+
+
+def test_the_chosen_step_at_the_end_says_train_longer(workdir, concept_model, capsys):
+    task_file = str(write_tasks(workdir / "tasks")["single"])
+    argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "1", "--run_name", "short",
+            *COMMON, "--eval_steps", "0", "--max_steps", "10"]  # fmt: skip
+    assert finetune.main(argv) == 0  # one evaluation, at the last step: it is chosen, nothing says it stopped improving
+    report_json = sorted(Path("Cache/reports").glob("finetune_*.json"))[-1]
+    [row] = json.loads(report_json.read_text())["rows"]
+    assert row["still_improving"] and row["best_steps"] == [10]
+    assert "still improving: train longer" in report_json.with_suffix(".md").read_text()
+    assert "still improving: train longer" in capsys.readouterr().out  # the log line, on the console
+    first, last = row["train_loss"]
+    assert first > 0 and last > 0
+
+
+def test_fine_tuning_flags_are_checked_before_any_work(concept_model, bert_model):
+    base = ["--model_name_or_path", str(concept_model), *COMMON]
+    with pytest.raises(ValueError, match="--learning_rates 0.001 for one fixed rate instead of --learning_rate"):
+        finetune.main([*base, "--learning_rate", "1e-3"])
+    with pytest.raises(ValueError, match="learning_rates='1e-4,x' is not a comma-separated list"):
+        finetune.main([*base, "--learning_rates", "1e-4,x"])
+    with pytest.raises(ValueError, match="give distinct rates in"):
+        finetune.main([*base, "--learning_rates", "1e-4,1e-4"])
+    with pytest.raises(ValueError, match=r"--pooling cls: .* supports \['auto', 'mean', 'weighted'\]"):
+        finetune.main([*base, "--pooling", "cls"])
+    with pytest.raises(ValueError, match=r"supports \['auto', 'cls'\]; its sequence-classification head pools"):
+        finetune.main(["--model_name_or_path", str(bert_model), *COMMON, "--pooling", "mean"])
+    with pytest.raises(ValueError, match="--finetune false leaves nothing to do"):
+        finetune.main([*base, "--finetune", "false"])
+
+
+def test_pooling_choice_and_new_weights_are_named_in_full(workdir, concept_model, bert_model):
+    from concept_encoder.training.model import build_classifier
+
+    task = load_task(TaskArguments(task=str(write_tasks(workdir / "tasks")["single"])))
+    model, _ = build_classifier(str(concept_model), task, pooling="mean")
+    assert model.config.classifier_pooling == "mean" and model.pooling.score is None
+    _, note = build_classifier(str(bert_model), task)
+    # the saved BertForMaskedLM has no pooler: it and the classifier are new, named parameter by parameter
+    assert "'bert.pooler.dense.weight'" in note and "'classifier.weight'" in note and "['bert'" not in note
 
 
 def test_bad_tasks_fail_fast_with_one_clear_message(tmp_path, monkeypatch):

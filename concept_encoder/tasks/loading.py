@@ -63,10 +63,15 @@ def load_task(args: TaskArguments) -> TaskData:
     if args.task in EMBEDDED_TASKS:
         if args.task == "embedded":
             texts, labels, names = embedded_sentences()
-            table, label_names = Dataset.from_dict({"text_a": texts, "label": labels}), names
+            table, label_names = (
+                Dataset.from_dict({"text_a": texts, "label": labels, "id": list(range(len(texts)))}),
+                names,
+            )
         else:
             firsts, seconds, same = embedded_pairs()
-            table = Dataset.from_dict({"text_a": firsts, "text_b": seconds, "label": same})
+            table = Dataset.from_dict(
+                {"text_a": firsts, "text_b": seconds, "label": same, "id": list(range(len(same)))}
+            )
             label_names = ["different package", "same package"]
         train, validation = carve(table, args.validation_fraction)
         return finish(args, args.task, "single_label_classification", label_names, None, train, validation)
@@ -130,7 +135,9 @@ def split_files(folder: Path) -> dict[str, Path]:
 
 
 def standard_columns(table: Dataset, text_fields, label_field: str, where: str) -> Dataset:
-    """`text_a` [, `text_b`], `label`; a missing column or an empty text is an error naming it."""
+    """`text_a` [, `text_b`], `label` and `id` (the row's index in `table`, which follows it through every
+    split: the baselines and the models are shown to see the same rows); a missing column or an empty
+    text is an error naming it."""
     missing = [c for c in [*text_fields, label_field] if c not in table.column_names]
     if missing:
         raise DataSourceError(
@@ -142,7 +149,8 @@ def standard_columns(table: Dataset, text_fields, label_field: str, where: str) 
             if not isinstance(text, str) or not text.strip():
                 raise DataSourceError(f"{where}: row {row} has no text in column {column!r}; fill or drop that row")
     renamed = {old: new for old, new in zip(text_fields, ("text_a", "text_b"), strict=False)}
-    return table.select_columns([*text_fields, label_field]).rename_columns({**renamed, label_field: "label"})
+    table = table.select_columns([*text_fields, label_field]).rename_columns({**renamed, label_field: "label"})
+    return table.add_column("id", list(range(len(table))))
 
 
 def infer_task_type(labels: list) -> str:
@@ -184,7 +192,7 @@ def finish(args, name, task_type, label_names, metrics, train: Dataset, validati
 
 def encode_splits(task: TaskData, tokenizer, max_seq_length: int) -> dict[str, Dataset]:
     """Tokenised splits with `input_ids`, `attention_mask` (and `token_type_ids` where the tokenizer makes
-    them) and `labels`; a pair is encoded jointly, `[CLS] a [SEP] b [SEP]`, truncated to `max_seq_length`."""
+    them), `labels` and the row `id`; a pair is encoded jointly, `[CLS] a [SEP] b [SEP]`, truncated to `max_seq_length`."""
 
     def encode(batch):
         pair = (batch["text_a"], batch["text_b"]) if task.pair else (batch["text_a"],)
@@ -193,7 +201,7 @@ def encode_splits(task: TaskData, tokenizer, max_seq_length: int) -> dict[str, D
     splits = {"train": task.train, "dev": task.dev, "validation": task.validation}
     return {
         name: split.map(
-            encode, batched=True, remove_columns=[c for c in split.column_names if c != "label"]
+            encode, batched=True, remove_columns=[c for c in split.column_names if c not in ("label", "id")]
         ).rename_column("label", "labels")
         for name, split in splits.items()
     }

