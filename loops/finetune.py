@@ -268,9 +268,9 @@ def validate(state, result: dict, task, splits, tokenizer, args) -> dict:
         return result
     state.wait_for_everyone()  # the main process saved final/
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "final")
-    accelerator = Accelerator(mixed_precision=args.mixed_precision)
+    accelerator = Accelerator()  # only to shard the loader and gather: the model is not wrapped (no DeepSpeed engine)
     loader = make_loaders({"validation": splits["validation"]}, tokenizer, model, args, result["seed"])["validation"]
-    model, loader = accelerator.prepare(model, loader)
+    model, loader = model.to(accelerator.device), accelerator.prepare_data_loader(loader)
     logits, labels = predict(accelerator, model, loader)
     validation = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
     result = {**json.loads((run_dir / "summary.json").read_text()), "validation": validation,
@@ -398,9 +398,9 @@ def main(argv: list[str] | None = None) -> int:
             results += runs
     # report: one row per (model, method, task), mean ± std over seeds, beside the baselines
     if state.is_main_process:
-        what = " and ".join(w for w, on in (("fine-tuning", fargs.finetune), ("linear probes", fargs.probe)) if on)
-        title = (f"{what[0].upper()}{what[1:]} on `{task.name}`: {fargs.seeds} seed(s), {args.max_steps} steps, "
-                 f"learning rate from {fargs.learning_rates}, every choice on the dev split")  # fmt: skip
+        parts = [f"fine-tuning ({args.max_steps} steps, learning rate from {fargs.learning_rates})"] * fargs.finetune
+        parts += ["linear probes on frozen features"] * fargs.probe
+        title = f"`{task.name}`, {fargs.seeds} seed(s): {' and '.join(parts)}; every choice made on the dev split"
         paths = write_report(results, {task.name: baselines}, Path("Cache/reports"), stamp[0], title)
         logger.info("report: %s", ", ".join(str(p) for p in paths.values()))
         print(paths["md"].read_text())

@@ -210,8 +210,15 @@ def test_baselines_and_probes_see_exactly_the_rows_the_models_see_and_the_report
     # random embeddings still separate a cue word: the bag-of-embeddings probe learns the task
     assert next(r for r in report["rows"] if r["method"] == "probe: embeddings mean")["accuracy_mean"] > 0.6
     markdown = report_json.with_suffix(".md").read_text()
-    for text in ("TF-IDF (word 1-2 grams) + linear", "majority class", "probe: concepts mean", "Learning rate grid",
-                 "**", "learned softmax weights over concepts → dense+tanh", "[CLS] → pooler dense+tanh"):
+    for text in (
+        "TF-IDF (word 1-2 grams) + linear",
+        "majority class",
+        "probe: concepts mean",
+        "Learning rate grid",
+        "**",
+        "learned softmax weights over concepts → dense+tanh",
+        "[CLS] → pooler dense+tanh",
+    ):
         assert text in markdown, text
     assert report_json.with_suffix(".png").stat().st_size > 0
 
@@ -245,11 +252,12 @@ def test_probe_only_leaves_the_model_untouched_and_trains_nothing(workdir, conce
 def test_the_chosen_step_at_the_end_says_train_longer(workdir, concept_model, capsys):
     task_file = str(write_tasks(workdir / "tasks")["single"])
     argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "1", "--run_name", "short",
-            *COMMON, "--eval_steps", "0", "--max_steps", "10"]  # fmt: skip
+            *COMMON, "--eval_steps", "0", "--epochs", "1"]  # fmt: skip
     assert finetune.main(argv) == 0  # one evaluation, at the last step: it is chosen, nothing says it stopped improving
     report_json = sorted(Path("Cache/reports").glob("finetune_*.json"))[-1]
     [row] = json.loads(report_json.read_text())["rows"]
-    assert row["still_improving"] and row["best_steps"] == [10]
+    one_pass = -(-len(load_task(TaskArguments(task=task_file)).train) // 16)  # --epochs 1 at batch 16, in steps
+    assert row["still_improving"] and row["best_steps"] == [one_pass]
     assert "still improving: train longer" in report_json.with_suffix(".md").read_text()
     assert "still improving: train longer" in capsys.readouterr().out  # the log line, on the console
     first, last = row["train_loss"]

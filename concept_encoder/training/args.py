@@ -263,7 +263,9 @@ class FinetuneArguments:
     )  # fmt: skip
     probe: bool = field(
         default=False,
-        metadata={"help": "also fit a linear probe (LogisticRegression, C chosen on dev) on each model's frozen features"},
+        metadata={
+            "help": "also fit a linear probe (LogisticRegression, C chosen on dev) on each model's frozen features"
+        },
     )
     finetune: bool = field(default=True, metadata={"help": "fine-tune (false with --probe: probe only, make probe)"})
 

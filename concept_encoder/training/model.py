@@ -126,8 +126,12 @@ def check_pooling(config, pooling: str, where: str) -> dict:
     allowed = ["auto", "mean", "weighted"] if concept else ["auto", "cls"]
     raise ValueError(
         f"--pooling {pooling}: {where} ({config.model_type}) supports {allowed}"
-        + ("" if concept else "; its sequence-classification head pools [CLS] (the linear probe, --probe, uses the "
-           "mean of the hidden states)")
+        + (
+            ""
+            if concept
+            else "; its sequence-classification head pools [CLS] (the linear probe, --probe, uses the "
+            "mean of the hidden states)"
+        )
     )
 
 
