@@ -391,3 +391,30 @@ def test_a_failed_gate_stops_the_seed_keeps_its_best_step_and_exits_3(workdir, c
     result = json.loads(sorted(Path("Cache/finetune").glob("gated-*/summary.json"))[-1].read_text())
     assert result["stopped_by_gate"] and result["gates"][0]["step"] == 30 and result["gates"][0]["passed"] is False
     assert result["best_step"] <= 30 and "accuracy" in result["validation"]  # its best step, evaluated and saved
+
+
+def test_reports_of_several_invocations_merge_into_one_table(tmp_path):
+    from concept_encoder.training import finetune_report
+
+    def run(model, method, seed, accuracy, **extra):
+        return {"model": model, "method": method, "task": "t", "seed": seed, "pooling": "p", "seconds": 1.0,
+                "validation": {"accuracy": accuracy}, **extra}  # fmt: skip
+
+    tuned = dict(learning_rate=1e-4, rate_grid={"0.0001": 0.5}, best_step=10, still_improving=False, train_loss=None)
+    baselines = {"t": {"majority": {"accuracy": 0.1}, "tfidf": {"name": "TF-IDF", "validation": {"accuracy": 0.7},
+                                                                "parameter": "C", "chosen": 10.0}}}  # fmt: skip
+    first = tmp_path / "a.json"
+    first.write_text(json.dumps({"runs": [run("m", "fine-tune", 1, 0.6, **tuned), run("m", "fine-tune", 2, 0.8, **tuned)],
+                                 "baselines": baselines}))  # fmt: skip
+    second = tmp_path / "b.json"
+    second.write_text(json.dumps({"runs": [run("m-scratch", "probe: hidden mean", 1, 0.4, probe_C=1.0)],
+                                  "baselines": baselines}))  # fmt: skip
+    assert finetune_report.main([str(first), str(second), "--out_dir", str(tmp_path / "out")]) == 0
+    [merged] = (tmp_path / "out").glob("finetune_merged-*.json")
+    rows = json.loads(merged.read_text())["rows"]
+    assert [(r["model"], r["method"], r["seeds"]) for r in rows] == [("m", "fine-tune", [1, 2]),
+                                                                     ("m-scratch", "probe: hidden mean", [1])]  # fmt: skip
+    assert rows[0]["accuracy_mean"] == pytest.approx(0.7) and merged.with_suffix(".png").exists()
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        finetune_report.main([str(first), str(tmp_path / "bad.json")])

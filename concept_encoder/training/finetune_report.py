@@ -110,32 +110,36 @@ def format_markdown(rows: list[dict], baselines: dict, title: str) -> str:
 
 
 def plot(rows: list[dict], baselines: dict, path: Path) -> None:
-    """Bars of the main metric per task: one per (model, method) with its std as error bar, then the baselines."""
+    """Horizontal bars of the main metric per task, one per (model, method) with its std as error bar and its
+    value written at the end, then the baselines; TF-IDF's score is also a dashed line across the panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tasks = list(dict.fromkeys([*(row["task"] for row in rows), *baselines]))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(max(6, 0.9 * (len(rows) + 2)) * len(tasks) / max(1, len(tasks)) + 2, 4.8),
-                             squeeze=False)  # fmt: skip
+    colors = {"fine-tune": "tab:blue", "probe": "tab:green", "baseline": "tab:gray"}
+    height = 0.45 * (max(sum(row["task"] == t for row in rows) for t in tasks) + 2) + 1.2
+    fig, axes = plt.subplots(1, len(tasks), figsize=(7.5 * len(tasks), height), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
         task_rows = [row for row in rows if row["task"] == task]
         main = task_rows[0]["metrics"][0] if task_rows else next(iter(baselines[task]["majority"]))
-        labels = [f"{row['model']}\n{row['method']}" for row in task_rows]
-        means = [row[f"{main}_mean"] for row in task_rows]
-        stds = [row[f"{main}_std"] for row in task_rows]
-        colors = ["tab:blue" if row["method"] == "fine-tune" else "tab:green" for row in task_rows]
+        bars = [(f"{row['model']} ({row['method']})", row[f"{main}_mean"], row[f"{main}_std"],
+                 colors["fine-tune" if row["method"] == "fine-tune" else "probe"]) for row in task_rows]  # fmt: skip
         if task in baselines:
-            labels += ["TF-IDF\n+ linear", "majority"]
-            means += [baselines[task]["tfidf"]["validation"][main], baselines[task]["majority"][main]]
-            stds += [0.0, 0.0]
-            colors += ["tab:gray", "lightgray"]
-        ax.bar(range(len(means)), means, yerr=stds, capsize=4, color=colors)
-        ax.set_xticks(range(len(means)), labels, rotation=60, ha="right", fontsize=7)
-        ax.set_title(f"{task}: validation {main}", fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0][0].set_ylabel("mean ± std over seeds (blue: fine-tuned, green: probe)")
+            bars += [("TF-IDF + linear", baselines[task]["tfidf"]["validation"][main], 0.0, colors["baseline"]),
+                     ("majority class / mean", baselines[task]["majority"][main], 0.0, "lightgray")]  # fmt: skip
+            ax.axvline(baselines[task]["tfidf"]["validation"][main], color="tab:gray", linestyle="--", linewidth=1)
+        labels, means, stds, shades = zip(*bars, strict=True)
+        positions = range(len(bars))[::-1]  # the first row on top
+        ax.barh(list(positions), means, xerr=stds, capsize=3, color=shades)
+        for y, mean, std in zip(positions, means, stds, strict=True):
+            ax.text(mean + std, y, f"  {mean:.3f}", va="center", fontsize=8)
+        ax.set_yticks(list(positions), labels, fontsize=8)
+        ax.set_xlabel(f"validation {main}: mean ± std over seeds")
+        ax.set_title(f"{task} (blue: fine-tuned, green: linear probe, grey: baselines)", fontsize=9)
+        ax.set_xlim(0, max(means) * 1.15 or 1)
+        ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -152,3 +156,41 @@ def write_report(results: list[dict], baselines: dict, out_dir: Path, stamp: str
     )
     plot(rows, baselines, paths["png"])
     return paths
+
+
+def merge_reports(paths: list[Path]) -> tuple[list[dict], dict]:
+    """The runs and baselines of several `finetune_<time>.json` reports (e.g. one invocation per model, a
+    pretrained model and its `--from_scratch` twin), for one table; a task's baselines are the same in each."""
+    runs, baselines = [], {}
+    for path in paths:
+        try:
+            report = json.loads(Path(path).read_text())
+            runs += report["runs"]
+            baselines.update(report.get("baselines", {}))
+        except (OSError, json.JSONDecodeError, KeyError) as error:
+            raise ValueError(f"{path}: not a fine-tuning report ({type(error).__name__}: {error})") from error
+    return runs, baselines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m concept_encoder.training.finetune_report A.json B.json ...`: one report of several."""
+    import argparse
+    import datetime as dt
+
+    parser = argparse.ArgumentParser(description="Merge fine-tuning reports into one md/json/png.")
+    parser.add_argument("reports", nargs="+", help="finetune_<time>.json files written by loops/finetune.py")
+    parser.add_argument("--out_dir", default="Cache/reports")
+    parser.add_argument("--title", default="Fine-tuning and probes, merged")
+    args = parser.parse_args(argv)
+    try:
+        runs, baselines = merge_reports(args.reports)
+    except ValueError as error:
+        parser.error(str(error))
+    paths = write_report(runs, baselines, Path(args.out_dir), f"merged-{dt.datetime.now():%Y%m%d-%H%M%S}", args.title)
+    print(paths["md"].read_text())
+    print("written:", ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
