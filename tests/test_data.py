@@ -51,21 +51,38 @@ def raw_from(docs: list[str]) -> DatasetDict:
     )
 
 
-def test_packing_keeps_every_token_up_to_the_final_remainder(tokenizer):
+@pytest.mark.parametrize("block_cls", [True, False])
+def test_packing_keeps_every_token_up_to_the_final_remainder(tokenizer, block_cls):
     docs = make_documents()
     L = 32
-    processed, stats = preprocess(raw_from(docs), tokenizer, L, packing=True)
+    processed, stats = preprocess(raw_from(docs), tokenizer, L, packing=True, block_cls=block_cls)
     stream = []
     for ids in tokenizer(docs, add_special_tokens=False)["input_ids"]:
         stream += ids + [tokenizer.sep_token_id]
     blocks = processed["train"]["input_ids"]
+    body = L - block_cls  # stream tokens per block: [CLS] takes the first position
     assert all(len(b) == L for b in blocks)
-    assert len(blocks) == len(stream) // L
-    assert [t for b in blocks for t in b] == stream[: len(blocks) * L]  # same tokens, same order
-    assert len(stream) - len(blocks) * L < L  # the documented remainder
-    assert stats["train"]["tokens"] == len(blocks) * L
-    assert len(stream) - stats["train"]["tokens"] <= stats["train"]["dropped_tokens_at_most"]
+    assert all((b[0] == tokenizer.cls_token_id) == block_cls for b in blocks)  # [CLS] at every block start, or none
+    assert sum(b.count(tokenizer.cls_token_id) for b in blocks) == len(blocks) * block_cls  # nowhere else
+    assert len(blocks) == len(stream) // body
+    assert [t for b in blocks for t in b[block_cls:]] == stream[: len(blocks) * body]  # same tokens, same order
+    assert len(stream) - len(blocks) * body < body  # the documented remainder
+    assert stats["train"]["tokens"] == len(blocks) * L and stats["block_cls"] == block_cls
+    assert len(stream) - len(blocks) * body <= stats["train"]["dropped_tokens_at_most"]
     assert all(len(w) == L for w in processed["train"]["word_start"])
+    if block_cls:  # [CLS] is a unit of its own for whole-word and span masking
+        assert all(w[0] == 1 for w in processed["train"]["word_start"])
+
+
+def test_packing_needs_a_cls_token_or_says_how_to_go_without(tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    headless = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, pad_token="[PAD]",
+                                       mask_token="[MASK]", sep_token="[SEP]")  # fmt: skip
+    with pytest.raises(ValueError, match="no \\[CLS\\] token to start each packed block with; pass --block_cls false"):
+        preprocess(raw_from(make_documents()), headless, 32)
+    processed, _ = preprocess(raw_from(make_documents()), headless, 32, block_cls=False)
+    assert len(processed["train"]) > 0
 
 
 def test_one_document_per_example_mode(tokenizer):
@@ -90,6 +107,9 @@ def test_processed_dataset_is_cached_and_reused(tokenizer, tmp_path):
     assert second["train"]["input_ids"] == first["train"]["input_ids"]
     _, other = preprocess(raw, tokenizer, 64, cache_dir=tmp_path, source="gen")
     assert other["cache_path"] != stats["cache_path"]  # the key includes the sequence length
+    headless, without_cls = preprocess(raw, tokenizer, 32, cache_dir=tmp_path, source="gen", block_cls=False)
+    assert without_cls["cache_path"] != stats["cache_path"]  # ... and whether blocks start with [CLS]
+    assert headless["train"]["input_ids"][0][0] != tokenizer.cls_token_id == first["train"]["input_ids"][0][0]
 
 
 def packed_examples(tokenizer, n_docs=400, L=64):

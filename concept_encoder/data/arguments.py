@@ -22,6 +22,11 @@ class DataArguments:
     )
     max_seq_length: int = field(default=128, metadata={"help": "tokens per example (block length when packing)"})
     packing: bool = field(default=True, metadata={"help": "pack documents into full blocks (else one doc per example)"})
+    block_cls: bool = field(
+        default=True,
+        metadata={"help": "packing: start every block with [CLS], as fine-tuning inputs start (false: blocks of the "
+                  "[SEP]-separated stream alone, the format before this option)"},
+    )  # fmt: skip
     validation_split_percentage: float = field(
         default=5.0, metadata={"help": "held-out percent of documents when the source has no validation split"}
     )

@@ -58,6 +58,7 @@ def prepare_data(args: DataArguments, cache_dir: str | Path = "Cache", seed: int
         tokenizer,
         args.max_seq_length,
         packing=args.packing,
+        block_cls=args.block_cls,
         cache_dir=None if args.streaming else cache_dir,
         source=f"{args.dataset}:{args.text_field}",
         num_proc=args.preprocessing_num_workers,

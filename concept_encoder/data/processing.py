@@ -1,10 +1,12 @@
 """Tokenise documents and pack them into fixed-length blocks, with an on-disk cache.
 
 Packing: every document is tokenised without special tokens, followed by `[SEP]`, the
-stream is concatenated and cut into blocks of exactly `max_seq_length` tokens. Nothing
-is truncated away; the only tokens dropped are the final remainder of each `map` batch
-(fewer than `max_seq_length` tokens per `PACK_BATCH_DOCS` documents and worker), bounded
-in the stats as `dropped_tokens_at_most`.
+stream is concatenated and cut into blocks of exactly `max_seq_length` tokens, each of which
+starts with `[CLS]` (`block_cls`, the default: `[CLS] …doc a… [SEP] doc b… `, so pretraining
+sees the token fine-tuning classifies from, at the position it has there). Nothing is
+truncated away; the only tokens dropped are the final remainder of each `map` batch (fewer
+than a block's worth per `PACK_BATCH_DOCS` documents and worker), bounded in the stats as
+`dropped_tokens_at_most`.
 
 Without packing (`packing=False`), each document is one example: `[CLS] doc [SEP]`,
 truncated to `max_seq_length` and padded by the collator (evaluation-style data).
@@ -42,8 +44,11 @@ def word_starts(word_ids: list[int | None]) -> list[int]:
     return flags
 
 
-def tokenize_and_pack(batch: dict, tokenizer: PreTrainedTokenizerBase, max_seq_length: int) -> dict:
-    """`{"text": [docs]}` → `{"input_ids": [[L]...], "word_start": [[L]...]}`, blocks of exactly L tokens."""
+def tokenize_and_pack(
+    batch: dict, tokenizer: PreTrainedTokenizerBase, max_seq_length: int, block_cls: bool = True
+) -> dict:
+    """`{"text": [docs]}` → `{"input_ids": [[L]...], "word_start": [[L]...]}`, blocks of exactly L tokens:
+    `[CLS]` and L-1 tokens of the `[SEP]`-separated stream (`block_cls`), or L tokens of the stream."""
     encoded = tokenizer(batch["text"], add_special_tokens=False)
     ids, starts = [], []
     for i, doc in enumerate(encoded["input_ids"]):
@@ -51,10 +56,12 @@ def tokenize_and_pack(batch: dict, tokenizer: PreTrainedTokenizerBase, max_seq_l
         ids.append(tokenizer.sep_token_id)
         starts.extend(word_starts(encoded.word_ids(i)))
         starts.append(1)
-    usable = len(ids) // max_seq_length * max_seq_length
+    head_ids, head_starts = ([tokenizer.cls_token_id], [1]) if block_cls else ([], [])
+    body = max_seq_length - len(head_ids)  # stream tokens per block
+    usable = len(ids) // body * body
     return {
-        "input_ids": [ids[i : i + max_seq_length] for i in range(0, usable, max_seq_length)],
-        "word_start": [starts[i : i + max_seq_length] for i in range(0, usable, max_seq_length)],
+        "input_ids": [head_ids + ids[i : i + body] for i in range(0, usable, body)],
+        "word_start": [head_starts + starts[i : i + body] for i in range(0, usable, body)],
     }
 
 
@@ -100,17 +107,30 @@ def preprocess(
     cache_dir: str | Path | None = None,
     source: str = "",
     num_proc: int | None = None,
+    block_cls: bool = True,
     **key_extra,
 ) -> tuple[DatasetDict | IterableDatasetDict, dict]:
     """Tokenise (and pack) `raw` → (`{train, validation}` of `input_ids`/`word_start`, stats dict).
 
     With `cache_dir`, the result is saved under `<cache_dir>/datasets/<key>` and reused; the main
-    process builds it first while the other ranks wait, then they load it.
+    process builds it first while the other ranks wait, then they load it. `block_cls` (packing only):
+    every block starts with `[CLS]`; part of the cache key.
     """
     if max_seq_length < 2:
         raise ValueError(f"max_seq_length={max_seq_length} must be at least 2")
+    block_cls = block_cls and packing  # unpacked documents are `[CLS] doc [SEP]` anyway
+    if block_cls and tokenizer.cls_token_id is None:
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path!r} has no [CLS] token to start each packed block with; "
+            "pass --block_cls false, or use a tokenizer with a cls_token"
+        )
     fn = tokenize_and_pack if packing else tokenize_documents
-    kwargs = dict(batched=True, fn_kwargs=dict(tokenizer=tokenizer, max_seq_length=max_seq_length))
+    fn_kwargs = dict(
+        tokenizer=tokenizer, max_seq_length=max_seq_length, **({"block_cls": block_cls} if packing else {})
+    )
+    kwargs = dict(batched=True, fn_kwargs=fn_kwargs)
+    if packing:
+        key_extra["block_cls"] = block_cls
 
     if isinstance(raw, IterableDatasetDict):  # streaming: processed lazily, never cached
         processed = IterableDatasetDict(
@@ -145,7 +165,8 @@ def preprocess(
             }
         )
         stats = dataset_stats(raw, processed, max_seq_length, packing, workers)
-        check_not_empty(raw, processed, tokenizer, max_seq_length, packing)  # an empty split is never cached
+        stats["block_cls"] = block_cls
+        check_not_empty(raw, processed, tokenizer, max_seq_length, packing, block_cls)  # an empty split is never cached
         if path is not None and PartialState().is_main_process:
             processed.save_to_disk(str(path))
             stats["cache_path"] = str(path)
@@ -154,14 +175,17 @@ def preprocess(
     return processed, stats
 
 
-def check_not_empty(raw: DatasetDict, processed: DatasetDict, tokenizer, max_seq_length: int, packing: bool) -> None:
+def check_not_empty(
+    raw: DatasetDict, processed: DatasetDict, tokenizer, max_seq_length: int, packing: bool, block_cls: bool = False
+) -> None:
     """DataSourceError naming the split that yields no example, its token count and what is needed."""
     for name in raw:
         if len(processed[name]):
             continue
         tokens = sum(len(ids) for ids in tokenizer(list(raw[name]["text"]), add_special_tokens=False)["input_ids"])
         need = (
-            f"packing needs at least {max_seq_length} tokens for one block of --max_seq_length {max_seq_length}"
+            f"packing needs at least {max_seq_length - block_cls} tokens (counting a [SEP] after each document) "
+            f"for one block of --max_seq_length {max_seq_length}"
             if packing
             else "each document becomes one example"
         )
