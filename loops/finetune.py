@@ -50,7 +50,7 @@ import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Aut
 from concept_encoder.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, GateMonitor, describe_outcome, parse_gates
 from concept_encoder.tasks.baselines import split_rows, task_baselines
 from concept_encoder.tasks.loading import encode_splits, load_task
-from concept_encoder.tasks.metrics import LOWER_IS_BETTER, compute_metrics, predictions_from_logits
+from concept_encoder.tasks.metrics import compute_metrics, metric_sign, predictions_from_logits
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from concept_encoder.training.batches import accumulation_windows
 from concept_encoder.training.checkpoint import (
@@ -76,7 +76,7 @@ from concept_encoder.training.runtime import (
     setup_distributed,
 )
 from concept_encoder.training.selection import BestStep
-from concept_encoder.training.tracking import MetricsWriter, PreemptionFlag
+from concept_encoder.training.tracking import MetricsWriter, PreemptionFlag, read_metrics
 
 logger = logging.getLogger("concept_encoder")
 
@@ -117,12 +117,6 @@ def make_loaders(splits, tokenizer, model, args, seed: int, shuffle_train: bool 
     }  # fmt: skip
 
 
-def train_losses(metrics_path: Path) -> list[float]:
-    """The logged training losses of a run, in step order."""
-    records = (json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip())
-    return [r["loss"] for r in records if r.get("kind") == "train"]
-
-
 def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, tokenizer, fargs, args, run_base: str):
     """Steps 7-12 for one model, seed and learning rate; returns the run's result (the step chosen on dev, its
     dev metrics, the training loss at the start and end), or None when a signal stopped it (after a
@@ -142,7 +136,7 @@ def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, toke
     model, note = build_classifier(model_path, task, fargs.from_scratch, fargs.pooling)
     logger.info("model %s (seed %d, lr %g): %s", model_path, seed, rate, note)
     counts = log_model_info(model, {"task": task.name, "seed": seed, "learning_rate": rate})
-    loaders = make_loaders(splits, tokenizer, model, args, seed)
+    loaders = make_loaders({k: splits[k] for k in ("train", "dev")}, tokenizer, model, args, seed)  # not validation
     # 8. attention-kernel probe (main process, attention calls of the model's shape)
     probe_attention_kernels(model.config, next(iter(loaders["dev"])), state, decoder=False)
     pooling = describe_pooling(model)
@@ -180,7 +174,7 @@ def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, toke
             model, optimizer, loaders["train"], loaders["dev"]
         )
         main_metric = task.metric_names[0]
-        best = BestStep(main_metric, sign=-1.0 if main_metric in LOWER_IS_BETTER else 1.0)
+        best = BestStep(main_metric, sign=metric_sign(main_metric))
         accelerator.register_for_checkpointing(scheduler, best)
         progress = TrainState()
         gates = GateMonitor(args.gates)  # on the dev metrics, at every dev evaluation
@@ -239,7 +233,7 @@ def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, toke
                   "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir),
                   **({"gates": gates.summary(), "stopped_by_gate": gate_stopped} if args.gate else {})}  # fmt: skip
         if accelerator.is_main_process:
-            losses = train_losses(run_dir / "metrics.jsonl")
+            losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
             ends = max(1, len(losses) // 10)  # mean of the first and the last tenth of the logged losses
             result["train_loss"] = [sum(losses[:ends]) / ends, sum(losses[-ends:]) / ends] if losses else None
             plain_model(accelerator, model).save_pretrained(run_dir / "final", state_dict=best.weights)
@@ -296,7 +290,7 @@ def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, args
     then each seed's chosen run evaluated once on validation. Returns the runs (one per seed, each with the
     grid's dev scores and the chosen rate), or None when a signal stopped a run."""
     main_metric = task.metric_names[0]
-    sign = -1.0 if main_metric in LOWER_IS_BETTER else 1.0
+    sign = metric_sign(main_metric)
     seeds = list(range(args.seed, args.seed + fargs.seeds))
     tried = {}
     for rate in fargs.rates:

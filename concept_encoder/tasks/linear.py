@@ -12,7 +12,7 @@ import warnings
 
 import numpy as np
 
-from .metrics import LOWER_IS_BETTER, compute_metrics
+from .metrics import compute_metrics, metric_sign
 
 C_GRID = (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)  # LogisticRegression's C = 1 / regularisation strength
 ALPHA_GRID = (1000.0, 100.0, 10.0, 1.0, 0.1, 0.01)  # Ridge: alpha, strongest regularisation first
@@ -47,7 +47,7 @@ def fit_linear(task_type: str, metric_names, features: dict, labels: dict, stand
         scaler = StandardScaler().fit(features["train"])
         features = {split: scaler.transform(x) for split, x in features.items()}
     main = metric_names[0]
-    sign = -1.0 if main in LOWER_IS_BETTER else 1.0
+    sign = metric_sign(main)
     grid = ALPHA_GRID if task_type == "regression" else C_GRID
     scores, fits = {}, {}
     for value in grid:

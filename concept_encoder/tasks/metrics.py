@@ -34,6 +34,11 @@ check_table_covers(METRICS, TASK_METRIC_NAMES, "METRICS")
 LOWER_IS_BETTER = frozenset({"mse"})
 
 
+def metric_sign(name: str) -> float:
+    """+1 when a higher `name` is better, -1 when lower is (MSE): multiply before taking a maximum."""
+    return -1.0 if name in LOWER_IS_BETTER else 1.0
+
+
 def compute_metrics(names, predictions, labels) -> dict[str, float]:
     predictions, labels = np.asarray(predictions), np.asarray(labels)
     return {name: METRICS[name](predictions, labels) for name in names}
