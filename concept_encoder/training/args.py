@@ -22,6 +22,7 @@ from transformers import HfArgumentParser
 
 from ..constants import (
     ARCHITECTURES,
+    CLASSIFIER_POOLINGS,
     CONCEPT_LOSS_NAMES,
     DECODER_TYPES,
     DIFFUSION_WEIGHTINGS,
@@ -231,7 +232,7 @@ class TrainingArguments:
 
 
 DEFAULT_LEARNING_RATES = "5e-5,1e-4,3e-4,1e-3"  # the dev split picks one per model (BERT's paper used a grid too)
-POOLINGS = ("auto", "mean", "weighted", "cls")  # auto: the model's own; the others where the model has that choice
+POOLINGS = ("auto", *CLASSIFIER_POOLINGS, "cls")  # auto: the model's own; the others where the model has that choice
 
 
 @dataclass

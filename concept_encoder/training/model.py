@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..bert_baseline import BertForSparseMaskedLM, bert_config
 from ..config import ConceptEncoderConfig
+from ..constants import CLASSIFIER_POOLINGS
 from ..data.tokenizer import check_tokenizer
 from ..heads import ConceptEncoderForMaskedLM
 from ..summary import parameter_counts
@@ -119,11 +120,11 @@ def check_pooling(config, pooling: str, where: str) -> dict:
     if pooling == "auto":
         return {}
     concept = config.model_type == "concept_encoder"
-    if concept and pooling in ("mean", "weighted"):
+    if concept and pooling in CLASSIFIER_POOLINGS:
         return {"classifier_pooling": pooling}
     if not concept and pooling == "cls":
         return {}
-    allowed = ["auto", "mean", "weighted"] if concept else ["auto", "cls"]
+    allowed = ["auto", *sorted(CLASSIFIER_POOLINGS)] if concept else ["auto", "cls"]
     raise ValueError(
         f"--pooling {pooling}: {where} ({config.model_type}) supports {allowed}"
         + (
