@@ -17,7 +17,7 @@ ARGS      ?=
 LAUNCH    := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
 .PHONY: install test lint format clean bench gpu-check train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
-	finetune probe reference glue compare ablate
+	finetune probe reference glue compare ablate curve
 
 install: $(VENV)/.installed
 
@@ -90,6 +90,19 @@ ablate: install
 	$(if $(VARY),,$(error name one setting and its values: make ablate VARY=concept_loss_weight=0,0.1,1.0))
 	$(PY) -m concept_encoder.ablate --vary $(VARY) --decide $(DECIDE) -- --preset $(PRESET) --max_steps $(STEPS) \
 		--dataset $(DATASET) --tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)
+
+# Learning curve: downstream score against pretraining tokens for the Concept Encoder and BERT of the same shape,
+# beside their from-scratch twins, TF-IDF and the reference encoder (when `make reference` fetched it); resumable.
+#   make curve TOKENS=0.5M,2M,8M SEEDS=3     (on the docstring corpus; CURVE_DATA=embedded for the small one)
+TOKENS     ?= 0.5M,2M,8M
+CURVE_DATA ?= docstrings
+CURVE_NAME ?= curve
+REFERENCE  ?= $(wildcard Cache/models/all-MiniLM-L6-v2)
+curve: install
+	$(PY) -m concept_encoder.curve --tokens $(TOKENS) --task $(TASK) --name $(CURVE_NAME) \
+		$(if $(REFERENCE),--reference $(REFERENCE)) --finetune_args "--seeds $(SEEDS) $(FT_ARGS)" -- \
+		--preset $(PRESET) --dataset $(CURVE_DATA) --tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) \
+		--per_device_train_batch_size $(BATCH) $(ARGS)
 
 # Hardware profiles (launch/profiles.yaml): the plan check runs first and launches only a sound plan.
 #   make train-3080 DATASET=wikitext:wikitext-103-raw-v1 STEPS=20000 ARGS="--run_name wiki --save_steps 1000"

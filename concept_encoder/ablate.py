@@ -24,7 +24,8 @@ from pathlib import Path
 
 from .constants import pretraining_metric_names
 from .training.args import parse_args
-from .training.plan import PYTHON_ACCELERATE_LAUNCH, launch_command
+from .training.plan import launch_command, local_launcher
+from .training.runs import ended_on_its_own, stopped_by_gate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,22 +52,9 @@ def run_name_for(base: str, setting: str, value: str) -> str:
     return f"{base}-{setting}{safe}"
 
 
-def finished(run_dir: Path) -> bool:
-    """A run that ended on its own (all steps, or stopped by a gate): not preempted, final model saved."""
-    summary = run_dir / "summary.json"
-    if not summary.is_file() or not (run_dir / "final").is_dir():
-        return False
-    return not json.loads(summary.read_text()).get("preempted", False)
-
-
 def run_loop(command: list[str]) -> int:
     """Run one value's `accelerate launch ... loops/mlm.py ...` command; its exit code."""
     return subprocess.call(command)
-
-
-def stopped_by_gate(run_dir: Path) -> bool:
-    summary = run_dir / "summary.json"
-    return summary.is_file() and json.loads(summary.read_text()).get("stopped_by_gate") is True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,13 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"usage error: {error}\n")
     output_dir = Path(train_args.output_dir)
     direction = args.direction or ("lower" if lower_is_better(args.decide) else "higher")
-    launcher = [*PYTHON_ACCELERATE_LAUNCH, "--num_processes", str(args.num_processes), "--num_machines", "1",
-                "--dynamo_backend", "no", str(ROOT / "loops" / "mlm.py")]  # fmt: skip
+    launcher = local_launcher(ROOT / "loops" / "mlm.py", args.num_processes)
     rejected, runs = set(), []
     for index, (run_name, run_argv) in enumerate(plans, start=1):
         run_dir = output_dir / run_name
         runs.append((run_name, run_dir))
-        if finished(run_dir):
+        if ended_on_its_own(run_dir):
             print(f"[{index}/{len(plans)}] {run_name}: finished earlier, skipped", flush=True)
         else:
             print(f"[{index}/{len(plans)}] {run_name}: {setting}={values[index - 1]}", flush=True)

@@ -12,6 +12,7 @@ IGNORE_INDEX = -100  # label of positions that are not predicted (transformers' 
 VOCAB_CHUNK_ELEMENTS = 2**24
 
 EMBEDDED_DATASET = "embedded"  # the offline built-in corpus
+DOCSTRINGS_DATASET = "docstrings"  # offline: docstrings of the installed third-party packages
 MASKING_STRATEGIES = ("mlm", "whole_word", "span")
 DECODER_TYPES = ("perceiver", "posonly", "weighted")
 CLASSIFIER_POOLINGS = ("weighted", "mean")

@@ -82,9 +82,12 @@ logger = logging.getLogger("concept_encoder")
 
 
 def model_tag(path: str, from_scratch: bool) -> str:
-    """A short name for a model folder in run names and the report (`<run>/final` → `<run>`)."""
+    """A short name for a model folder in run names and the report (`<run>/final` → `<run>`,
+    `<run>/snapshots/step-N` → `<run>-step-N`)."""
     folder = Path(path)
     name = folder.parent.name if folder.name == "final" else folder.name
+    if folder.parent.name == "snapshots":
+        name = f"{folder.parent.parent.name}-{folder.name}"
     return f"{name}{'-scratch' if from_scratch else ''}"
 
 
@@ -352,8 +355,10 @@ def main(argv: list[str] | None = None) -> int:
             "fine-tuning keeps the weights of the step chosen on dev, which ZeRO-3 partitions across ranks; "
             "use a ZeRO-0/1/2 config (ds_configs/zero2.json), or plain DDP: classifiers of these sizes fit"
         )
-    if args.concept_losses:  # a pretraining setting: an error, not a silently ignored flag
-        raise ValueError("loops/finetune.py does not support ['--concept_losses'] (concept losses are for pretraining)")
+    pretraining_only = [flag for flag, value in (("--concept_losses", args.concept_losses),
+                                                 ("--snapshot_steps", args.snapshot_steps)) if value]  # fmt: skip
+    if pretraining_only:  # pretraining settings: an error, not a silently ignored flag
+        raise ValueError(f"loops/finetune.py does not support {pretraining_only} (they are for pretraining)")
     if args.resume_from_checkpoint not in (None, "auto") or args.resume_from_checkpoint and not args.run_name:
         raise ValueError(
             "fine-tuning resumes with --resume_from_checkpoint auto and the --run_name of the interrupted "
@@ -371,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         per_step = args.per_device_train_batch_size * state.num_processes * args.gradient_accumulation_steps
         args = dataclasses.replace(args, max_steps=max(1, math.ceil(fargs.epochs * len(task.train) / per_step)))
         logger.info("--epochs %g: %d optimizer steps of %d examples", fargs.epochs, args.max_steps, per_step)
-    baselines = task_baselines(task)
+    baselines = task_baselines(task, cache_dir=Path(args.output_dir).parent)  # Cache/baselines by default
     logger.info("baselines on validation: majority %s; %s (%s=%g chosen on dev) %s", baselines["majority"],
                 baselines["tfidf"]["name"], baselines["tfidf"]["parameter"], baselines["tfidf"]["chosen"],
                 baselines["tfidf"]["validation"])  # fmt: skip
@@ -395,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = [f"fine-tuning ({args.max_steps} steps, learning rate from {fargs.learning_rates})"] * fargs.finetune
         parts += ["linear probes on frozen features"] * fargs.probe
         title = f"`{task.name}`, {fargs.seeds} seed(s): {' and '.join(parts)}; every choice made on the dev split"
-        paths = write_report(results, {task.name: baselines}, Path("Cache/reports"), stamp[0], title)
+        paths = write_report(results, {task.name: baselines}, Path(fargs.report_dir), stamp[0], title)
         logger.info("report: %s", ", ".join(str(p) for p in paths.values()))
         print(paths["md"].read_text())
     state.wait_for_everyone()

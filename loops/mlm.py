@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -185,6 +186,27 @@ def train_step(
     }
 
 
+def save_model_folder(accelerator, model, tokenizer, folder: Path) -> None:
+    """`save_pretrained` + tokenizer into `folder`; collective (every rank calls it: ZeRO-3 shards are gathered)."""
+    state_dict = model_state_dict(accelerator, model)
+    if accelerator.is_main_process:
+        plain_model(accelerator, model).save_pretrained(folder, state_dict=state_dict)
+        tokenizer.save_pretrained(folder)
+
+
+def save_snapshot(accelerator, model, tokenizer, run_dir: Path, step: int) -> None:
+    """The model at `step` as `<run>/snapshots/step-<step>` (`--snapshot_steps`), written under a `.partial`
+    name and renamed when complete, so a folder that exists is whole (a resume rewrites it identically)."""
+    folder = run_dir / "snapshots" / f"step-{step}"
+    partial = folder.with_name(f"{folder.name}.partial")
+    save_model_folder(accelerator, model, tokenizer, partial)
+    if accelerator.is_main_process:
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+        logger.info("snapshot at step %d: %s", step, folder)
+    accelerator.wait_for_everyone()
+
+
 def save_final(
     accelerator,
     model,
@@ -215,10 +237,8 @@ def save_final(
         model.eval()
         with torch.no_grad():  # every rank runs it: under ZeRO-3 the forward gathers parameters
             reference = model(input_ids=probe_ids.to(accelerator.device)).logits.float().cpu()
-        state_dict = model_state_dict(accelerator, model)  # collective: gathers ZeRO-3 shards
+        save_model_folder(accelerator, model, tokenizer, final_dir)
         if accelerator.is_main_process:
-            plain_model(accelerator, model).save_pretrained(final_dir, state_dict=state_dict)
-            tokenizer.save_pretrained(final_dir)
             with outside_zero3():
                 reloaded = type(plain_model(accelerator, model)).from_pretrained(final_dir).eval()
             with torch.no_grad():
@@ -323,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     eval_steps = args.eval_steps or args.max_steps  # 0 means: evaluate at the end only
     save_steps = args.save_steps or None
+    snapshot_steps = set(args.snapshot_step_list)
     # 11. resolved config saved + logged; W&B
     config = {
         "model_args": dataclasses.asdict(model_args),
@@ -458,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             interval = {"loss": 0.0, "labelled": 0, "tokens": 0, "steps": 0, "time": 0.0}
 
-        if progress_state.step % eval_steps == 0 or progress_state.step == args.max_steps:
+        at_snapshot = progress_state.step in snapshot_steps  # a snapshot's eval loss belongs beside it
+        if progress_state.step % eval_steps == 0 or progress_state.step == args.max_steps or at_snapshot:
             last_eval = evaluate(
                 accelerator, model, eval_loader, eval_collator, eval_collator_state, args.max_eval_batches
             )
@@ -475,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                 gate_stopped = args.gate_action == "stop"
             progress_state.gates = gates.summary()
 
+        if at_snapshot:
+            save_snapshot(accelerator, model, data.tokenizer, run_dir, progress_state.step)
         stop = torch.tensor(float(preemption.raised), device=accelerator.device)
         preempted = bool(accelerator.reduce(stop, reduction="max").item())
         if preempted or gate_stopped or (save_steps and progress_state.step % save_steps == 0):

@@ -221,6 +221,16 @@ def test_baselines_and_probes_see_exactly_the_rows_the_models_see_and_the_report
     ):
         assert text in markdown, text
     assert report_json.with_suffix(".png").stat().st_size > 0
+    # the baselines are kept beside the output folder, keyed by the task's rows: a second invocation reads them
+    from concept_encoder.tasks.baselines import task_baselines, task_digest
+
+    cached = Path("Cache/baselines") / f"colors.csv-{task_digest(task)}.json"
+    assert json.loads(cached.read_text()) == report["baselines"]["colors.csv"]
+    cached.write_text(json.dumps({"majority": {"accuracy": -1.0}, "tfidf": {}}))  # proof that it is read
+    assert task_baselines(task, cache_dir="Cache")["majority"] == {"accuracy": -1.0}
+    changed = load_task(TaskArguments(task=str(task_file), dev_fraction=0.2))
+    assert task_digest(changed) != task_digest(task)
+    cached.unlink()
 
 
 def test_probe_only_leaves_the_model_untouched_and_trains_nothing(workdir, concept_model):

@@ -11,6 +11,7 @@ from datasets import IterableDataset
 
 from .arguments import DataArguments
 from .collators import build_collator
+from .docstrings import docstring_corpus, is_docstrings_spec
 from .processing import preprocess
 from .sources import load_raw_dataset, source_fingerprint
 from .tokenizer import load_tokenizer
@@ -40,6 +41,7 @@ def prepare_data(args: DataArguments, cache_dir: str | Path = "Cache", seed: int
         args.validation_split_percentage,
         args.streaming,
         args.streaming_validation_documents,
+        cache_dir,
     )
 
     def training_texts():
@@ -65,6 +67,8 @@ def prepare_data(args: DataArguments, cache_dir: str | Path = "Cache", seed: int
         validation_split_percentage=args.validation_split_percentage,
         content=content,
     )
+    if is_docstrings_spec(args.dataset):  # which packages (and versions) the corpus was read from
+        stats = {**stats, "source": docstring_corpus(args.dataset, cache_dir).manifest}
     collator = collator_for(args, tokenizer, seed)
     return PreparedData(tokenizer, processed["train"], processed["validation"], collator, stats)
 

@@ -1,4 +1,5 @@
-"""Text sources: the embedded offline corpus, local files or folders, and Hub datasets.
+"""Text sources: the embedded offline corpus, the installed packages' docstrings, local files or folders,
+and Hub datasets.
 
 Every source comes back as a `DatasetDict` with a `train` and a `validation` split of
 raw documents in a `text` column. A source without its own validation split gets a
@@ -20,7 +21,7 @@ from urllib.parse import urlparse
 from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
 from datasets.exceptions import DatasetsError
 
-from ..constants import EMBEDDED_DATASET
+from ..constants import DOCSTRINGS_DATASET, EMBEDDED_DATASET
 
 LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SPLIT_SEED = 1234  # fixed: the held-out split must not move when the training seed changes
@@ -110,9 +111,15 @@ def local_files(path: Path) -> tuple[str, list[str]]:
 def source_fingerprint(spec: str) -> str:
     """What identifies the content of `spec` beside its name, for cache keys: each local file's path,
     size and modification time (replacing a file at the same path changes it), the Python version for
-    the embedded corpus (it is CPython's own documentation), nothing for a Hub name."""
+    the embedded corpus (it is CPython's own documentation), the digest of every file read for the
+    docstring corpus, nothing for a Hub name."""
     if spec == EMBEDDED_DATASET:
         return f"py{sys.version_info.major}.{sys.version_info.minor}"
+    if spec.startswith(DOCSTRINGS_DATASET):
+        from .docstrings import corpus_fingerprint, is_docstrings_spec
+
+        if is_docstrings_spec(spec):
+            return corpus_fingerprint(spec)
     path = Path(spec).expanduser()
     if not path.exists():
         return ""
@@ -149,18 +156,21 @@ def load_raw_dataset(
     validation_split_percentage: float = 5.0,
     streaming: bool = False,
     streaming_validation_documents: int = 1000,
+    cache_dir: str | Path | None = None,
 ) -> DatasetDict | IterableDatasetDict:
     """Load documents from `spec` as `{train, validation}` with one `text` column.
 
-    `spec` is `embedded`, a local file or folder, or a Hub dataset `name` or `name:config`
+    `spec` is `embedded`, `docstrings[:<site-packages folder>]` (its documents cached under
+    `cache_dir`), a local file or folder, or a Hub dataset `name` or `name:config`
     (e.g. `wikitext:wikitext-103-raw-v1`, `JeanKaddour/minipile`). Without a validation split,
     `validation_split_percentage` of the documents are held out at random, or when streaming (the
     size is unknown) the first `streaming_validation_documents`.
     """
     if not 0 < validation_split_percentage < 100:
         raise ValueError(f"validation_split_percentage={validation_split_percentage} must be in (0, 100)")
-    if spec == EMBEDDED_DATASET:
-        raw = DatasetDict({"train": Dataset.from_dict({"text": embedded_documents()})})
+    documents = offline_documents(spec, cache_dir)
+    if documents is not None:
+        raw = DatasetDict({"train": Dataset.from_dict({"text": documents})})
         if streaming:
             raw = IterableDatasetDict({"train": raw["train"].to_iterable_dataset()})
     elif Path(spec).expanduser().exists():
@@ -180,6 +190,15 @@ def load_raw_dataset(
         except Exception as error:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
             raise DataSourceError(unreachable_message("dataset", spec, f"{type(error).__name__}: {error}")) from error
     return select_text_and_split(raw, text_field, validation_split_percentage, spec, streaming_validation_documents)
+
+
+def offline_documents(spec: str, cache_dir: str | Path | None) -> list[str] | None:
+    """The documents of a built-in offline source (`embedded`, `docstrings[:folder]`); None for any other."""
+    if spec == EMBEDDED_DATASET:
+        return embedded_documents()
+    from .docstrings import docstring_corpus, is_docstrings_spec
+
+    return docstring_corpus(spec, cache_dir).documents if is_docstrings_spec(spec) else None
 
 
 def select_text_and_split(raw, text_field: str, percentage: float, spec: str, streaming_validation_documents: int):

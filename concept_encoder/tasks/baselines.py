@@ -8,6 +8,9 @@ A neural number means little until it beats a bag of words: on `embedded` this b
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+from pathlib import Path
 
 from .linear import fit_linear, label_arrays
 from .metrics import baseline_predictions, compute_metrics
@@ -42,8 +45,21 @@ def tfidf_features(task) -> dict:
     return features
 
 
-def task_baselines(task) -> dict:
-    """`{"majority": validation metrics, "tfidf": fit_linear's result + "rows"}` on the task's splits."""
+def task_digest(task) -> str:
+    """A digest of everything the baselines depend on: the task's name, type, metrics and every split's rows."""
+    hasher = hashlib.sha256(json.dumps([task.name, task.task_type, list(task.metric_names)]).encode())
+    for split in (task.train, task.dev, task.validation):
+        hasher.update(json.dumps(split.to_dict(), sort_keys=True, default=str).encode())
+    return hasher.hexdigest()[:16]
+
+
+def task_baselines(task, cache_dir: str | Path | None = None) -> dict:
+    """`{"majority": validation metrics, "tfidf": fit_linear's result + "rows"}` on the task's splits. With
+    `cache_dir`, kept in `<cache_dir>/baselines/<task>-<digest of its rows>.json` (the TF-IDF C grid takes
+    half a minute on `embedded`; every fine-tuning invocation, e.g. each point of a learning curve, needs it)."""
+    path = None if cache_dir is None else Path(cache_dir) / "baselines" / f"{task.name}-{task_digest(task)}.json"
+    if path is not None and path.is_file():
+        return json.loads(path.read_text())
     splits = {"train": task.train, "dev": task.dev, "validation": task.validation}
     labels = label_arrays(splits)
     majority = compute_metrics(
@@ -54,4 +70,11 @@ def task_baselines(task) -> dict:
     tfidf = fit_linear(task.task_type, task.metric_names, tfidf_features(task), labels)
     tfidf["rows"] = {name: split_rows(split) for name, split in splits.items()}
     tfidf["name"] = TFIDF_NAME
-    return {"majority": majority, "tfidf": tfidf}
+    result = {"majority": majority, "tfidf": tfidf}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # ranks may write at once
+        partial.write_text(json.dumps(result, indent=2, default=float))
+        partial.replace(path)
+        result = json.loads(path.read_text())  # as a later invocation will read it (JSON keys and numbers)
+    return result

@@ -115,6 +115,11 @@ class TrainingArguments:
     max_eval_batches: int | None = field(default=None, metadata={"help": "cap evaluation batches per process"})
     save_steps: int = field(default=100, metadata={"help": "checkpoint every N optimizer steps (0: never)"})
     save_total_limit: int = field(default=2, metadata={"help": "keep only the newest N checkpoints"})
+    snapshot_steps: str = field(
+        default="",
+        metadata={"help": "pretraining: comma-separated optimizer steps at which the model is also evaluated and saved "
+                  "as <run>/snapshots/step-<N> (save_pretrained + tokenizer), e.g. for a learning curve"},
+    )  # fmt: skip
     resume_from_checkpoint: str | None = field(
         default=None, metadata={"help": "`auto` (newest checkpoint of the run) or a checkpoint folder"}
     )
@@ -215,6 +220,11 @@ class TrainingArguments:
             raise ValueError(f"deletion_rate={self.deletion_rate} must be in [0, 1): tsdae must keep some tokens")
         if self.gate_action not in GATE_ACTIONS:
             raise ValueError(f"gate_action={self.gate_action!r}: choose one of {GATE_ACTIONS}")
+        steps = self.snapshot_step_list  # parses, so a malformed list fails here
+        if any(not 0 < step <= self.max_steps for step in steps):
+            raise ValueError(
+                f"snapshot_steps={self.snapshot_steps!r}: every step must be in 1..max_steps ({self.max_steps})"
+            )
         self.gates = parse_gates(self.gate)  # syntax here; metric names where the loop's metrics are known
         check_concept_loss_settings(
             self.concept_loss_names, self.loss_weighting, self.concept_loss_weight, self.concept_loss_warmup_steps
@@ -225,6 +235,15 @@ class TrainingArguments:
         if self.concept_losses in (None, "none"):
             return []
         return [name.strip() for name in self.concept_losses.split(",") if name.strip()]
+
+    @property
+    def snapshot_step_list(self) -> list[int]:
+        try:
+            return sorted({int(step) for step in self.snapshot_steps.split(",") if step.strip()})
+        except ValueError:
+            raise ValueError(
+                f"snapshot_steps={self.snapshot_steps!r} is not a comma-separated list of step numbers, e.g. 250,1000"
+            ) from None
 
     @property
     def num_warmup_steps(self) -> int:
@@ -269,6 +288,7 @@ class FinetuneArguments:
         },
     )
     finetune: bool = field(default=True, metadata={"help": "fine-tune (false with --probe: probe only, make probe)"})
+    report_dir: str = field(default="Cache/reports", metadata={"help": "where finetune_<time>.{md,json,png} go"})
 
     def __post_init__(self):
         if self.seeds < 1:

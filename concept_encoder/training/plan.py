@@ -6,7 +6,8 @@ Torch-free (the plan checker must answer in about a second):
   the sequence length (what `build_model` builds, what the memory model is asked about);
 - `deepspeed_batch_values`: the batch entries of a ds config for a micro-batch, accumulation and
   world size (what the loop fills into `"auto"`, what the plan checker compares a fixed value with);
-- `launch_command`: the `accelerate launch ... loops/mlm.py <flags>` line for parsed arguments.
+- `launch_command`: the `accelerate launch ... loops/mlm.py <flags>` line for parsed arguments;
+  `local_launcher`: the launcher the tools that run loops one after another use (ablate, curve).
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ def output_dir_problem(output_dir: str) -> str | None:
     if not os.access(probe, os.W_OK):
         return f"--output_dir {out} is not writable (checked {probe})"
     return None
+
+
+def local_launcher(script: str | Path, num_processes: int = 1) -> list[str]:
+    """This interpreter's `accelerate launch` of `script` on one machine (dynamo off: the loops compile
+    themselves with --torch_compile), for tools that run the loops one after another."""
+    return [*PYTHON_ACCELERATE_LAUNCH, "--num_processes", str(num_processes), "--num_machines", "1",
+            "--dynamo_backend", "no", str(script)]  # fmt: skip
 
 
 def launch_command(accelerate_options: list[str], *loop_arguments, launcher=("accelerate", "launch"),

@@ -87,6 +87,22 @@ def finished_run(run_dir: Path, max_steps: int) -> str | None:
     )
 
 
+def ended_on_its_own(run_dir: Path) -> bool:
+    """A pretraining run that ended by itself (all steps, or stopped by a gate), final model saved: not
+    preempted, not crashed. Tools that rerun a plan (ablate, curve) skip such runs."""
+    summary = run_dir / "summary.json"
+    if not summary.is_file() or not (run_dir / "final").is_dir():
+        return False
+    return not json.loads(summary.read_text()).get("preempted", False)
+
+
+def stopped_by_gate(run_dir: Path) -> bool:
+    """The run's summary.json says a failed decision gate stopped it (`accelerate launch` reports the
+    loop's exit code 3 as 1, so the file is what tells)."""
+    summary = run_dir / "summary.json"
+    return summary.is_file() and json.loads(summary.read_text()).get("stopped_by_gate") is True
+
+
 def save_run_config(run_dir: Path, config: dict) -> None:
     """Step 11a: the resolved configuration, written to the run dir and logged."""
     logger.info("resolved config: %s", json.dumps(config, default=str))

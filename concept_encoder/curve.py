@@ -1,0 +1,383 @@
+"""Learning curves: downstream score against pretraining tokens, beside the lines pretraining must cross.
+
+    python -m concept_encoder.curve --tokens 0.5M,2M,8M --task embedded -- --dataset docstrings --preset small
+    make curve TOKENS=0.5M,2M,8M ARGS="--dataset docstrings" FT_ARGS="--seeds 3"
+
+For each architecture (`--architectures concept,bert`: the Concept Encoder and BERT of the same shape,
+same data and settings) one pretraining run (`loops/mlm.py`, `<name>-<arch>`) goes to the largest budget
+and saves the model at each smaller one (`--snapshot_steps`; the learning-rate schedule is the one of the
+whole run, so an early point is a model mid-schedule, as along any single run). At each point the
+fine-tuning loop (`loops/finetune.py --probe`) runs the fair protocol on `--task`: learning rate and step
+chosen on dev, several seeds, linear probes. Once per architecture its `--from_scratch` twin goes through
+the same protocol, and `--reference` (e.g. the positive control, `make reference`) once. The result is
+`Cache/curves/<name>/curve.{md,json,png}`: score against tokens per architecture (fine-tuned, probed),
+with horizontal lines for the twins, TF-IDF and the reference.
+
+Resumable: every finished point is a JSON file under `Cache/curves/<name>/points/` and is reused; an
+interrupted pretraining run resumes from its newest checkpoint, an interrupted fine-tuning from its own.
+Gates (`--gate` among the pretraining arguments) are honoured: a run a gate stops gets no points beyond
+where it stopped, and the table says so. Budgets become optimizer steps of
+`per_device_train_batch_size x gradient_accumulation_steps x num_processes x max_seq_length` tokens
+(packed blocks are full), rounded to the nearest step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .constants import ARCHITECTURES
+from .training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
+from .training.plan import local_launcher
+from .training.runs import ended_on_its_own, stopped_by_gate
+from .training.tracking import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+MLM_SCRIPT = ROOT / "loops" / "mlm.py"
+FINETUNE_SCRIPT = ROOT / "loops" / "finetune.py"
+SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+DRIVER_FLAGS = ("--max_steps", "--run_name", "--architecture", "--snapshot_steps", "--resume_from_checkpoint")
+FINETUNE_DRIVER_FLAGS = ("--model_name_or_path", "--task", "--run_name", "--report_dir", "--from_scratch",
+                         "--compare_to", "--resume_from_checkpoint", "--probe", "--finetune")  # fmt: skip
+
+
+def parse_budgets(text: str) -> list[int]:
+    """`"0.5M,2M,8M"` → [500000, 2000000, 8000000] (suffixes k, M, G/B; plain numbers too), ascending;
+    ValueError naming the bad entry."""
+    budgets = []
+    for item in (part.strip() for part in text.split(",")):
+        match = re.fullmatch(r"(\d+\.?\d*(?:[eE][-+]?\d+)?)\s*([kKmMgGbB]?)", item)
+        if not match:
+            raise ValueError(f"--tokens {text!r}: {item!r} is not a token count such as 500k, 2M or 8000000")
+        tokens = round(float(match[1]) * SUFFIXES[match[2].lower()])
+        if tokens < 1:
+            raise ValueError(f"--tokens {text!r}: {item!r} is not a positive token count")
+        budgets.append(tokens)
+    if len(set(budgets)) != len(budgets):
+        raise ValueError(f"--tokens {text!r}: a budget is given twice")
+    return sorted(budgets)
+
+
+def token_label(tokens: int) -> str:
+    """500000 → "500k", 2000000 → "2M", 1234 → "1234": short, exact enough for names and axes."""
+    for suffix, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if tokens >= size:
+            return f"{tokens / size:.4g}{suffix}"
+    return str(tokens)
+
+
+@dataclass
+class ArchitecturePlan:
+    """One architecture's pretraining run and the points along it."""
+
+    architecture: str
+    run_name: str
+    tokens_per_step: int
+    steps: list[int]  # per budget, ascending
+    pretrain_argv: list[str] = field(default_factory=list)
+
+    def tokens(self, step: int) -> int:
+        return step * self.tokens_per_step
+
+
+def given_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    return sorted({arg.split("=")[0] for arg in argv if arg.split("=")[0] in flags})
+
+
+def plan_architecture(architecture: str, budgets: list[int], loop_argv: list[str], name: str, processes: int):
+    """The pretraining command for `architecture` (checked by the loop's own parser) and a step per budget;
+    ValueError when two budgets round to the same step or a budget is under one step."""
+    run_name = f"{name}-{architecture}"
+    probe_args = parse_args([*loop_argv, "--architecture", architecture])
+    _, data_args, train_args = probe_args
+    per_step = (train_args.per_device_train_batch_size * train_args.gradient_accumulation_steps * processes
+                * data_args.max_seq_length)  # fmt: skip
+    steps = [max(1, round(tokens / per_step)) for tokens in budgets]
+    if len(set(steps)) != len(steps) or any(tokens < per_step / 2 for tokens in budgets):
+        raise ValueError(
+            f"--tokens {','.join(map(token_label, budgets))}: one optimizer step is {per_step:,} tokens here, so the "
+            f"budgets give steps {steps}; choose budgets at least one step apart (or a smaller batch)"
+        )
+    argv = [*loop_argv, "--architecture", architecture, "--run_name", run_name, "--max_steps", str(steps[-1]),
+            "--snapshot_steps", ",".join(map(str, steps)), "--resume_from_checkpoint", "auto"]  # fmt: skip
+    parse_args(argv)  # the exact command, checked before anything runs
+    return ArchitecturePlan(architecture, run_name, per_step, steps, argv), Path(train_args.output_dir) / run_name
+
+
+def run_command(command: list[str]) -> int:
+    """One `accelerate launch` of a loop; its exit code (tests replace this to run the loops in process)."""
+    return subprocess.call(command)
+
+
+class Curve:
+    """The points of one curve on disk (`Cache/curves/<name>/`), and the runs that make missing ones."""
+
+    def __init__(self, folder: Path, task: str, finetune_argv: list[str], processes: int):
+        self.folder, self.task, self.finetune_argv, self.processes = folder, task, finetune_argv, processes
+        (folder / "points").mkdir(parents=True, exist_ok=True)
+
+    def point_file(self, key: str) -> Path:
+        return self.folder / "points" / f"{key}.json"
+
+    def done(self, key: str) -> bool:
+        return self.point_file(key).is_file()
+
+    def measure(self, key: str, model: str, extra: list[str], info: dict) -> dict:
+        """Fine-tune and probe `model` under the fair protocol (resuming an interrupted attempt); the point's
+        report rows and baselines go to `points/<key>.json` once all of it finished."""
+        reports = self.folder / "reports" / key
+        argv = [*self.finetune_argv, "--model_name_or_path", model, "--task", self.task, "--probe",
+                "--run_name", f"{self.folder.name}-{key}", "--report_dir", str(reports), *extra]  # fmt: skip
+        # auto: a fresh start the first time; after an interruption, finished seeds reused, the cut one resumed
+        code = run_command(
+            [*local_launcher(FINETUNE_SCRIPT, self.processes), *argv, "--resume_from_checkpoint", "auto"]
+        )
+        found = sorted(reports.glob("finetune_*.json"))
+        if code != 0 or not found:
+            raise RuntimeError(f"fine-tuning {model} for point {key} failed (exit code {code}); fix it and rerun: "
+                               "finished points are reused")  # fmt: skip
+        report = json.loads(found[-1].read_text())
+        point = {"key": key, "model": model, **info, "rows": report["rows"], "baselines": report["baselines"]}
+        self.point_file(key).write_text(json.dumps(point, indent=2))
+        return point
+
+    def points(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted((self.folder / "points").glob("*.json"))]
+
+
+def eval_loss_at(run_dir: Path, step: int) -> float | None:
+    """The pretraining run's MLM eval loss at `step` (the loop evaluates at every snapshot step)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    found = [
+        r["eval_loss"] for r in read_metrics(path) if r["kind"] == "eval" and r["step"] == step and "eval_loss" in r
+    ]
+    return found[-1] if found else None
+
+
+def pretrain(plan: ArchitecturePlan, run_dir: Path, processes: int) -> dict:
+    """Run (or resume, or reuse) the architecture's pretraining; returns what ended it."""
+    if not ended_on_its_own(run_dir):
+        code = run_command([*local_launcher(MLM_SCRIPT, processes), *plan.pretrain_argv])
+        if code != 0 and not stopped_by_gate(run_dir):
+            raise RuntimeError(f"pretraining {plan.run_name} failed (exit code {code}); fix it and rerun the same "
+                               "command: it resumes from the newest checkpoint")  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"stopped_by_gate": bool(summary.get("stopped_by_gate")), "steps": summary["steps"],
+            "gates": summary.get("gates", [])}  # fmt: skip
+
+
+def main_metric(rows: list[dict]) -> str:
+    return rows[0]["metrics"][0]
+
+
+def summarise(points: list[dict], gate_notes: dict[str, str]) -> dict:
+    """Points → one record per (architecture or line, method): main metric mean ± std per budget."""
+    curves, lines, baselines = {}, {}, {}
+    metric = None
+    for point in points:
+        baselines.update(point["baselines"])
+        metric = metric or main_metric(point["rows"])
+        for row in point["rows"]:
+            entry = {"mean": row[f"{metric}_mean"], "std": row[f"{metric}_std"], "seeds": row[f"{metric}_seeds"],
+                     "learning_rate": row.get("learning_rate"), "still_improving": row.get("still_improving")}  # fmt: skip
+            if point["kind"] == "snapshot":
+                series = curves.setdefault((point["architecture"], row["method"]), [])
+                series.append({"tokens": point["tokens"], "step": point["step"], "eval_loss": point.get("eval_loss"),
+                               **entry})  # fmt: skip
+            else:
+                lines[(point["label"], row["method"])] = entry
+    for series in curves.values():
+        series.sort(key=lambda e: e["tokens"])
+    return {"metric": metric, "curves": curves, "lines": lines, "baselines": baselines, "gate_notes": gate_notes}
+
+
+def cell(entry: dict | None) -> str:
+    if entry is None:
+        return ""
+    spread = f" ± {entry['std']:.3f}" if len(entry["seeds"]) > 1 else ""
+    rate = f" (lr {entry['learning_rate']:g}{', still improving' if entry['still_improving'] else ''})" if (
+        entry["learning_rate"]) else ""  # fmt: skip
+    return f"{entry['mean']:.3f}{spread}{rate}"
+
+
+def format_markdown(summary: dict, task: str, name: str) -> str:
+    metric, curves, lines = summary["metric"], summary["curves"], summary["lines"]
+    methods = sorted({m for _, m in curves} | {m for _, m in lines}, key=lambda m: (m != "fine-tune", m))
+    out = [f"# Learning curve `{name}` on `{task}` (validation {metric}, mean ± std over seeds; choices on dev)", "",
+           "| model | pretraining tokens | step | MLM eval loss | " + " | ".join(methods) + " |",
+           "|---|---|---|---|" + "---|" * len(methods)]  # fmt: skip
+    for architecture in dict.fromkeys(a for a, _ in curves):
+        by_tokens: dict[int, dict] = {}
+        for (arch, method), series in curves.items():
+            for entry in series if arch == architecture else []:
+                by_tokens.setdefault(entry["tokens"], {"step": entry["step"], "eval_loss": entry["eval_loss"]})[
+                    method
+                ] = entry
+        for tokens, found in sorted(by_tokens.items()):
+            loss = f"{found['eval_loss']:.3f}" if found["eval_loss"] is not None else ""
+            out.append(f"| {architecture} | {tokens:,} | {found['step']} | {loss} | "
+                       + " | ".join(cell(found.get(m)) for m in methods) + " |")  # fmt: skip
+    for label in dict.fromkeys(label for label, _ in lines):
+        out.append(f"| {label} | | | | " + " | ".join(cell(lines.get((label, m))) for m in methods) + " |")
+    for task_name, base in summary["baselines"].items():
+        out.append(f"| TF-IDF + linear ({task_name}) | | | | {base['tfidf']['validation'][metric]:.3f} |"
+                   + " |" * (len(methods) - 1))  # fmt: skip
+        out.append(f"| majority class / mean | | | | {base['majority'][metric]:.3f} |" + " |" * (len(methods) - 1))
+    for architecture, note in summary["gate_notes"].items():
+        out += ["", f"- {architecture}: {note}"]
+    return "\n".join(out) + "\n"
+
+
+def plot(summary: dict, path: Path, title: str) -> None:
+    """Score against tokens (log axis) per architecture: fine-tuned solid with std bars, probes dashed;
+    the twins (dotted, the architecture's colour), TF-IDF (grey) and the reference (black) as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = summary["metric"]
+    colours = {architecture: f"C{i}" for i, architecture in enumerate(dict.fromkeys(a for a, _ in summary["curves"]))}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for (architecture, method), series in summary["curves"].items():
+        tokens = [e["tokens"] for e in series]
+        ax.errorbar(tokens, [e["mean"] for e in series], yerr=[e["std"] for e in series], marker="o", capsize=3,
+                    color=colours[architecture], linestyle="-" if method == "fine-tune" else "--",
+                    label=f"{architecture}, {method}")  # fmt: skip
+    for (label, method), entry in summary["lines"].items():
+        if method != "fine-tune" and label.endswith("twin"):
+            continue  # the twins' probes would crowd the plot; the table has them
+        architecture = label.split(" ")[0]
+        style = {"color": colours.get(architecture, "black"), "linestyle": ":" if label.endswith("twin") else "-."}
+        ax.axhline(entry["mean"], linewidth=1.2, label=f"{label}, {method}", **style)
+    for base in summary["baselines"].values():
+        ax.axhline(base["tfidf"]["validation"][metric], color="tab:gray", linestyle="--", linewidth=1, label="TF-IDF")
+    ax.set_xscale("log")
+    ax.set_xlabel("pretraining tokens")
+    ax.set_ylabel(f"validation {metric}")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m concept_encoder.curve",
+        description="Pretrain once per architecture to the largest token budget; at each budget fine-tune and probe "
+                    "on --task under the fair protocol; plot score against tokens beside twins, TF-IDF, a reference.",
+        epilog="Everything after `--` goes to loops/mlm.py (the driver sets --architecture, --run_name, --max_steps, "
+               "--snapshot_steps and --resume_from_checkpoint).",
+    )  # fmt: skip
+    parser.add_argument("--tokens", required=True, help="pretraining token budgets, e.g. 0.5M,2M,8M")
+    parser.add_argument("--task", default="embedded", help="the downstream task (as loops/finetune.py --task)")
+    parser.add_argument("--architectures", default="concept,bert", help=f"comma-separated, from {ARCHITECTURES}")
+    parser.add_argument("--name", default="curve", help="the curve's folder under --curves_dir and its run prefix")
+    parser.add_argument("--curves_dir", default="Cache/curves")
+    parser.add_argument(
+        "--reference", help="a pretrained model folder drawn as a line (e.g. Cache/models/all-MiniLM-L6-v2)"
+    )
+    parser.add_argument("--finetune_args", default="", help='arguments for loops/finetune.py, e.g. "--seeds 3"')
+    parser.add_argument("--twins", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
+                        help="also the from-scratch twin of each architecture (default true)")  # fmt: skip
+    parser.add_argument("--num_processes", type=int, default=1, help="processes per run (accelerate launch)")
+    return parser
+
+
+def check_finetune_argv(finetune_argv: list[str], task: str) -> None:
+    """The fine-tuning arguments as the loop will see them (a placeholder model), before anything runs."""
+    taken = given_flags(finetune_argv, FINETUNE_DRIVER_FLAGS)
+    if taken:
+        raise ValueError(f"--finetune_args: {taken} are set by the curve driver; leave them out")
+    parse_args(["--model_name_or_path", ".", "--task", task, *finetune_argv], classes=FINETUNE_ARGUMENT_CLASSES,
+               defaults=FINETUNE_DEFAULTS)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, loop_argv = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = build_parser()
+    args = parser.parse_args(own)
+    finetune_argv = shlex.split(args.finetune_args)
+    try:  # every check before the first run starts
+        budgets = parse_budgets(args.tokens)
+        architectures = [a.strip() for a in args.architectures.split(",") if a.strip()]
+        if not architectures or any(a not in ARCHITECTURES for a in architectures):
+            raise ValueError(f"--architectures {args.architectures!r}: choose from {ARCHITECTURES}")
+        taken = given_flags(loop_argv, DRIVER_FLAGS)
+        if taken:
+            raise ValueError(f"pretraining arguments {taken} are set by the curve driver; leave them out")
+        check_finetune_argv(finetune_argv, args.task)
+        if args.reference and not Path(args.reference).is_dir():
+            raise ValueError(f"--reference {args.reference}: no such model folder (make reference fetches one)")
+        plans = [plan_architecture(a, budgets, loop_argv, args.name, args.num_processes) for a in architectures]
+    except ValueError as error:
+        parser.exit(2, f"usage error: {error}\n")
+    curve = Curve(Path(args.curves_dir) / args.name, args.task, finetune_argv, args.num_processes)
+    total = len(plans) * (len(budgets) + args.twins) + bool(args.reference)
+    progress = iter(range(1, total + 1))
+    gate_notes = {}
+
+    def announce(key: str, what: str) -> None:
+        print(f"[{next(progress)}/{total}] {key}: {what}", flush=True)
+
+    for plan, run_dir in plans:
+        keys = [f"{plan.architecture}-{token_label(plan.tokens(step))}" for step in plan.steps]
+        pending = [k for k in keys if not curve.done(k)]
+        ended = pretrain(plan, run_dir, args.num_processes) if pending else None
+        if ended and ended["stopped_by_gate"]:
+            failed = "; ".join(g.get("gate", str(g)) for g in ended["gates"] if g.get("passed") is False)
+            gate_notes[plan.architecture] = f"pretraining stopped by a gate at step {ended['steps']} ({failed})"
+        for key, step in zip(keys, plan.steps, strict=True):
+            snapshot = run_dir / "snapshots" / f"step-{step}"
+            if curve.done(key):
+                announce(key, "finished earlier, reused")
+            elif not snapshot.is_dir():
+                announce(key, f"no snapshot at step {step}: {gate_notes.get(plan.architecture, 'run ended before it')}")
+            else:
+                announce(key, f"{plan.tokens(step):,} tokens (step {step}): fine-tuning and probes on {args.task}")
+                info = {"kind": "snapshot", "architecture": plan.architecture, "tokens": plan.tokens(step),
+                        "step": step, "eval_loss": eval_loss_at(run_dir, step)}  # fmt: skip
+                curve.measure(key, str(snapshot), [], info)
+        if args.twins:
+            key = f"{plan.architecture}-twin"
+            first = next((run_dir / "snapshots" / f"step-{s}" for s in plan.steps
+                          if (run_dir / "snapshots" / f"step-{s}").is_dir()), run_dir / "final")  # fmt: skip
+            if curve.done(key):
+                announce(key, "finished earlier, reused")
+            else:
+                announce(key, "from-scratch twin (same architecture, random weights)")
+                curve.measure(
+                    key, str(first), ["--from_scratch"], {"kind": "line", "label": f"{plan.architecture} twin"}
+                )
+    if args.reference:
+        key = "reference"
+        if curve.done(key):
+            announce(key, "finished earlier, reused")
+        else:
+            announce(key, f"reference encoder {args.reference}")
+            curve.measure(key, args.reference, [], {"kind": "line", "label": f"reference {Path(args.reference).name}"})
+    summary = summarise(curve.points(), gate_notes)
+    title = f"{args.name}: validation {summary['metric']} on {args.task} against pretraining tokens"
+    (curve.folder / "curve.md").write_text(format_markdown(summary, args.task, args.name))
+    plot(summary, curve.folder / "curve.png", title)
+    serialisable = {**summary, "curves": {f"{a} / {m}": s for (a, m), s in summary["curves"].items()},
+                    "lines": {f"{label} / {m}": e for (label, m), e in summary["lines"].items()}}  # fmt: skip
+    (curve.folder / "curve.json").write_text(json.dumps(serialisable, indent=2))
+    print((curve.folder / "curve.md").read_text())
+    print(f"curve: {curve.folder / 'curve.png'}, table: {curve.folder / 'curve.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

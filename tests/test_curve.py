@@ -1,0 +1,119 @@
+"""The learning-curve driver (`python -m concept_encoder.curve`) on `micro` with two tiny budgets: the
+snapshots it pretrains, the points it measures, reuse on a rerun, a rebuilt point, gates, bad plans."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from loop_runs import COMMON, fresh_accelerate, workdir  # noqa: F401 (fixtures: a module work folder, accelerate reset)
+from safetensors.torch import load_file
+
+import loops.finetune as finetune
+import loops.mlm as mlm
+from concept_encoder import curve
+
+PRETRAIN = [*COMMON, "--output_dir", "runs", "--save_steps", "2"]  # 8 x 64 = 512 tokens per step
+FINETUNE = ("--max_steps 2 --eval_steps 1 --learning_rates 1e-3 --seeds 1 --max_seq_length 32 "
+            "--per_device_eval_batch_size 128 --report_to none --progress_bar false --output_dir ft")  # fmt: skip
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The loops run in this process instead of `accelerate launch` (seconds saved per run); every command kept."""
+    commands = []
+
+    def in_process(command):
+        commands.append(command)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        script = next(c for c in command if c.endswith(".py"))
+        loop = mlm if script == str(curve.MLM_SCRIPT) else finetune
+        return 1 if loop.main(command[command.index(script) + 1 :]) else 0  # as `accelerate launch` reports it
+
+    monkeypatch.setattr(curve, "run_command", in_process)
+    return commands
+
+
+def scripts(commands) -> list[str]:
+    return [Path(next(c for c in command if c.endswith(".py"))).name for command in commands]
+
+
+def test_budget_parsing_and_labels():
+    assert curve.parse_budgets("2M, 0.5M,8e6,300k") == [300_000, 500_000, 2_000_000, 8_000_000]
+    assert [curve.token_label(t) for t in (1024, 2_000_000, 999)] == ["1.024k", "2M", "999"]
+    with pytest.raises(ValueError, match="'2 tokens' is not a token count such as 500k"):
+        curve.parse_budgets("1M,2 tokens")
+    with pytest.raises(ValueError, match="a budget is given twice"):
+        curve.parse_budgets("1M,1000k")
+
+
+def test_curve_pretrains_once_measures_each_point_and_reuses_finished_ones(launches, capsys):
+    argv = ["--tokens", "1024,2048", "--architectures", "concept", "--name", "c", "--finetune_args", FINETUNE,
+            "--", *PRETRAIN]  # fmt: skip
+    assert curve.main(argv) == 0
+    assert scripts(launches) == ["mlm.py", "finetune.py", "finetune.py", "finetune.py"]  # 2 points and the twin
+    pretraining = launches[0]
+    assert pretraining[pretraining.index("--snapshot_steps") + 1] == "2,4"
+    assert pretraining[pretraining.index("--max_steps") + 1] == "4"
+    run = Path("runs/c-concept")
+    final, last = load_file(run / "final" / "model.safetensors"), load_file(run / "snapshots/step-4/model.safetensors")
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    early = load_file(run / "snapshots/step-2/model.safetensors")
+    assert not all(torch.equal(early[k], last[k]) for k in early)
+    points = {p.stem: json.loads(p.read_text()) for p in Path("Cache/curves/c/points").glob("*.json")}
+    assert sorted(points) == ["concept-1.024k", "concept-2.048k", "concept-twin"]
+    assert points["concept-1.024k"]["step"] == 2 and points["concept-1.024k"]["eval_loss"] > 0
+    assert {row["method"] for row in points["concept-twin"]["rows"]} == {
+        "fine-tune", "probe: concepts mean", "probe: embeddings mean"}  # fmt: skip
+    table = Path("Cache/curves/c/curve.md").read_text()
+    assert "| concept | 1,024 | 2 |" in table and "| concept | 2,048 | 4 |" in table
+    assert "| concept twin |" in table and "TF-IDF + linear (embedded)" in table
+    assert Path("Cache/curves/c/curve.png").stat().st_size > 10_000
+    saved = json.loads(Path("Cache/curves/c/curve.json").read_text())
+    assert [e["tokens"] for e in saved["curves"]["concept / fine-tune"]] == [1024, 2048]
+
+    launches.clear()
+    capsys.readouterr()
+    assert curve.main(argv) == 0  # everything finished: nothing runs again
+    assert launches == [] and capsys.readouterr().out.count("finished earlier, reused") == 3
+    Path("Cache/curves/c/points/concept-2.048k.json").unlink()  # one point lost: only it is measured again
+    assert curve.main(argv) == 0
+    assert scripts(launches) == ["finetune.py"] and "snapshots/step-4" in " ".join(launches[0])
+    again = json.loads(Path("Cache/curves/c/points/concept-2.048k.json").read_text())
+
+    def scores(rows):  # everything but the wall-clock seconds
+        return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+    assert scores(again["rows"]) == scores(points["concept-2.048k"]["rows"])  # probes refitted equal, run reused
+    assert again["rows"][0]["model"] == "c-concept-step-4"
+
+
+def test_a_gate_that_stops_pretraining_ends_the_curve_there(launches, capsys):
+    argv = ["--tokens", "1024,2048", "--architectures", "concept", "--name", "g", "--twins", "false",
+            "--finetune_args", FINETUNE, "--", *PRETRAIN, "--gate", "eval_loss<0@1"]  # fmt: skip
+    assert curve.main(argv) == 0
+    assert scripts(launches) == ["mlm.py", "finetune.py"]
+    out = capsys.readouterr().out
+    assert "concept-2.048k: no snapshot at step 4: pretraining stopped by a gate at step 2 (eval_loss<0@1" in out
+    assert "- concept: pretraining stopped by a gate at step 2" in Path("Cache/curves/g/curve.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "extra, loop, message",
+    [
+        (["--tokens", "1000,1100"], [], "budgets give steps \\[2, 2\\]; choose budgets at least one step apart"),
+        (["--tokens", "1024,2048"], ["--max_steps", "9"], "\\['--max_steps'\\] are set by the curve driver"),
+        (["--tokens", "1024,2048", "--finetune_args", "--task glue:sst2"], [], "--finetune_args: \\['--task'\\]"),
+        (["--tokens", "1024,2048", "--architectures", "gpt"], [], "--architectures 'gpt': choose from"),
+        (["--tokens", "1024,2048", "--reference", "nowhere"], [], "--reference nowhere: no such model folder"),
+    ],
+)
+def test_bad_plans_are_refused_before_anything_runs(launches, capsys, extra, loop, message):
+    with pytest.raises(SystemExit) as refused:
+        curve.main([*extra, "--name", "bad", "--", *PRETRAIN, *loop])
+    assert refused.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert launches == [] and not Path("runs/bad-concept").exists()

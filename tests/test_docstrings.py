@@ -1,0 +1,131 @@
+"""The docstring corpus (`--dataset docstrings[:folder]`) on a fake site-packages tree: what is read, what
+is left out (stdlib names, short or duplicated docstrings, task sentences, undecodable files), order,
+cache key and the statistics a run records."""
+
+import random
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+from concept_encoder.data import DataArguments, DataSourceError, load_raw_dataset, prepare_data
+from concept_encoder.data.docstrings import docstring_corpus, docstring_roots, installed_files, normalised
+from concept_encoder.data.sources import source_fingerprint
+from concept_encoder.tasks.embedded import embedded_sentences
+
+VOCABULARY = "tensor gradient module layer shape batch vector matrix token concept model value".split()
+
+
+def prose(seed: int, words: int = 14) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(VOCABULARY) for _ in range(words)).capitalize() + f" number {seed}."
+
+
+def write_distribution(root, name: str, version: str, files: dict[str, bytes]) -> None:
+    """A package as pip leaves it: its files, and a dist-info folder whose RECORD lists them."""
+    for relative, content in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "RECORD").write_text("".join(f"{relative},,\n" for relative in [*files, f"{info.name}/METADATA"]))
+
+
+def module(docstring: str, functions: dict[str, str]) -> bytes:
+    body = "".join(f'\n\ndef {name}():\n    """{doc}"""\n' for name, doc in functions.items())
+    return f'"""{docstring}"""\n{body}'.encode()
+
+
+@pytest.fixture
+def site(tmp_path):
+    """Two packages, a stdlib backport, a vendored task sentence, a duplicate, a latin-1 file with and without
+    its coding cookie, a short docstring and a script outside the tree."""
+    root = tmp_path / "site-packages"
+    root.mkdir()
+    task_sentence = embedded_sentences()[0][0]
+    write_distribution(root, "zeta-pkg", "2.0", {
+        "zeta_pkg/__init__.py": module(prose(1), {"f": prose(2), "g": "Too short to keep."}),
+        "zeta_pkg/copy.py": module(prose(1), {"h": prose(2).upper().replace(".", " !")}),  # exact, normalised
+        "zeta_pkg/vendored.py": module(task_sentence + "\n\nMore text of a vendored stdlib copy here.", {}),
+        "zeta_pkg/latin.py": f'"""{prose(3)} caf\xe9."""\n'.encode("latin-1"),
+        "zeta_pkg/cookie.py": f'# -*- coding: latin-1 -*-\n"""{prose(4)} caf\xe9."""\n'.encode("latin-1"),
+        "../../bin/zeta-tool": b"#!python\n",
+    })  # fmt: skip
+    write_distribution(root, "alpha-pkg", "1.5", {
+        f"alpha_pkg/m{i}.py": module(prose(100 + i), {f"f{j}": prose(1000 + 10 * i + j) for j in range(8)})
+        for i in range(8)
+    })  # fmt: skip
+    write_distribution(root, "json-backport", "0.1", {"json/__init__.py": module(prose(9), {})})
+    return root, task_sentence
+
+
+def test_reader_keeps_third_party_prose_and_names_what_it_leaves_out(site):
+    root, task_sentence = site
+    corpus = docstring_corpus(f"docstrings:{root}", cache_dir=None)
+    docs, manifest = corpus.documents, corpus.manifest
+    assert list(manifest["packages"]) == ["alpha-pkg", "zeta-pkg"]  # json-backport shadows the stdlib
+    assert manifest["packages"]["alpha-pkg"] == {"version": "1.5", "files": 8, "documents": 72}
+    assert manifest["packages"]["zeta-pkg"] == {"version": "2.0", "files": 4, "documents": 3}
+    assert prose(9) not in docs
+    # deterministic order: distributions by name, files by path, module docstring before its functions
+    assert docs[:2] == [prose(100), prose(1000)] and docs[-3:] == [prose(1), prose(2), prose(4) + " café."]
+    assert manifest["dropped"] == {"short": 1, "exact_duplicates": 1, "normalised_duplicates": 1, "task_sentences": 1}
+    assert not any(normalised(task_sentence) in normalised(d) for d in docs)
+    assert len(set(map(normalised, docs))) == len(docs) == manifest["documents"]
+    assert manifest["words"] == sum(len(d.split()) for d in docs)
+    [skipped] = manifest["skipped_files"]  # latin-1 bytes without a cookie: named, with the byte offset
+    assert skipped.startswith(str(root / "zeta_pkg" / "latin.py")) and "not utf-8 text (byte" in skipped
+    assert docstring_corpus(f"docstrings:{root}", cache_dir=None).documents == docs
+
+
+def test_corpus_is_cached_by_the_files_it_reads(site, tmp_path):
+    root, _ = site
+    spec = f"docstrings:{root}"
+    first = docstring_corpus(spec, cache_dir=tmp_path / "cache")
+    key = first.manifest["fingerprint"]
+    assert source_fingerprint(spec) == key
+    assert (tmp_path / "cache" / "datasets" / f"docstrings-{key}" / "documents.jsonl").exists()
+    assert docstring_corpus(spec, cache_dir=tmp_path / "cache").documents == first.documents  # read back
+    time.sleep(0.01)
+    (root / "alpha_pkg" / "m0.py").write_bytes(module(prose(555), {}))  # a package file changes
+    assert source_fingerprint(spec) != key
+    changed = docstring_corpus(spec, cache_dir=tmp_path / "cache")
+    assert prose(555) in changed.documents and prose(100) not in changed.documents
+
+
+def test_docstrings_feed_the_pipeline_with_packages_and_versions_in_the_stats(site, tmp_path):
+    root, _ = site
+    raw = load_raw_dataset(f"docstrings:{root}", validation_split_percentage=10)
+    assert len(raw["train"]) + len(raw["validation"]) == 75 and len(raw["validation"]) >= 7
+    args = DataArguments(dataset=f"docstrings:{root}", tokenizer="train:wordpiece:300", max_seq_length=32,
+                         validation_split_percentage=10)  # fmt: skip
+    data = prepare_data(args, cache_dir=tmp_path / "cache")
+    source = data.stats["source"]
+    assert {name: p["version"] for name, p in source["packages"].items()} == {"alpha-pkg": "1.5", "zeta-pkg": "2.0"}
+    assert source["documents"] == 75 and data.stats["train"]["examples"] > 0
+    assert data.tokenizer.cls_token_id == data.train[0]["input_ids"][0]  # blocks start with [CLS]
+
+
+def test_bad_docstring_sources_say_what_to_do(tmp_path):
+    with pytest.raises(DataSourceError, match="is not a folder; give a site-packages folder"):
+        docstring_corpus(f"docstrings:{tmp_path / 'missing'}", cache_dir=None)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write_distribution(empty, "json-backport", "0.1", {"json/__init__.py": module(prose(9), {})})
+    with pytest.raises(DataSourceError, match="no third-party .py file found under .*stdlib files are excluded"):
+        docstring_corpus(f"docstrings:{empty}", cache_dir=None)
+    terse = tmp_path / "terse"
+    terse.mkdir()
+    write_distribution(terse, "terse-pkg", "1.0", {"terse_pkg/__init__.py": module("Short.", {})})
+    with pytest.raises(DataSourceError, match="no docstring has 8 words or more"):
+        docstring_corpus(f"docstrings:{terse}", cache_dir=None)
+
+
+def test_the_installed_environment_is_read_from_its_records_without_the_stdlib():
+    files, _ = installed_files(docstring_roots("docstrings"))
+    assert {"torch", "transformers", "datasets"} <= {f.package.lower() for f in files}
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    assert not any(f.path.is_relative_to(stdlib) and "site-packages" not in f.path.parts for f in files)
