@@ -2,7 +2,9 @@
 snapshots it pretrains, the points it measures, reuse on a rerun, a rebuilt point, gates, bad plans."""
 
 import json
+import random
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,15 @@ from concept_encoder import curve
 PRETRAIN = [*COMMON, "--output_dir", "runs", "--save_steps", "2"]  # 8 x 64 = 512 tokens per step
 FINETUNE = ("--max_steps 2 --eval_steps 1 --learning_rates 1e-3 --seeds 1 --max_seq_length 32 "
             "--per_device_eval_batch_size 128 --report_to none --progress_bar false --output_dir ft")  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def task():
+    """A small task whose class a cue word decides (the curve measures it at each point in seconds)."""
+    rng = random.Random(0)
+    words = "the a concept token model of in and to is".split()
+    rows = [" ".join(rng.choices(words, k=8)) + f" {cue}," + cue for cue in ("red", "green", "blue") * 40]
+    Path("colors.csv").write_text("text,label\n" + "\n".join(rows) + "\n")
 
 
 @pytest.fixture
@@ -51,7 +62,8 @@ def test_budget_parsing_and_labels():
 
 
 def test_curve_pretrains_once_measures_each_point_and_reuses_finished_ones(launches, capsys):
-    argv = ["--tokens", "1024,2048", "--architectures", "concept", "--name", "c", "--finetune_args", FINETUNE,
+    argv = ["--tokens", "1024,2048", "--architectures", "concept", "--name", "c", "--task", "colors.csv",
+            "--finetune_args", FINETUNE,
             "--", *PRETRAIN]  # fmt: skip
     assert curve.main(argv) == 0
     assert scripts(launches) == ["mlm.py", "finetune.py", "finetune.py", "finetune.py"]  # 2 points and the twin
@@ -70,7 +82,7 @@ def test_curve_pretrains_once_measures_each_point_and_reuses_finished_ones(launc
         "fine-tune", "probe: concepts mean", "probe: embeddings mean"}  # fmt: skip
     table = Path("Cache/curves/c/curve.md").read_text()
     assert "| concept | 1,024 | 2 |" in table and "| concept | 2,048 | 4 |" in table
-    assert "| concept twin |" in table and "TF-IDF + linear (embedded)" in table
+    assert "| concept twin |" in table and "TF-IDF + linear (colors.csv)" in table
     assert Path("Cache/curves/c/curve.png").stat().st_size > 10_000
     saved = json.loads(Path("Cache/curves/c/curve.json").read_text())
     assert [e["tokens"] for e in saved["curves"]["concept / fine-tune"]] == [1024, 2048]
@@ -90,9 +102,20 @@ def test_curve_pretrains_once_measures_each_point_and_reuses_finished_ones(launc
     assert scores(again["rows"]) == scores(points["concept-2.048k"]["rows"])  # probes refitted equal, run reused
     assert again["rows"][0]["model"] == "c-concept-step-4"
 
+    # pretraining cut after step 2 (its later checkpoint, snapshot and final model lost): the rerun resumes it
+    for lost in ("final", "snapshots/step-4", "checkpoints/step_0000004"):
+        shutil.rmtree(run / lost)
+    (run / "summary.json").unlink()
+    Path("Cache/curves/c/points/concept-2.048k.json").unlink()
+    launches.clear()
+    assert curve.main(argv) == 0
+    assert scripts(launches) == ["mlm.py", "finetune.py"]
+    resumed = load_file(run / "snapshots/step-4/model.safetensors")
+    assert all(torch.equal(resumed[k], last[k]) for k in last)  # exact resume: the same step-4 weights
+
 
 def test_a_gate_that_stops_pretraining_ends_the_curve_there(launches, capsys):
-    argv = ["--tokens", "1024,2048", "--architectures", "concept", "--name", "g", "--twins", "false",
+    argv = ["--tokens", "1024,2048", "--architectures", "concept", "--name", "g", "--twins", "false", "--task", "colors.csv",
             "--finetune_args", FINETUNE, "--", *PRETRAIN, "--gate", "eval_loss<0@1"]  # fmt: skip
     assert curve.main(argv) == 0
     assert scripts(launches) == ["mlm.py", "finetune.py"]
