@@ -178,11 +178,11 @@ def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, toke
         )
         main_metric = task.metric_names[0]
         best = BestStep(main_metric, sign=metric_sign(main_metric))
-        accelerator.register_for_checkpointing(scheduler, best)
+        shared = {"scheduler": scheduler, "selection": best}  # checkpointed, read back with weights_only=True
         progress = TrainState()
         gates = GateMonitor(args.gates)  # on the dev metrics, at every dev evaluation
         if resume is not None:
-            progress = load_checkpoint(accelerator, resume)
+            progress = load_checkpoint(accelerator, resume, shared=shared)
             gates.load_state_dict({"outcomes": progress.gates})
             logger.info("resumed from %s at step %d", resume, progress.step)
         metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
@@ -218,7 +218,7 @@ def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, toke
             stop = torch.tensor(float(preemption.raised), device=accelerator.device)
             preempted = bool(accelerator.reduce(stop, reduction="max").item())
             if preempted or gate_stopped or (args.save_steps and step % args.save_steps == 0):
-                save_checkpoint(accelerator, run_dir, progress, args.save_total_limit, None, settings)
+                save_checkpoint(accelerator, run_dir, progress, args.save_total_limit, None, settings, shared)
             if preempted:
                 logger.warning("stopped by signal at step %d; resume with --resume_from_checkpoint auto", step)
                 break

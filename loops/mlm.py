@@ -391,12 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer = accelerator.prepare(model, optimizer)
     train_loader = accelerator.prepare_data_loader(train_loader, device_placement=False)  # masked on CPU first
     eval_loader = accelerator.prepare_data_loader(eval_loader, device_placement=False)
-    accelerator.register_for_checkpointing(scheduler, concept)
-    per_rank = {"collator": corruption}
+    shared, per_rank = {"scheduler": scheduler, "concept": concept}, {"collator": corruption}  # checkpointed
     progress_state = TrainState()
     gates = GateMonitor(args.gates)
     if resume is not None:
-        progress_state = load_checkpoint(accelerator, resume, per_rank)
+        progress_state = load_checkpoint(accelerator, resume, per_rank, shared)
         gates.load_state_dict({"outcomes": progress_state.gates})
         logger.info("resumed from %s at step %d", resume, progress_state.step)
 
@@ -502,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         stop = torch.tensor(float(preemption.raised), device=accelerator.device)
         preempted = bool(accelerator.reduce(stop, reduction="max").item())
         if preempted or gate_stopped or (save_steps and progress_state.step % save_steps == 0):
-            save_checkpoint(accelerator, run_dir, progress_state, args.save_total_limit, per_rank, settings)
+            save_checkpoint(accelerator, run_dir, progress_state, args.save_total_limit, per_rank, settings, shared)
         if gate_stopped:
             logger.warning(gate_stop_message(gates.failed()))
             break

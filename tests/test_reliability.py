@@ -57,6 +57,40 @@ def test_resuming_another_runs_checkpoint_continues_in_the_new_run_and_leaves_it
     assert [p.name for p in Path("runs/b/checkpoints").iterdir()] == ["step_0000006"]
 
 
+class CreatesAFile:
+    """Pickled, it names `Path.touch` as the function to call on loading: code run from a checkpoint."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
+
+
+@pytest.mark.parametrize(
+    ("state_file", "content", "message"),
+    [
+        ("collator_rank0.pt", "pickle", "is not a state file this project writes .* nothing from it ran"),
+        ("scheduler.pt", "pickle", "is not a state file this project writes .* nothing from it ran"),
+        ("collator_rank0.pt", "no generator", "lacks \\['generator'\\]: resuming without them would not continue"),
+    ],
+)
+def test_a_checkpoint_runs_no_code_and_lacks_no_state(finished_run, tmp_path, state_file, content, message):
+    import torch
+
+    from concept_encoder.training.checkpoint import write_manifest
+
+    crafted = tmp_path / "crafted" / "checkpoints" / "step_0000004"
+    shutil.copytree(finished_run / "checkpoints/step_0000004", crafted)
+    marker = tmp_path / "code-ran"
+    torch.save({"generator": CreatesAFile(marker)} if content == "pickle" else {}, crafted / state_file)
+    write_manifest(crafted)  # the sizes agree: only the content is hostile
+    with pytest.raises(CheckpointError, match=message):
+        run("--run_name", f"crafted-{len(content)}", "--max_steps", "6", "--save_steps", "2",
+            "--resume_from_checkpoint", str(crafted))  # fmt: skip
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [

@@ -88,12 +88,15 @@ def save_checkpoint(
     save_total_limit: int,
     per_rank: dict | None = None,
     resume_settings: dict | None = None,
+    shared: dict | None = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path.
 
-    `per_rank` objects (with `state_dict`) differ between ranks, e.g. each rank's masking
-    generator, so each rank writes its own `<name>_rank<r>.pt` (accelerate's registered objects
-    are saved once, from the main process).
+    `shared` objects (with `state_dict`: the scheduler, the concept-loss weights, the dev selection)
+    are the same on every rank and saved once, from the main process, as `<name>.pt`; `per_rank`
+    objects differ between ranks, e.g. each rank's masking generator, so each rank writes its own
+    `<name>_rank<r>.pt`. Both hold tensors and plain values only, so `load_checkpoint` reads them with
+    `weights_only=True` (accelerate's `register_for_checkpointing` would unpickle them in full).
     """
     import torch
 
@@ -104,6 +107,9 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp))
+        if accelerator.is_main_process:
+            for name, obj in (shared or {}).items():
+                torch.save(obj.state_dict(), tmp / f"{name}.pt")
         for name, obj in (per_rank or {}).items():
             torch.save(obj.state_dict(), tmp / f"{name}_rank{accelerator.process_index}.pt")
     except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
@@ -234,14 +240,48 @@ def saved_train_state(checkpoint: Path) -> TrainState:
     return TrainState(**json.loads((Path(checkpoint) / TRAIN_STATE).read_text()))
 
 
-def load_checkpoint(accelerator, checkpoint: Path, per_rank: dict | None = None) -> TrainState:
-    """Restore accelerate's state, this rank's `per_rank` objects, and the loop position."""
+def load_state_file(path: Path) -> dict:
+    """A state file of a checkpoint, read with `weights_only=True`: tensors and plain values only. A file
+    that needs anything else (a crafted pickle would run code while loading) is refused, never run."""
+    import pickle
+
     import torch
 
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"{path} is not a state file this project writes (tensors and plain values only): {first}. It was not "
+            "loaded: nothing from it ran. Resume from a checkpoint written by this project"
+        ) from None
+
+
+def checked_state(path: Path, obj) -> dict:
+    """`path`'s state for `obj`, refused when it lacks a key `obj` itself has (the resume would not be exact)."""
+    state = load_state_file(path)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict; the checkpoint is damaged")
+    missing = sorted(set(obj.state_dict()) - set(state))
+    if missing:
+        raise CheckpointError(
+            f"{path} lacks {missing}: resuming without them would not continue the run exactly; "
+            "resume from another checkpoint of the run"
+        )
+    return state
+
+
+def load_checkpoint(accelerator, checkpoint: Path, per_rank: dict | None = None, shared: dict | None = None) -> TrainState:
+    """Restore accelerate's state, the `shared` objects, this rank's `per_rank` objects, and the loop position.
+    Every state file of ours is read (weights_only) and checked before anything is restored."""
     rng = checkpoint / f"random_states_{accelerator.process_index}.pkl"
     if not rng.exists():
         raise CheckpointError(f"{rng} is missing: without it the data order and dropout would not resume exactly")
-    accelerator.load_state(str(checkpoint))
+    states = []
+    for index, (name, obj) in enumerate((shared or {}).items()):
+        path = checkpoint / f"{name}.pt"
+        legacy = checkpoint / f"custom_checkpoint_{index}.pkl"  # written by register_for_checkpointing before
+        states.append((obj, checked_state(path if path.exists() or not legacy.exists() else legacy, obj)))
     for name, obj in (per_rank or {}).items():
         path = checkpoint / f"{name}_rank{accelerator.process_index}.pt"
         if not path.exists():
@@ -249,5 +289,8 @@ def load_checkpoint(accelerator, checkpoint: Path, per_rank: dict | None = None)
                 f"{path} is missing: the checkpoint was written by fewer processes than this run has; "
                 f"resume with the same number of processes"
             )
-        obj.load_state_dict(torch.load(path, weights_only=False))
+        states.append((obj, checked_state(path, obj)))
+    accelerator.load_state(str(checkpoint))
+    for obj, state in states:
+        obj.load_state_dict(state)
     return saved_train_state(checkpoint)
