@@ -271,7 +271,9 @@ def checked_state(path: Path, obj) -> dict:
     return state
 
 
-def load_checkpoint(accelerator, checkpoint: Path, per_rank: dict | None = None, shared: dict | None = None) -> TrainState:
+def load_checkpoint(
+    accelerator, checkpoint: Path, per_rank: dict | None = None, shared: dict | None = None
+) -> TrainState:
     """Restore accelerate's state, the `shared` objects, this rank's `per_rank` objects, and the loop position.
     Every state file of ours is read (weights_only) and checked before anything is restored."""
     rng = checkpoint / f"random_states_{accelerator.process_index}.pkl"
