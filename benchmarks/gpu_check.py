@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from concept_encoder import process_group  # noqa: E402
+from concept_encoder.report_files import claim_report_folder  # noqa: E402
 
 # Dense bf16 tensor-core peak per GPU (vendor data sheets, no sparsity), by a name fragment; first match wins.
 PEAK_BF16_TFLOPS = [
@@ -256,7 +257,7 @@ def main(argv=None) -> int:
     )
     peak = args.peak_tflops or (peak_tflops(device_name) if cuda else None)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    work = Path(args.out or ROOT / "Cache" / "reports" / f"gpu_check_{stamp}").resolve()
+    work = Path(args.out).resolve() if args.out else claim_report_folder(ROOT / "Cache" / "reports", "gpu_check")
     work.mkdir(parents=True, exist_ok=True)
     settings = part_settings(dry=not cuda)
     builders = {

@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .report_files import claim_report_stem
 
 # Settings that name or place a run, or describe the machine, rather than define the experiment.
 NOT_SETTINGS = (
@@ -190,9 +191,7 @@ def compare(paths: list[str | Path], report_dir: str | Path = "Cache/reports") -
                     f"- {name}: `{o['gate']}` {verdict}"
                     + (f" ({fmt(o['value'])} at step {o['step']})" if o["step"] is not None else "")
                 )
-    report_dir = Path(report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
-    stem = report_dir / f"compare_{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = Path(claim_report_stem(report_dir, "compare"))  # compare_<time>[-n]: this invocation's own
     png = plot(runs, stem.with_suffix(".png"))
     if png:
         lines += ["", f"![curves]({png.name})"]

@@ -138,7 +138,7 @@ class Curve:
         code = run_command(
             [*local_launcher(FINETUNE_SCRIPT, self.processes), *argv, "--resume_from_checkpoint", "auto"]
         )
-        found = sorted(reports.glob("finetune_*.json"))
+        found = sorted(reports.glob("finetune_*.json"), key=lambda p: p.stat().st_mtime_ns)  # the newest last
         if code != 0 or not found:
             raise RuntimeError(f"fine-tuning {model} for point {key} failed (exit code {code}); fix it and rerun: "
                                "finished points are reused")  # fmt: skip

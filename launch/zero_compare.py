@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import datetime as dt
 import json
 import os
 import re
@@ -37,6 +36,7 @@ if str(ROOT) not in sys.path:
 
 from concept_encoder import process_group  # noqa: E402
 from concept_encoder.memory import GIB, estimate_training_memory, parse_size_gb, zero_settings  # noqa: E402
+from concept_encoder.report_files import claim_report_folder  # noqa: E402
 from concept_encoder.training.args import parse_args as parse_loop_args  # noqa: E402
 from concept_encoder.training.plan import (  # noqa: E402
     LOOP_SCRIPT,
@@ -273,10 +273,7 @@ def main(argv=None) -> int:
         )
         return 2
     args.mixed_precision = args.loop[2].mixed_precision or ("bf16" if has_cuda else "no")
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(args.out_dir)
-    report_dir = out_dir / f"zero_compare_{stamp}"
-    report_dir.mkdir(parents=True, exist_ok=True)
+    report_dir = claim_report_folder(args.out_dir, "zero_compare")  # zero_compare_<time>[-n]: this invocation's
     rows = []
     presets = [args.loop[0].preset] if not args.find_max else PRESET_ORDER[PRESET_ORDER.index(args.find_max_from) :]
     jobs = [(c, p) for c in args.configs for p in presets]
@@ -298,7 +295,7 @@ def main(argv=None) -> int:
             rows.append(best or {"config": config, "preset": "—", "status": "failed", "error": "nothing fits"})
     bar.close()
 
-    csv_path, md_path, png_path = (out_dir / f"zero_compare_{stamp}.{ext}" for ext in ("csv", "md", "png"))
+    csv_path, md_path, png_path = (report_dir.with_name(f"{report_dir.name}.{ext}") for ext in ("csv", "md", "png"))
     with csv_path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()

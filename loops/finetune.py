@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = [f"fine-tuning ({args.max_steps} steps, learning rate from {fargs.learning_rates})"] * fargs.finetune
         parts += ["linear probes on frozen features"] * fargs.probe
         title = f"`{task.name}`, {fargs.seeds} seed(s): {' and '.join(parts)}; every choice made on the dev split"
-        paths = write_report(results, {task.name: baselines}, Path(fargs.report_dir), stamp[0], title)
+        paths = write_report(results, {task.name: baselines}, Path(fargs.report_dir), title)
         logger.info("report: %s", ", ".join(str(p) for p in paths.values()))
         print(paths["md"].read_text())
     state.wait_for_everyone()

@@ -420,7 +420,7 @@ def test_reports_of_several_invocations_merge_into_one_table(tmp_path):
     second.write_text(json.dumps({"runs": [run("m-scratch", "probe: hidden mean", 1, 0.4, probe_C=1.0)],
                                   "baselines": baselines}))  # fmt: skip
     assert finetune_report.main([str(first), str(second), "--out_dir", str(tmp_path / "out")]) == 0
-    [merged] = (tmp_path / "out").glob("finetune_merged-*.json")
+    [merged] = (tmp_path / "out").glob("finetune_merged_*.json")
     rows = json.loads(merged.read_text())["rows"]
     assert [(r["model"], r["method"], r["seeds"]) for r in rows] == [("m", "fine-tune", [1, 2]),
                                                                      ("m-scratch", "probe: hidden mean", [1])]  # fmt: skip

@@ -91,6 +91,25 @@ def test_a_checkpoint_runs_no_code_and_lacks_no_state(finished_run, tmp_path, st
     assert not marker.exists()
 
 
+def test_reports_of_invocations_started_in_the_same_second_never_collide(finished_run, tmp_path):
+    from concept_encoder.compare import compare
+    from concept_encoder.report_files import claim_report_folder
+    from concept_encoder.training.finetune_report import write_report
+
+    first, second = (compare([finished_run], report_dir=tmp_path) for _ in range(2))
+    assert first["markdown"] != second["markdown"]  # e.g. compare_<time>.md and compare_<time>-2.md
+    for result in (first, second):  # each report whole, with its own plot
+        assert (
+            Path(result["png"]).is_file() and f"]({Path(result['png']).name})" in Path(result["markdown"]).read_text()
+        )
+    run_result = {"model": "m", "method": "fine-tune", "task": "t", "seed": 1, "validation": {"accuracy": 0.5},
+                  "seconds": 1, "learning_rate": 1e-3, "best_step": 2}  # fmt: skip
+    reports = [write_report([run_result], {}, tmp_path, "title")["json"] for _ in range(3)]
+    assert len(set(reports)) == 3 and all(json.loads(p.read_text())["runs"] == [run_result] for p in reports)
+    folders = {claim_report_folder(tmp_path, "zero_compare") for _ in range(3)}
+    assert len(folders) == 3 and all(f.is_dir() and not any(f.iterdir()) for f in folders)
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [

@@ -8,6 +8,8 @@ import json
 import statistics
 from pathlib import Path
 
+from ..report_files import claim_report_stem
+
 STILL_IMPROVING = "still improving: train longer"
 
 
@@ -145,11 +147,14 @@ def plot(rows: list[dict], baselines: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(results: list[dict], baselines: dict, out_dir: Path, stamp: str, title: str) -> dict[str, Path]:
-    """`finetune_<stamp>.{md,json,png}` under `out_dir`; returns their paths. `baselines`: task → its baselines."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def write_report(
+    results: list[dict], baselines: dict, out_dir: Path, title: str, prefix: str = "finetune"
+) -> dict[str, Path]:
+    """`<prefix>_<time>[-n].{md,json,png}` under `out_dir` (names no other invocation holds); returns their
+    paths. `baselines`: task → its baselines."""
     rows = report_rows(results)
-    paths = {ext: out_dir / f"finetune_{stamp}.{ext}" for ext in ("md", "json", "png")}
+    stem = claim_report_stem(out_dir, prefix)
+    paths = {ext: Path(f"{stem}.{ext}") for ext in ("md", "json", "png")}
     paths["md"].write_text(format_markdown(rows, baselines, title) + "\n")
     paths["json"].write_text(
         json.dumps({"title": title, "rows": rows, "baselines": baselines, "runs": results}, indent=2, default=str)
@@ -175,7 +180,6 @@ def merge_reports(paths: list[Path]) -> tuple[list[dict], dict]:
 def main(argv: list[str] | None = None) -> int:
     """`python -m concept_encoder.training.finetune_report A.json B.json ...`: one report of several."""
     import argparse
-    import datetime as dt
 
     parser = argparse.ArgumentParser(description="Merge fine-tuning reports into one md/json/png.")
     parser.add_argument("reports", nargs="+", help="finetune_<time>.json files written by loops/finetune.py")
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         runs, baselines = merge_reports(args.reports)
     except ValueError as error:
         parser.error(str(error))
-    paths = write_report(runs, baselines, Path(args.out_dir), f"merged-{dt.datetime.now():%Y%m%d-%H%M%S}", args.title)
+    paths = write_report(runs, baselines, Path(args.out_dir), args.title, prefix="finetune_merged")
     print(paths["md"].read_text())
     print("written:", ", ".join(str(p) for p in paths.values()))
     return 0

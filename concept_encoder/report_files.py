@@ -1,0 +1,48 @@
+"""Report names no two invocations share: `<prefix>_<time>` claimed by creating it exclusively.
+
+Every tool that writes a report (`compare`, `ablate` through compare, `loops/finetune.py`, the merged
+fine-tuning report, `launch/zero_compare.py`, `benchmarks/gpu_check.py`, the curve's points) asks here
+for its name. Two invocations that start within the same second (or on two machines sharing the
+folder) get `<prefix>_<time>` and `<prefix>_<time>-2`: the claim is an exclusive create (`open(..., "x")`
+for a file, `mkdir` for a folder), which the filesystem settles, not a check followed by a write.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+from pathlib import Path
+
+
+def candidates(directory: Path, prefix: str):
+    base = f"{prefix}_{dt.datetime.now():%Y%m%d-%H%M%S}"
+    for n in itertools.count(1):
+        yield directory / (base if n == 1 else f"{base}-{n}")
+
+
+def claim_report_stem(directory: str | Path, prefix: str, first_suffix: str = ".md") -> Path:
+    """A stem for `<stem>.md/.json/.png` that no other invocation holds: `<stem><first_suffix>` is created
+    (empty) by this call, the caller writes it and its siblings."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for stem in candidates(directory, prefix):
+        try:
+            with open(f"{stem}{first_suffix}", "x", encoding="utf-8"):
+                return stem
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
+def claim_report_folder(directory: str | Path, prefix: str) -> Path:
+    """A folder `<directory>/<prefix>_<time>[-n]` created by this call and by no other invocation."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for folder in candidates(directory, prefix):
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
