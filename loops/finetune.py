@@ -25,6 +25,7 @@ import inspect
 import json
 import logging
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -88,6 +89,7 @@ def model_tag(path: str, from_scratch: bool) -> str:
     name = folder.parent.name if folder.name == "final" else folder.name
     if folder.parent.name == "snapshots":
         name = f"{folder.parent.parent.name}-{folder.name}"
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip("-.") or "model"  # part of run folder names
     return f"{name}{'-scratch' if from_scratch else ''}"
 
 

@@ -258,6 +258,25 @@ def test_bad_sources_give_clear_errors(tmp_path):
         load_tokenizer("train:sentencepiece:8000", texts=iter(["a"]))
 
 
+def test_texts_that_are_not_strings_are_counted_and_skipped_and_too_little_text_is_one_error(tmp_path, caplog):
+    rows = [{"text": t} for t in ["first doc here", 5, None, ["a", "list"], "second one", 2.5, *make_documents(40)]]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = load_raw_dataset(str(tmp_path / "mixed.jsonl"))
+    texts = list(raw["train"]["text"]) + list(raw["validation"]["text"])
+    assert sorted(texts) == sorted(r["text"] for r in rows if isinstance(r["text"], str))
+    assert "mixed.jsonl (train split): 4 text(s) are not strings (1 NoneType, 1 float, 1 int, 1 list): skipped" in (
+        caplog.text
+    )
+    (tmp_path / "numbers.jsonl").write_text("".join(json.dumps({"text": n}) + "\n" for n in range(50)))
+    (tmp_path / "blank.txt").write_text("   \n\n\t\n")
+    for name in ("numbers.jsonl", "blank.txt"):
+        with pytest.raises(DataSourceError, match="has no documents in its train split: every 'text' value is empty"):
+            load_raw_dataset(str(tmp_path / name))
+    (tmp_path / "one.txt").write_text("a single document of a few words\n")
+    with pytest.raises(DataSourceError, match="1 document\\(s\\) cannot be split .* --validation_split_percentage 5"):
+        load_raw_dataset(str(tmp_path / "one.txt"))
+
+
 def test_unreachable_hub_fails_fast_with_a_clear_message(monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

@@ -368,8 +368,19 @@ def test_impossible_machines_are_errors_and_run_checks_the_machine_it_is_on(monk
             "exceeds the model's max_position_embeddings=32",
         ),
         (lambda t: ["--resume_from_checkpoint", str(t / "nothing")], "not a checkpoint folder"),
+        (lambda t: ["--run_name", "../escaped"], "cannot be a run folder: a run name is one folder name under"),
+        (lambda t: ["--run_name", str(t / "abs")], "cannot be a run folder"),
     ],
-    ids=["yaml-float-steps", "pad-multiple", "output-dir", "fp16-on-cpu", "positions", "resume-path"],
+    ids=[
+        "yaml-float-steps",
+        "pad-multiple",
+        "output-dir",
+        "fp16-on-cpu",
+        "positions",
+        "resume-path",
+        "run-name-up",
+        "run-name-absolute",
+    ],  # fmt: skip
 )
 def test_bad_arguments_fail_before_data_and_model_are_built(tmp_path, monkeypatch, make_args, message):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "concept_encoder", "max_position_embeddings": 32}))
@@ -378,6 +389,7 @@ def test_bad_arguments_fail_before_data_and_model_are_built(tmp_path, monkeypatc
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         run("--run_name", "bad", *argv)
     assert not Path("Cache/datasets").exists() and not Path("Cache/tokenizers").exists()
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "abs").exists()
 
 
 def yaml_file(folder: Path, text: str) -> Path:

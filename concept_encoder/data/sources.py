@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import os
 import re
 import socket
 import sys
+from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -22,6 +25,8 @@ from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
 from datasets.exceptions import DatasetsError
 
 from ..constants import DOCSTRINGS_DATASET, EMBEDDED_DATASET
+
+logger = logging.getLogger(__name__)
 
 LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SPLIT_SEED = 1234  # fixed: the held-out split must not move when the training seed changes
@@ -209,18 +214,44 @@ def select_text_and_split(raw, text_field: str, percentage: float, spec: str, st
             f"dataset {spec!r} has no column {text_field!r} (columns: {columns}); pass --text_field with one of them"
         )
     validation = next((raw[s] for s in VALIDATION_SPLIT_NAMES if s in raw), None)
-    if validation is None and isinstance(raw, IterableDatasetDict):
+    train = documents_only(train, text_field, spec, "train")
+    if validation is not None:
+        validation = documents_only(validation, text_field, spec, "validation")
+    elif isinstance(raw, IterableDatasetDict):
         validation = train.take(streaming_validation_documents)
         train = train.skip(streaming_validation_documents)
-    elif validation is None:
+    else:
+        held_out = math.ceil(len(train) * percentage / 100)  # as datasets' train_test_split counts it
+        if not 1 <= held_out < len(train):
+            raise DataSourceError(
+                f"dataset {spec!r}: {len(train)} document(s) cannot be split into train and validation at "
+                f"--validation_split_percentage {percentage:g} (each side needs at least one document); add "
+                "documents, raise --validation_split_percentage, or use a source with its own validation split"
+            )
         parts = train.train_test_split(test_size=percentage / 100, seed=SPLIT_SEED, shuffle=True)
         train, validation = parts["train"], parts["test"]
+    return type(raw)({"train": train, "validation": validation})
 
-    def text_only(ds):
-        if text_field != "text":
-            ds = ds.rename_column(text_field, "text")
-        keep = [c for c in (ds.column_names or []) if c != "text"]
-        ds = ds.remove_columns(keep) if keep else ds
-        return ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
 
-    return type(raw)({"train": text_only(train), "validation": text_only(validation)})
+def documents_only(ds, text_field: str, spec: str, split: str):
+    """`ds` with one `text` column of non-empty strings. Texts that are not strings (numbers, nulls, lists:
+    a JSON or Parquet column can hold them) are skipped and counted in a warning naming the source;
+    a split left without any document is a DataSourceError."""
+    if text_field != "text":
+        ds = ds.rename_column(text_field, "text")
+    keep = [c for c in (ds.column_names or []) if c != "text"]
+    ds = ds.remove_columns(keep) if keep else ds
+    if isinstance(ds, Dataset):
+        kinds = Counter(type(t).__name__ for t in ds["text"] if not isinstance(t, str))
+        if kinds:
+            logger.warning(
+                "%s (%s split): %d text(s) are not strings (%s): skipped; make every %r value a string to keep them",
+                spec, split, sum(kinds.values()), ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())), text_field,
+            )  # fmt: skip
+    ds = ds.filter(lambda batch: [isinstance(t, str) and bool(t.strip()) for t in batch["text"]], batched=True)
+    if isinstance(ds, Dataset) and len(ds) == 0:
+        raise DataSourceError(
+            f"dataset {spec!r} has no documents in its {split} split: every {text_field!r} value is empty, "
+            "whitespace or not a string; point --dataset at text"
+        )
+    return ds

@@ -12,6 +12,7 @@ there too, with the same message. `to_argv` is the inverse: the flags that repro
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -82,6 +83,16 @@ class ModelArguments:
             token_kv_groups(self.token_kv_sharing, PRESETS[self.preset]["num_hidden_layers"])
         if self.hidden_dropout_prob is not None and not 0 <= self.hidden_dropout_prob < 1:
             raise ValueError(f"hidden_dropout_prob={self.hidden_dropout_prob} must be in [0, 1)")
+
+
+RUN_NAME_RULE = "a run name is one folder name under --output_dir: letters, digits, '.', '_', '-' (not '.' or '..')"
+
+
+def run_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a run folder's name (it would leave --output_dir, or is no portable folder name)."""
+    if name in (".", "..") or not re.fullmatch(r"[A-Za-z0-9._\-]{1,200}", name) or name.startswith("-"):
+        return f"cannot be a run folder: {RUN_NAME_RULE}, at most 200 characters, not starting with '-'"
+    return None
 
 
 @dataclass
@@ -220,6 +231,8 @@ class TrainingArguments:
             raise ValueError(f"deletion_rate={self.deletion_rate} must be in [0, 1): tsdae must keep some tokens")
         if self.gate_action not in GATE_ACTIONS:
             raise ValueError(f"gate_action={self.gate_action!r}: choose one of {GATE_ACTIONS}")
+        if self.run_name is not None and (problem := run_name_problem(self.run_name)):
+            raise ValueError(f"run_name={self.run_name!r} {problem}")
         steps = self.snapshot_step_list  # parses, so a malformed list fails here
         if any(not 0 < step <= self.max_steps for step in steps):
             raise ValueError(
