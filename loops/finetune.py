@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
+from concept_encoder.data.tokenizer import TOKENIZER_FILES, check_vocab_covers, require_tokenizer_files
 from concept_encoder.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, GateMonitor, describe_outcome, parse_gates
 from concept_encoder.tasks.baselines import split_rows, task_baselines
 from concept_encoder.tasks.loading import encode_splits, load_task
@@ -91,6 +92,16 @@ def model_tag(path: str, from_scratch: bool) -> str:
         name = f"{folder.parent.parent.name}-{folder.name}"
     name = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip("-.") or "model"  # part of run folder names
     return f"{name}{'-scratch' if from_scratch else ''}"
+
+
+def tokenizer_folder(model_path: str, tokenizer: str | None) -> str:
+    """The model folder's own tokenizer, else `--tokenizer`; an error naming the fix when neither exists."""
+    if tokenizer is None or any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
+        require_tokenizer_files(Path(model_path), f"--model_name_or_path {model_path}",
+                                "pass --tokenizer <the folder of the tokenizer it was trained with>")  # fmt: skip
+        return model_path
+    require_tokenizer_files(Path(tokenizer), f"--tokenizer {tokenizer}")
+    return tokenizer
 
 
 def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm: float) -> float:
@@ -366,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
             "fine-tuning resumes with --resume_from_checkpoint auto and the --run_name of the interrupted "
             "invocation (finished seeds are reused, the interrupted one continues from its checkpoint)"
         )
-    for path in fargs.models:  # --pooling must be one this model's head has, before any training
+    for path in fargs.models:  # --pooling must be one this model's head has, a tokenizer must exist: before training
         check_pooling(AutoConfig.from_pretrained(path), fargs.pooling, path)
+        tokenizer_folder(path, fargs.tokenizer)
     set_seed(args.seed)
     log_system_info(state)
     # 5-6. the task's splits (train, dev carved with a fixed seed, validation), sizes logged; its baselines
@@ -388,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     run_base = args.run_name or f"ft-{task.name}-{stamp[0]}"
     results = []
     for model_path in fargs.models:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(model_path, fargs.tokenizer))
+        check_vocab_covers(tokenizer, AutoConfig.from_pretrained(model_path).vocab_size)
         splits = encode_splits(task, tokenizer, task_args.max_seq_length)
         if fargs.probe:
             results += probe_model(state, model_path, task, splits, tokenizer, fargs, args)

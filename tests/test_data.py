@@ -256,6 +256,10 @@ def test_bad_sources_give_clear_errors(tmp_path):
         DataArguments(masking="bert")
     with pytest.raises(ValueError, match="train:<kind>:<vocab_size>"):
         load_tokenizer("train:sentencepiece:8000", texts=iter(["a"]))
+    (tmp_path / "model-only").mkdir()  # a model saved without its tokenizer: no default one is made up
+    (tmp_path / "model-only" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(DataSourceError, match="--tokenizer .*model-only holds no tokenizer \\(tokenizer.json"):
+        load_tokenizer(str(tmp_path / "model-only"))
 
 
 def test_texts_that_are_not_strings_are_counted_and_skipped_and_too_little_text_is_one_error(tmp_path, caplog):

@@ -343,6 +343,36 @@ def test_pretraining_flags_and_an_unnamed_resume_are_refused(concept_model):
         finetune.main(["--model_name_or_path", str(concept_model), "--resume_from_checkpoint", "auto", *COMMON])
 
 
+def test_a_model_saved_without_its_tokenizer_is_refused_and_takes_one_from_tokenizer(workdir, bert_model, tmp_path):
+    import shutil
+
+    from concept_encoder.data import DataSourceError
+
+    bare = tmp_path / "bert-bare"  # save_pretrained of the model alone: transformers would invent a 5-token tokenizer
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(bert_model / name, bare / name)
+    task = str(write_tasks(workdir / "tasks")["single"])
+    argv = [
+        "--model_name_or_path",
+        str(bare),
+        "--task",
+        task,
+        "--seeds",
+        "1",
+        "--probe",
+        "--finetune",
+        "false",
+        *COMMON,
+    ]
+    with pytest.raises(DataSourceError, match="bert-bare holds no tokenizer .* pass --tokenizer <the folder"):
+        finetune.main([*argv, "--run_name", "bare"])
+    assert not Path("Cache/finetune/bare").exists()
+    assert finetune.main([*argv, "--run_name", "bare-tok", "--tokenizer", str(bert_model)]) == 0
+    with pytest.raises(DataSourceError, match="--tokenizer .*bert-bare: .* holds no tokenizer"):
+        finetune.main([*argv, "--run_name", "bare-bad", "--tokenizer", str(bare)])
+
+
 def test_sigterm_checkpoints_and_auto_resume_continues_exactly(workdir, concept_model, monkeypatch):
     import os
     import signal

@@ -101,12 +101,29 @@ def load_tokenizer(
             if spec.startswith((".", "/", "~")):
                 raise DataSourceError(f"--tokenizer {spec!r}: no such folder")
             ensure_hub("tokenizer", spec)
+        if local.is_dir():
+            require_tokenizer_files(local, f"--tokenizer {spec}")
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else spec)
         except OSError as error:
             raise DataSourceError(unreachable_message("tokenizer", spec, str(error).splitlines()[0])) from error
     check_tokenizer(tokenizer)
     return tokenizer
+
+
+# A folder holding none of these has no tokenizer: transformers would build a default one (5 tokens for BERT).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model")  # fmt: skip
+
+
+def require_tokenizer_files(folder: Path, what: str, fix: str = "") -> None:
+    """DataSourceError when `folder` holds no tokenizer file: a model saved by `save_pretrained` alone would
+    otherwise get a default tokenizer with a handful of tokens and train on nonsense ids without a word."""
+    if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        raise DataSourceError(
+            f"{what}: {folder} holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...); "
+            + (fix or "point it at a folder with the tokenizer files, e.g. a run's final/")
+        )
 
 
 def check_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None) -> None:
@@ -117,8 +134,15 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int | None =
             f"tokenizer {tokenizer.name_or_path!r} has no {' or '.join(missing)}; MLM needs both. "
             f"Add them (tokenizer.add_special_tokens) or train one with --tokenizer train:wordpiece:<vocab>"
         )
-    if vocab_size is not None and vocab_size < len(tokenizer):
+    if vocab_size is not None:
+        check_vocab_covers(tokenizer, vocab_size)
+
+
+def check_vocab_covers(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    """Every token id must have a row in the model's embedding table."""
+    if vocab_size < len(tokenizer):
         raise ValueError(
-            f"model vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens); "
-            f"build the model with vocab_size >= {len(tokenizer)}"
+            f"model vocab_size={vocab_size} is smaller than the tokenizer {tokenizer.name_or_path!r} "
+            f"({len(tokenizer)} tokens); build the model with vocab_size >= {len(tokenizer)}, or use the "
+            "tokenizer the model was trained with"
         )

@@ -302,6 +302,10 @@ class FinetuneArguments:
     )
     finetune: bool = field(default=True, metadata={"help": "fine-tune (false with --probe: probe only, make probe)"})
     report_dir: str = field(default="Cache/reports", metadata={"help": "where finetune_<time>.{md,json,png} go"})
+    tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "tokenizer folder for model folders saved without one (save_pretrained of a model alone)"},
+    )
 
     def __post_init__(self):
         if self.seeds < 1:
