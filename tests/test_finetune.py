@@ -301,6 +301,35 @@ def test_pooling_choice_and_new_weights_are_named_in_full(workdir, concept_model
     assert "'bert.pooler.dense.weight'" in note and "'classifier.weight'" in note and "['bert'" not in note
 
 
+def test_labels_keep_their_identity_and_bad_labels_are_named(tmp_path, caplog):
+    folder = tmp_path / "labels"
+    folder.mkdir()
+    train = [("some words", "01"), ("other words", "1"), ("more text", "NA")] * 20  # three classes as written
+    (folder / "train.csv").write_text("text,label\n" + "\n".join(f"{t} {i},{c}" for i, (t, c) in enumerate(train)))
+    (folder / "validation.csv").write_text("text,label\nfirst,01\nsecond,NA\nthird,7\nfourth,7\n")
+    task = load_task(TaskArguments(task=str(folder)))
+    assert task.task_type == "single_label_classification" and task.label_names == ["01", "1", "7", "NA"]
+    assert task.num_labels == 4 and sorted(set(task.train["label"])) == [0, 1, 3]  # 7 (id 2): validation only
+    assert [task.label_names[i] for i in task.validation["label"]] == ["01", "NA", "7", "7"]
+    assert "classes only in the validation split (never trained on; their examples count as errors): {'7': 2}" in (
+        caplog.text
+    )
+    signs = tmp_path / "signs.jsonl"  # any integers: contiguous ids in numeric order
+    signs.write_text("".join(json.dumps({"text": f"words {i}", "label": [-1, 10, 1][i % 3]}) + "\n" for i in range(60)))
+    task = load_task(TaskArguments(task=str(signs)))
+    assert task.label_names == ["-1", "1", "10"] and task.num_labels == 3
+    holes = tmp_path / "holes.csv"
+    holes.write_text("text,label\n" + "\n".join(f"words {i},{'' if i in (3, 8) else i % 2}" for i in range(40)))
+    with pytest.raises(DataSourceError, match="2 row\\(s\\) have no label \\(rows \\[3, 8\\]"):
+        load_task(TaskArguments(task=str(holes)))
+    scores = tmp_path / "scores.csv"
+    scores.write_text("text,label\n" + "\n".join(f"words {i},{'inf' if i == 5 else i / 7}" for i in range(40)))
+    with pytest.raises(DataSourceError, match="regression labels must be finite numbers; rows \\[5\\]"):
+        load_task(TaskArguments(task=str(scores), task_type="regression"))
+    scores.write_text("text,label\n" + "\n".join(f"words {i},{i / 7}" for i in range(40)))
+    assert load_task(TaskArguments(task=str(scores))).task_type == "regression"
+
+
 def test_bad_tasks_fail_fast_with_one_clear_message(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: "offline" in milliseconds
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

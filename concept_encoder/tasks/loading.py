@@ -12,6 +12,7 @@ from ..constants import check_table_covers
 from ..data.sources import SPLIT_SEED, DataSourceError, ensure_hub  # the data layer's fixed hold-out seed
 from .arguments import EMBEDDED_TASKS, GLUE_TASKS, TaskArguments
 from .embedded import PACKAGES, embedded_pairs, embedded_sentences
+from .labels import check_present, class_name, class_names, infer_task_type, read_delimited, regression_values
 
 LOCAL_BUILDERS = {
     ".csv": ("csv", {}),
@@ -101,24 +102,30 @@ def load_local(args: TaskArguments) -> TaskData:
     builder, kwargs = LOCAL_BUILDERS.get(files["train"].suffix.lower(), (None, None))
     if builder is None:
         raise DataSourceError(f"{files['train']}: unsupported file type; use one of {sorted(LOCAL_BUILDERS)}")
-    raw = load_dataset(builder, data_files={k: str(v) for k, v in files.items()}, **kwargs)
-    splits = {k: standard_columns(raw[k], args.text_field_names, args.label_field, str(files[k])) for k in raw}
+    if builder == "csv":  # every cell as written (see labels.py): no type inference on labels
+        tables = {k: read_delimited(v, kwargs.get("delimiter", ",")) for k, v in files.items()}
+    else:
+        tables = load_dataset(builder, data_files={k: str(v) for k, v in files.items()}, **kwargs)
+    splits = {k: standard_columns(tables[k], args.text_field_names, args.label_field, str(files[k])) for k in tables}
+    for k, split in splits.items():  # row numbers in these messages are the file's rows
+        check_present(split["label"], f"{files[k]} column {args.label_field!r}")
+    task_type = args.task_type if args.task_type != "auto" else infer_task_type(splits["train"]["label"])
+    if task_type == "regression":
+        splits = {k: relabel(split, regression_values(split["label"], str(files[k]))) for k, split in splits.items()}
     train, validation = splits["train"], splits.get("validation")
     if validation is None:
         train, validation = carve(train, args.validation_fraction)
-    labels = train["label"]
-    task_type = args.task_type if args.task_type != "auto" else infer_task_type(labels)
     names = None
-    if task_type == "single_label_classification" and any(isinstance(x, str) for x in labels):
-        names = sorted({str(x) for x in labels} | {str(x) for x in validation["label"]})
+    if task_type == "single_label_classification":
+        names = class_names(train["label"], validation["label"], path.name)
         index = {name: i for i, name in enumerate(names)}
-        train, validation = (
-            s.map(lambda r: {"label_id": index[str(r["label"])]})
-            .remove_columns("label")
-            .rename_column("label_id", "label")
-            for s in (train, validation)
-        )  # a new column: mapping onto the string column would keep its string type
+        train, validation = (relabel(s, [index[class_name(x)] for x in s["label"]]) for s in (train, validation))
     return finish(args, path.name, task_type, names, None, train, validation)
+
+
+def relabel(split: Dataset, labels: list) -> Dataset:
+    """`split` with its `label` column replaced (a new column: mapping onto a string column keeps its type)."""
+    return split.remove_columns("label").add_column("label", labels)
 
 
 def split_files(folder: Path) -> dict[str, Path]:
@@ -151,15 +158,6 @@ def standard_columns(table: Dataset, text_fields, label_field: str, where: str) 
     renamed = {old: new for old, new in zip(text_fields, ("text_a", "text_b"), strict=False)}
     table = table.select_columns([*text_fields, label_field]).rename_columns({**renamed, label_field: "label"})
     return table.add_column("id", list(range(len(table))))
-
-
-def infer_task_type(labels: list) -> str:
-    """Lists: multi-label; non-integral numbers: regression; integers or strings: single-label classes."""
-    if any(isinstance(x, list) for x in labels):
-        return "multi_label_classification"
-    if any(isinstance(x, float) and not float(x).is_integer() for x in labels):
-        return "regression"
-    return "single_label_classification"
 
 
 def carve(table: Dataset, fraction: float) -> tuple[Dataset, Dataset]:
