@@ -60,6 +60,7 @@ from concept_encoder.training.checkpoint import (
     resume_settings,
     save_checkpoint,
     saved_train_state,
+    set_aside_later_history,
 )
 from concept_encoder.training.deepspeed_setup import (
     adamw_class,
@@ -341,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         if run_lock is not None:
             run_lock.release()
         return 0
+    if resume is not None and resume.parent.parent.resolve() == run_dir.resolve() and state.is_main_process:
+        set_aside_later_history(run_dir, saved_train_state(resume).step)  # one history: a rollback keeps the other
     eval_steps = args.eval_steps or args.max_steps  # 0 means: evaluate at the end only
     save_steps = args.save_steps or None
     snapshot_steps = set(args.snapshot_step_list)

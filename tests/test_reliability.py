@@ -57,6 +57,41 @@ def test_resuming_another_runs_checkpoint_continues_in_the_new_run_and_leaves_it
     assert [p.name for p in Path("runs/b/checkpoints").iterdir()] == ["step_0000006"]
 
 
+def test_a_rollback_sets_the_later_history_aside_and_the_run_keeps_one_history(workdir, capsys):
+    os.chdir(workdir)
+    common = [
+        "--run_name",
+        "h",
+        "--max_steps",
+        "6",
+        "--save_steps",
+        "2",
+        "--save_total_limit",
+        "3",
+        "--eval_steps",
+        "3",
+    ]
+    run(*common)
+    before = tree_digest(Path("runs/h"))
+    first_losses = train_losses("h")
+    run(*common, "--resume_from_checkpoint", "runs/h/checkpoints/step_0000002")  # back to step 2
+    [aside] = Path("runs/h/abandoned").iterdir()
+    out = capsys.readouterr()
+    assert aside.name.startswith("from-step-2-") and f"moved to runs/h/abandoned/{aside.name}" in out.out + out.err
+    kept = tree_digest(aside)  # the abandoned branch, whole: later checkpoints, final model, summary, metrics
+    for name in ("checkpoints/step_0000004/model.safetensors", "checkpoints/step_0000006/model.safetensors",
+                 "final/model.safetensors", "summary.json", "metrics.jsonl"):  # fmt: skip
+        assert kept[name] == before[name], name
+    steps = [r["step"] for r in records("h", "train")]
+    assert steps == sorted(set(steps)) == [1, 2, 3, 4, 5, 6]  # one history: no step logged twice
+    assert train_losses("h") == first_losses  # the new branch (exact resume) retraced the old one
+    assert sorted(p.name for p in Path("runs/h/checkpoints").iterdir()) == ["step_0000002", "step_0000004",
+                                                                           "step_0000006"]  # fmt: skip
+    assert resolve_resume("auto", "runs", "h").name == "step_0000006"  # auto never looks in abandoned/
+    run(*common, "--resume_from_checkpoint", "auto")  # finished: nothing set aside, nothing changed
+    assert len(list(Path("runs/h/abandoned").iterdir())) == 1
+
+
 class CreatesAFile:
     """Pickled, it names `Path.touch` as the function to call on loading: code run from a checkpoint."""
 

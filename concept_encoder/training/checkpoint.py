@@ -240,6 +240,45 @@ def saved_train_state(checkpoint: Path) -> TrainState:
     return TrainState(**json.loads((Path(checkpoint) / TRAIN_STATE).read_text()))
 
 
+def set_aside_later_history(run_dir: Path, step: int) -> Path | None:
+    """A run has one history: resuming `run_dir` at `step` moves everything it holds from after `step` (later
+    checkpoints and snapshots, the final model, summary, per-rank views, loss curve, and a copy of the full
+    metrics.jsonl) into `<run>/abandoned/from-step-<step>-<time>/`, where nothing resumes from it (`auto` looks
+    in `checkpoints/` only) and nothing overwrites it. Returns that folder, or None when nothing lies beyond
+    `step`. Main process only, before the resumed run writes anything."""
+    import datetime as dt
+
+    from .tracking import read_metrics
+
+    run_dir = Path(run_dir)
+    later = [c for c in checkpoint_dirs(run_dir) if step_of(c) > step]
+    snapshots = [p for p in (run_dir / "snapshots").glob("step-*") if p.is_dir() and int(p.name[5:]) > step]
+    summary = run_dir / "summary.json"
+    finished_later = summary.is_file() and json.loads(summary.read_text()).get("steps", 0) > step
+    metrics = run_dir / "metrics.jsonl"
+    records_later = metrics.is_file() and any(r.get("step", 0) > step for r in read_metrics(metrics))
+    ending = [p for p in (run_dir / "final", summary, run_dir / "ranks", run_dir / "loss_curve.png") if p.exists()]
+    if not (later or snapshots or finished_later or records_later or ((run_dir / "final").exists())):
+        return None
+    folder = run_dir / "abandoned" / f"from-step-{step}-{dt.datetime.now():%Y%m%d-%H%M%S-%f}"
+    (folder / "checkpoints").mkdir(parents=True)
+    for checkpoint in later:
+        shutil.move(str(checkpoint), str(folder / "checkpoints" / checkpoint.name))
+    for snapshot in snapshots:
+        (folder / "snapshots").mkdir(exist_ok=True)
+        shutil.move(str(snapshot), str(folder / "snapshots" / snapshot.name))
+    for path in ending:
+        shutil.move(str(path), str(folder / path.name))
+    if metrics.is_file():
+        shutil.copy2(metrics, folder / "metrics.jsonl")  # the live file is cut at `step` by the resumed run
+    logger.warning(
+        "resuming %s at step %d: its later history (%s) moved to %s; nothing there is resumed or overwritten",
+        run_dir, step, ", ".join([*(c.name for c in later), *(s.name for s in snapshots), *(p.name for p in ending)])
+        or "metrics after the step", folder,
+    )  # fmt: skip
+    return folder
+
+
 def load_state_file(path: Path) -> dict:
     """A state file of a checkpoint, read with `weights_only=True`: tensors and plain values only. A file
     that needs anything else (a crafted pickle would run code while loading) is refused, never run."""
