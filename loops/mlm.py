@@ -81,7 +81,14 @@ from concept_encoder.training.model_card import write_model_card
 from concept_encoder.training.objective import ConceptObjective, build_concept_objective
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.plan import launch_command
-from concept_encoder.training.runs import finished_run, init_wandb, save_run_config, setup_run_dirs
+from concept_encoder.training.runs import (
+    RUN_TOKENIZER,
+    finished_run,
+    init_wandb,
+    keep_run_tokenizer,
+    save_run_config,
+    setup_run_dirs,
+)
 from concept_encoder.training.runtime import (
     apply_memory_budget,
     maybe_compile,
@@ -293,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     apply_memory_budget(args.cuda_memory_budget_gb, state)
     system = log_system_info(state)
     log_data_config(data_args)
-    # 5. tokenizer + datasets
-    data = prepare_data(data_args, cache_dir="Cache", seed=args.seed + state.process_index)  # own masks per rank
+    # 5. tokenizer + datasets (a resume uses the run's own tokenizer: trained ones differ between trainings)
+    kept = resume.parent.parent / RUN_TOKENIZER if resume is not None else None
+    data = prepare_data(data_args, cache_dir="Cache", seed=args.seed + state.process_index,  # own masks per rank
+                        tokenizer_folder=kept if kept is not None and kept.is_dir() else None)  # fmt: skip
     corruption = build_corruption(
         args.objective, data.collator, data.tokenizer, args, seed=args.seed + state.process_index
     )
@@ -327,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
     # 10. run dirs + argument guards: nothing is written before a resume is known to fit
-    settings = resume_settings(model.config, data_args, args, state.num_processes)
+    settings = resume_settings(model.config, data_args, args, state.num_processes, data.tokenizer)
     if resume is not None:
         check_resume_settings(resume, settings)
         failed = [o for o in saved_train_state(resume).gates if o["passed"] is False]
@@ -344,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if resume is not None and resume.parent.parent.resolve() == run_dir.resolve() and state.is_main_process:
         set_aside_later_history(run_dir, saved_train_state(resume).step)  # one history: a rollback keeps the other
+    if state.is_main_process:
+        keep_run_tokenizer(run_dir, data.tokenizer)  # written once: what every resume of this run loads
     eval_steps = args.eval_steps or args.max_steps  # 0 means: evaluate at the end only
     save_steps = args.save_steps or None
     snapshot_steps = set(args.snapshot_step_list)

@@ -92,6 +92,46 @@ def test_a_rollback_sets_the_later_history_aside_and_the_run_keeps_one_history(w
     assert len(list(Path("runs/h/abandoned").iterdir())) == 1
 
 
+def test_a_resume_keeps_the_runs_tokenizer_whatever_happens_to_the_cache(workdir, capsys):
+    from concept_encoder.data import load_tokenizer
+    from concept_encoder.data.tokenizer import vocab_digest
+
+    os.chdir(workdir)
+    common = ["--run_name", "tok", "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "2"]
+    run(*common)
+    first_losses = train_losses("tok")
+    own = load_tokenizer("runs/tok/tokenizer")
+    [cache] = [p for p in Path("Cache/tokenizers").glob("wordpiece-2000-*") if p.is_dir()]
+    assert vocab_digest(load_tokenizer(str(cache))) == vocab_digest(own)
+    # another training of the same spec lands in the cache (trainings differ): the resume must not notice it
+    other = load_tokenizer("train:wordpiece:2000", texts=iter(["entirely different words here"] * 50),
+                           corpus_id="other", cache_dir=workdir / "elsewhere")  # fmt: skip
+    shutil.rmtree(cache)
+    other.save_pretrained(cache)
+    run(*common, "--max_steps", "4", "--resume_from_checkpoint", "runs/tok/checkpoints/step_0000002")
+    assert train_losses("tok") == first_losses  # continued with its own ids, exactly
+    shutil.rmtree("runs/tok/tokenizer")  # a run without its own copy (older runs): the digest refuses the cache's
+    with pytest.raises(CheckpointError, match="data.vocab_sha256: checkpoint .* the tokenizer cache holds a different"):
+        run(*common, "--resume_from_checkpoint", "runs/tok/checkpoints/step_0000002")
+
+
+def test_a_damaged_tokenizer_cache_entry_is_named_and_rebuilt(tmp_path, monkeypatch):
+    from concept_encoder.data import tokenizer as tokenizers
+
+    warnings = []
+    monkeypatch.setattr(tokenizers.logger, "warning", lambda text, *args: warnings.append(text % args))
+    texts = ["alpha beta gamma delta", "epsilon zeta eta theta"] * 20
+    path = tmp_path / "wordpiece-300-x"
+    first = tokenizers.cached_trained_tokenizer(path, "train:wordpiece:300", "wordpiece", 300, iter(texts))
+    (path / "tokenizer.json").write_text("{ not json")
+    again = tokenizers.cached_trained_tokenizer(path, "train:wordpiece:300", "wordpiece", 300, iter(texts))
+    assert len(warnings) == 1 and warnings[0].startswith(f"tokenizer cache {path} does not load (")
+    assert warnings[0].endswith("rebuilding it") and len(again) == len(first)  # retrained: ids may differ (README)
+    reread = tokenizers.cached_trained_tokenizer(path, "train:wordpiece:300", "wordpiece", 300, None)  # no training
+    assert reread.get_vocab() == again.get_vocab()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wordpiece-300-x", "wordpiece-300-x.lock"]  # no partials
+
+
 class CreatesAFile:
     """Pickled, it names `Path.touch` as the function to call on loading: code run from a checkpoint."""
 

@@ -33,8 +33,11 @@ class PreparedData:
         return isinstance(self.train, IterableDataset)
 
 
-def prepare_data(args: DataArguments, cache_dir: str | Path = "Cache", seed: int | None = None) -> PreparedData:
-    """Load the source, load/train the tokenizer, tokenise + pack (cached), build the collator."""
+def prepare_data(
+    args: DataArguments, cache_dir: str | Path = "Cache", seed: int | None = None, tokenizer_folder: Path | None = None
+) -> PreparedData:
+    """Load the source, load/train the tokenizer, tokenise + pack (cached), build the collator.
+    `tokenizer_folder`: use this saved tokenizer instead of `args.tokenizer` (a resumed run's own copy)."""
     raw = load_raw_dataset(
         args.dataset,
         args.text_field,
@@ -50,7 +53,7 @@ def prepare_data(args: DataArguments, cache_dir: str | Path = "Cache", seed: int
 
     content = source_fingerprint(args.dataset)  # replacing a file at the same path rebuilds both caches
     tokenizer = load_tokenizer(
-        args.tokenizer,
+        str(tokenizer_folder) if tokenizer_folder is not None else args.tokenizer,
         texts=training_texts(),
         corpus_id=f"{args.dataset}:{args.text_field}@{content}",
         cache_dir=cache_dir,

@@ -74,13 +74,24 @@ def tokenize_documents(batch: dict, tokenizer: PreTrainedTokenizerBase, max_seq_
     }
 
 
+def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
+    """What the token ids depend on, not where the tokenizer was loaded from: a fast tokenizer's whole
+    serialised pipeline (vocabulary, normaliser, pre-tokeniser, post-processor), else name and vocabulary.
+    So a run's own copy of its tokenizer (`<run>/tokenizer`) finds the blocks cached for the original."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = (
+        backend.to_str()
+        if backend is not None
+        else tokenizer.name_or_path + json.dumps(sorted(tokenizer.get_vocab().items()))
+    )
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
 def cache_key(source: str, tokenizer: PreTrainedTokenizerBase, max_seq_length: int, packing: bool, **extra) -> str:
     """Directory name for a processed dataset: readable prefix + hash of everything that changes its content."""
-    vocab_digest = hashlib.sha1(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:10]
     fields = dict(
         source=source,
-        tokenizer=tokenizer.name_or_path,
-        vocab=vocab_digest,
+        tokenizer=tokenizer_identity(tokenizer),
         max_seq_length=max_seq_length,
         packing=packing,
         version=CACHE_FORMAT_VERSION,

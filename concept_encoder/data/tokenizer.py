@@ -2,13 +2,21 @@
 
 A trained tokenizer is cached under `<cache_dir>/tokenizers/<key>`, the key naming the
 kind, vocabulary size and the corpus it was trained on, so later runs load it instead
-of training again.
+of training again. Training is not deterministic (the `tokenizers` library breaks ties between
+equally frequent pairs in hash-map order, which no setting fixes: two trainings on the same text
+differ in some tens of ids), so the cache entry is written once, under a lock, into a temporary
+folder renamed into place; an entry that fails to load is named and rebuilt; and a training run
+keeps the tokenizer it started with in its own folder (`<run>/tokenizer`), which its resumes use.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import os
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +24,8 @@ from accelerate import PartialState
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from .sources import DataSourceError, ensure_hub, unreachable_message
+
+logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = {
     "pad_token": "[PAD]",
@@ -90,11 +100,7 @@ def load_tokenizer(
         kind, vocab_size = trained
         path = trained_tokenizer_dir(cache_dir, kind, vocab_size, corpus_id)
         with PartialState().main_process_first():
-            if not (path / "tokenizer.json").exists():
-                if texts is None:
-                    raise ValueError(f"--tokenizer {spec!r} needs training texts and none were given")
-                train_tokenizer(kind, vocab_size, texts).save_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = cached_trained_tokenizer(path, spec, kind, vocab_size, texts)
     else:
         local = Path(spec).expanduser()
         if not local.exists():
@@ -109,6 +115,36 @@ def load_tokenizer(
             raise DataSourceError(unreachable_message("tokenizer", spec, str(error).splitlines()[0])) from error
     check_tokenizer(tokenizer)
     return tokenizer
+
+
+def cached_trained_tokenizer(path: Path, spec: str, kind: str, vocab_size: int, texts) -> PreTrainedTokenizerBase:
+    """The cache entry at `path`, trained and written first if missing (or unreadable: named, then rebuilt).
+    A file lock serialises two processes on one entry (the second loads what the first wrote); the entry
+    is written to a temporary folder and renamed, so no reader ever sees half of it."""
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if (path / "tokenizer.json").exists():
+            try:
+                return AutoTokenizer.from_pretrained(path)
+            except Exception as error:  # a damaged entry: say which, then rebuild it
+                logger.warning("tokenizer cache %s does not load (%s: %s): rebuilding it", path,
+                               type(error).__name__, str(error).splitlines()[0] if str(error) else "")  # fmt: skip
+                shutil.rmtree(path)
+        if texts is None:
+            raise ValueError(f"--tokenizer {spec!r} needs training texts and none were given")
+        partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+        train_tokenizer(kind, vocab_size, texts).save_pretrained(partial)
+        if path.exists():
+            shutil.rmtree(path)
+        partial.rename(path)
+        return AutoTokenizer.from_pretrained(path)
+
+
+def vocab_digest(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 of the vocabulary (every token and its id): equal digests, equal id mapping."""
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
 
 
 # A folder holding none of these has no tokenizer: transformers would build a default one (5 tokens for BERT).

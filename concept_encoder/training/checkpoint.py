@@ -191,12 +191,17 @@ MODEL_SHAPE_KEYS = (
 )  # fmt: skip
 
 
-def resume_settings(model_config, data_args, training_args, world_size: int) -> dict:
+def resume_settings(model_config, data_args, training_args, world_size: int, tokenizer=None) -> dict:
     """What a resume must keep: the model's shape, the processes, the per-device batch and
-    accumulation (they fix the data position), the data (source, tokenizer, blocks, masking), the
-    objective (its corruption's generator state is in the checkpoint) and `--torch_compile`."""
+    accumulation (they fix the data position), the data (source, tokenizer spec and its vocabulary's
+    content, blocks, masking), the objective (its corruption's generator state is in the checkpoint)
+    and `--torch_compile`."""
+    from ..data.tokenizer import vocab_digest
+
     config = model_config.to_dict()
+    vocabulary = {} if tokenizer is None else {"data.vocab_sha256": vocab_digest(tokenizer)}
     return {
+        **vocabulary,
         **{f"model.{key}": config.get(key) for key in MODEL_SHAPE_KEYS},
         "world_size": world_size,
         "per_device_train_batch_size": training_args.per_device_train_batch_size,
@@ -212,6 +217,8 @@ def resume_settings(model_config, data_args, training_args, world_size: int) -> 
 
 # Settings added after the first release, with the value every earlier checkpoint was written with.
 RESUME_DEFAULTS = {"objective": "mlm", "model.model_type": "concept_encoder", "torch_compile": False}
+# Settings earlier checkpoints did not record and that have no such value: compared only when recorded.
+RECORDED_SINCE = ("data.vocab_sha256",)
 
 
 def check_resume_settings(checkpoint: Path, current: dict) -> None:
@@ -223,14 +230,20 @@ def check_resume_settings(checkpoint: Path, current: dict) -> None:
     saved = json.loads(path.read_text())
     normalise = json.loads(json.dumps(current, default=str))  # the saved file's types
     saved = {**{key: value for key, value in RESUME_DEFAULTS.items() if key in normalise}, **saved}
+    normalise = {key: value for key, value in normalise.items() if key in saved or key not in RECORDED_SINCE}
     differences = [
         f"{key}: checkpoint {saved.get(key)!r}, this run {normalise.get(key)!r}"
         for key in sorted(set(saved) | set(normalise))
         if saved.get(key) != normalise.get(key)
     ]
     if differences:
+        vocabulary = (
+            " (data.vocab_sha256 is the tokenizer's vocabulary: the run's own copy, <run>/tokenizer, is missing, and "
+            "the tokenizer cache holds a different training: token ids would not mean what the model learned)"
+            if any(d.startswith("data.vocab_sha256") for d in differences) else ""
+        )  # fmt: skip
         raise CheckpointError(
-            f"cannot resume {checkpoint}: this run differs in {'; '.join(differences)}. "
+            f"cannot resume {checkpoint}: this run differs in {'; '.join(differences)}{vocabulary}. "
             "Resume with the checkpoint's settings, or start a new run without --resume_from_checkpoint"
         )
 

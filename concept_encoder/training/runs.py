@@ -87,6 +87,20 @@ def finished_run(run_dir: Path, max_steps: int) -> str | None:
     )
 
 
+RUN_TOKENIZER = "tokenizer"  # <run>/tokenizer: the tokenizer the run started with
+
+
+def keep_run_tokenizer(run_dir: Path, tokenizer) -> None:
+    """Save the run's tokenizer to `<run>/tokenizer` once (a temporary folder renamed into place); resumes of
+    the run load it from there, never from the shared cache, which may have been retrained since."""
+    folder = Path(run_dir) / RUN_TOKENIZER
+    if folder.is_dir():
+        return
+    partial = folder.with_name(f"{RUN_TOKENIZER}.partial-{os.getpid()}")
+    tokenizer.save_pretrained(partial)
+    partial.rename(folder)
+
+
 def ended_on_its_own(run_dir: Path) -> bool:
     """A pretraining run that ended by itself (all steps, or stopped by a gate), final model saved: not
     preempted, not crashed. Tools that rerun a plan (ablate, curve) skip such runs."""
