@@ -151,7 +151,8 @@ def train_step(
     """
     window = [model_inputs(batch) for batch in window]  # [(inputs, normaliser [], tokens [])]
     counts = torch.stack([normalizer for _, normalizer, _ in window]).sum().float()
-    window_labelled = accelerator.reduce(counts, reduction="sum").clamp(min=1)
+    labelled = accelerator.reduce(counts, reduction="sum")  # 0 when no rank masked a token (reported as such)
+    window_labelled = labelled.clamp(min=1)
     scale = accelerator.num_processes * len(window) / window_labelled
     loss_sum = torch.zeros((), device=accelerator.device)
     tokens = torch.zeros((), device=accelerator.device)
@@ -188,7 +189,7 @@ def train_step(
     return {
         "terms": terms,
         "loss": loss,
-        "labelled": int(window_labelled.item()),
+        "labelled": int(labelled.item()),
         "tokens": int(totals[1].item()),
         "grad_norm": None if grad_norm is None else float(grad_norm),
     }
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     set_seed(args.seed)
     apply_memory_budget(args.cuda_memory_budget_gb, state)
     system = log_system_info(state)
-    log_data_config(data_args)
+    log_data_config(data_args, args.per_device_train_batch_size, args.objective)  # warns if masks can come out empty
     # 5. tokenizer + datasets (a resume uses the run's own tokenizer: trained ones differ between trainings)
     kept = resume.parent.parent / RUN_TOKENIZER if resume is not None else None
     data = prepare_data(data_args, cache_dir="Cache", seed=args.seed + state.process_index,  # own masks per rank
@@ -431,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda batch: send_to_device(corruption.mask(batch), accelerator.device),
     )
     interval = {"loss": 0.0, "labelled": 0, "tokens": 0, "steps": 0, "time": 0.0}
+    unlabelled_steps = 0
     divergence = DivergenceMonitor()
     last_eval = None
     preempted = False
@@ -454,6 +456,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
         progress_state.step += 1
         progress_state.tokens_seen += step["tokens"]
+        if step["labelled"] == 0:  # nothing was predicted: the step's loss is undefined, not 0
+            unlabelled_steps += 1
+            logger.warning(
+                "step %d had no masked token on any rank (loss undefined, logged as NaN)", progress_state.step
+            )
         elapsed = time.perf_counter() - started
         interval["loss"] += step["loss"] * step["labelled"]
         interval["labelled"] += step["labelled"]
@@ -467,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                 "kind": "train",
                 "step": progress_state.step,
                 "epoch": progress_state.epoch,
-                "loss": interval["loss"] / max(interval["labelled"], 1),
+                "loss": interval["loss"] / interval["labelled"] if interval["labelled"] else math.nan,
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": step["grad_norm"],
                 "tokens_per_s": interval["tokens"] / interval["time"],
@@ -529,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     # 13. final save + W&B finish (main process)
     probe_ids = torch.as_tensor(first_validation_example["input_ids"], dtype=torch.long)[None]  # [1,N]
     notes = {"divergence": divergence.detected} if divergence.detected else {}
+    if unlabelled_steps:
+        notes["steps_without_masked_tokens"] = unlabelled_steps
     if args.gate:
         notes["gates"] = gates.summary()
         notes["stopped_by_gate"] = gate_stopped

@@ -132,6 +132,19 @@ def test_a_damaged_tokenizer_cache_entry_is_named_and_rebuilt(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["wordpiece-300-x", "wordpiece-300-x.lock"]  # no partials
 
 
+def test_steps_without_a_masked_token_are_warned_about_and_never_logged_as_loss_0(workdir, capsys):
+    import math
+
+    os.chdir(workdir)
+    run("--run_name", "sparse", "--max_steps", "4", "--mlm_probability", "0.0005", "--concept_losses", "none")
+    out = capsys.readouterr()
+    assert "about 78.0% of micro-batches will have no masked token" in out.out + out.err  # (1 - 0.0005) ** (8 * 62)
+    losses = train_losses("sparse")
+    summary = json.loads(Path("runs/sparse/summary.json").read_text())
+    empty = summary["steps_without_masked_tokens"]
+    assert empty >= 1 and sum(math.isnan(x) for x in losses) == empty and 0.0 not in losses
+
+
 class CreatesAFile:
     """Pickled, it names `Path.touch` as the function to call on loading: code run from a checkpoint."""
 

@@ -113,8 +113,22 @@ def log_system_info(state: PartialState) -> dict:
     return info
 
 
-def log_data_config(data_args) -> None:
+def log_data_config(data_args, per_device_batch: int | None = None, objective: str = "mlm") -> float | None:
+    """The data settings; for MLM also the share of micro-batches expected to hold no masked token at all
+    ((1 - p) ** tokens per micro-batch), warned about above 1%: such steps teach nothing and their loss is
+    undefined (logged as NaN, counted in summary.json). Returns that share (None for other objectives)."""
     logger.info("data config: %s", json.dumps(dataclasses.asdict(data_args)))
+    if objective != "mlm" or per_device_batch is None:
+        return None
+    tokens = per_device_batch * max(data_args.max_seq_length - 2, 1)  # [CLS] and [SEP] are never masked
+    empty = (1 - data_args.mlm_probability) ** tokens
+    if empty > 0.01:
+        logger.warning(
+            "mlm_probability=%g with ~%d maskable tokens per micro-batch: about %.1f%% of micro-batches will have "
+            "no masked token (nothing to learn, loss undefined); raise --mlm_probability or the batch",
+            data_args.mlm_probability, tokens, 100 * empty,
+        )  # fmt: skip
+    return empty
 
 
 def log_dataset_sizes(data) -> None:
