@@ -37,10 +37,16 @@ class Run:
     config: dict
     summary: dict
     records: list[dict] = field(default_factory=list)
+    unfinished: bool = False  # no summary.json yet: running, or stopped before its end
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def label(self) -> str:
+        """The run's column title: its name, marked when it has not finished (latest metrics shown)."""
+        return f"{self.name} (running / unfinished, step {self.summary.get('step', '?')})" if self.unfinished else self.name
 
     def settings(self) -> dict:
         flat = flatten(self.config)
@@ -79,10 +85,20 @@ def load_run(path: str | Path) -> Run:
             f"{path} is not a run folder ({what}); pass folders written by loops/mlm.py or loops/finetune.py, "
             "e.g. Cache/runs/<run>"
         )
-    records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from .training.tracking import read_metrics
+
+    records = read_metrics(path / "metrics.jsonl")  # a line cut short is named and skipped
     summary_path = path / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    return Run(path, json.loads((path / "config.json").read_text()), summary, records)
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else latest_metrics(records)
+    return Run(path, json.loads((path / "config.json").read_text()), summary, records, not summary_path.is_file())
+
+
+def latest_metrics(records: list[dict]) -> dict:
+    """A run still going (or stopped without a summary): its newest value of every logged metric, and its step."""
+    latest: dict = {}
+    for record in records:
+        latest.update({k: v for k, v in record.items() if k != "kind"})
+    return latest
 
 
 def add_finetune_reports(runs: list[Run], report_dir: Path) -> None:
@@ -167,7 +183,7 @@ def compare(paths: list[str | Path], report_dir: str | Path = "Cache/reports") -
     differ, fixed = differences(runs)
     metrics = metric_table(runs)
     gates = [run.summary.get("gates", []) for run in runs]
-    names = [run.name for run in runs]
+    names = [run.label for run in runs]
     lines = [f"# Comparison of {len(runs)} runs", "", "## What differs", ""]
     if differ:
         lines += ["| setting | " + " | ".join(names) + " |", "|---|" + "---|" * len(runs)]

@@ -145,6 +145,28 @@ def test_steps_without_a_masked_token_are_warned_about_and_never_logged_as_loss_
     assert empty >= 1 and sum(math.isnan(x) for x in losses) == empty and 0.0 not in losses
 
 
+def test_compare_shows_an_unfinished_run_and_a_cut_metrics_line_is_named_not_fatal(finished_run, tmp_path, monkeypatch):
+    from concept_encoder.compare import compare
+    from concept_encoder.training import tracking
+
+    warnings = []
+    monkeypatch.setattr(tracking.logger, "warning", lambda text, *args: warnings.append(text % args))
+    going = tmp_path / "going"
+    going.mkdir()
+    shutil.copy(finished_run / "config.json", going / "config.json")
+    lines = (finished_run / "metrics.jsonl").read_text().splitlines()
+    (going / "metrics.jsonl").write_text("\n".join(lines[:-1]) + '\n{"kind": "train", "step": 6, "lo')  # cut short
+    result = compare([finished_run, going], report_dir=tmp_path / "reports")
+    last_step = max(json.loads(line)["step"] for line in lines[:-1])
+    assert f"going (running / unfinished, step {last_step})" in result["text"]
+    assert result["metrics"]["eval_loss"][1] == [json.loads(x) for x in lines[:-1] if '"eval"' in x][-1]["eval_loss"]
+    assert warnings == [f"{going / 'metrics.jsonl'} line {len(lines)} is not a metrics record (cut short?): skipped"]
+    tracking.MetricsWriter(going / "metrics.jsonl").drop_after(3)  # what a resume does: the cut line goes too
+    assert [r["step"] for r in tracking.read_metrics(going / "metrics.jsonl")] == [
+        json.loads(x)["step"] for x in lines[:-1] if json.loads(x)["step"] <= 3
+    ]
+
+
 class CreatesAFile:
     """Pickled, it names `Path.touch` as the function to call on loading: code run from a checkpoint."""
 

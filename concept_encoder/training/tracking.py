@@ -23,10 +23,8 @@ class MetricsWriter:
 
     def drop_after(self, step: int) -> None:
         """Remove the records of steps after `step` (those a resume from `step` will write again)."""
-        if self.path.exists():
-            kept = [
-                line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
-            ]
+        if self.path.exists():  # a line cut short by a crash is dropped here, with a warning naming it
+            kept = [json.dumps(record) for record in read_metrics(self.path) if record["step"] <= step]
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
@@ -37,7 +35,21 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a `metrics.jsonl`; a line that does not parse (a write cut short by a crash or a full
+    disk) is skipped with a warning naming the file and line, not a traceback."""
+    records = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or "step" not in record:
+            logger.warning("%s line %d is not a metrics record (cut short?): skipped", path, number)
+            continue
+        records.append(record)
+    return records
 
 
 def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
