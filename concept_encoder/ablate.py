@@ -17,6 +17,7 @@ gate rejected. Varying two settings at once is refused: one thing at a time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -71,8 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def plan_runs(setting: str, values: list[str], loop_argv: list[str], name: str) -> list[tuple[str, list[str]]]:
-    """(run name, loop argv) per value, each checked by the loop's own parser before anything runs."""
+# Arguments that name, place or display a run: varying them changes nothing the loop learns.
+NOT_EXPERIMENTAL = ("run_name", "output_dir", "resume_from_checkpoint", "progress_bar", "report_to", "wandb_project",
+                    "logging_steps", "save_steps", "save_total_limit", "snapshot_steps", "peak_tflops")  # fmt: skip
+
+
+def experiment_settings(parsed) -> dict:
+    """The resolved settings of parsed loop arguments that define the experiment (`NOT_EXPERIMENTAL` left out),
+    as `group.name: value` with JSON types, comparable with a finished run's config.json."""
+    groups = ("model_args", "data_args", "training_args")
+    flat = {f"{g}.{k}": v for g, part in zip(groups, parsed, strict=True) for k, v in dataclasses.asdict(part).items()}
+    flat = {k: v for k, v in flat.items() if k.split(".", 1)[1] not in NOT_EXPERIMENTAL}
+    return json.loads(json.dumps(flat, default=str))
+
+
+def plan_runs(setting: str, values: list[str], loop_argv: list[str], name: str) -> list[tuple[str, list[str], dict]]:
+    """(run name, loop argv, experiment settings) per value, each checked by the loop's own parser before anything
+    runs; an axis that changes no experiment setting is refused."""
     plans = []
     for value in values:
         run_name = run_name_for(name, setting, value)
@@ -81,8 +97,22 @@ def plan_runs(setting: str, values: list[str], loop_argv: list[str], name: str) 
             parsed = parse_args(argv)
         except ValueError as error:
             raise ValueError(f"--vary {setting}={value}: {error}") from error
-        plans.append((run_name, ["--resume_from_checkpoint", "auto", *launch_command([], *parsed, launcher=())[1:]]))
+        command = ["--resume_from_checkpoint", "auto", *launch_command([], *parsed, launcher=())[1:]]
+        plans.append((run_name, command, experiment_settings(parsed)))
+    if all(plan[2] == plans[0][2] for plan in plans[1:]):
+        raise ValueError(
+            f"--vary {setting}: its values change no setting of the experiment (they name, place or display the "
+            "runs, or resolve to the same value); vary something the loop learns from"
+        )
     return plans
+
+
+def changed_settings(run_dir: Path, settings: dict) -> list[str]:
+    """Where a finished run's config.json differs from the settings this invocation would run it with."""
+    config = json.loads((run_dir / "config.json").read_text())
+    saved = {f"{g}.{k}": v for g in ("model_args", "data_args", "training_args") for k, v in config.get(g, {}).items()}
+    return [f"{k}: the run has {saved.get(k)!r}, this invocation {v!r}" for k, v in settings.items()
+            if k in saved and saved[k] != v]  # fmt: skip
 
 
 def choose_winner(result: dict, runs: list[tuple[str, Path]], metric: str, direction: str, rejected: set[str]):
@@ -120,23 +150,36 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = Path(train_args.output_dir)
     direction = args.direction or ("lower" if lower_is_better(args.decide) else "higher")
     launcher = local_launcher(ROOT / "loops" / "mlm.py", args.num_processes)
+    stale = {name: changed for name, _, settings in plans
+             if (output_dir / name / "config.json").is_file() and (changed := changed_settings(output_dir / name, settings))}  # fmt: skip
+    if stale:  # a finished (or started) value is reused only under the settings this invocation asks for
+        name, changed = next(iter(stale.items()))
+        parser.exit(2, f"usage error: {output_dir / name} was run with other settings ({'; '.join(changed[:5])}); "
+                       "choose another --name for this ablation, or delete that run\n")  # fmt: skip
     rejected, runs = set(), []
-    for index, (run_name, run_argv) in enumerate(plans, start=1):
-        run_dir = output_dir / run_name
-        runs.append((run_name, run_dir))
-        if ended_on_its_own(run_dir):
-            print(f"[{index}/{len(plans)}] {run_name}: finished earlier, skipped", flush=True)
-        else:
-            print(f"[{index}/{len(plans)}] {run_name}: {setting}={values[index - 1]}", flush=True)
-            code = run_loop([*launcher, *run_argv])
-            # `accelerate launch` turns every non-zero exit of the loop into 1, the gate's 3 included:
-            # whether a gate stopped the run is read from its summary.json.
-            if code != 0 and not stopped_by_gate(run_dir):
-                print(f"{run_name} failed with exit code {code}; fix it and rerun the same command", file=sys.stderr)
-                return code
-        summary = json.loads((run_dir / "summary.json").read_text())
-        if any(g["passed"] is False for g in summary.get("gates", [])):
-            rejected.add(run_name)
+    try:
+        for index, (run_name, run_argv, _) in enumerate(plans, start=1):
+            run_dir = output_dir / run_name
+            runs.append((run_name, run_dir))
+            if ended_on_its_own(run_dir):
+                print(f"[{index}/{len(plans)}] {run_name}: finished earlier, skipped", flush=True)
+            else:
+                print(f"[{index}/{len(plans)}] {run_name}: {setting}={values[index - 1]}", flush=True)
+                code = run_loop([*launcher, *run_argv])
+                # `accelerate launch` turns every non-zero exit of the loop into 1, the gate's 3 included:
+                # whether a gate stopped the run is read from its summary.json.
+                if code != 0 and not stopped_by_gate(run_dir):
+                    print(
+                        f"{run_name} failed with exit code {code}; fix it and rerun the same command", file=sys.stderr
+                    )
+                    return code
+            summary = json.loads((run_dir / "summary.json").read_text())
+            if any(g["passed"] is False for g in summary.get("gates", [])):
+                rejected.add(run_name)
+    except KeyboardInterrupt:
+        print("\ninterrupted: rerun the same command to continue (finished values are reused, the interrupted one "
+              "resumes from its newest checkpoint)", file=sys.stderr)  # fmt: skip
+        return 130
     result = compare([d for _, d in runs], report_dir="Cache/reports")
     print(result["text"])
     winner = choose_winner(result, runs, args.decide, direction, rejected)

@@ -46,7 +46,11 @@ class Run:
     @property
     def label(self) -> str:
         """The run's column title: its name, marked when it has not finished (latest metrics shown)."""
-        return f"{self.name} (running / unfinished, step {self.summary.get('step', '?')})" if self.unfinished else self.name
+        return (
+            f"{self.name} (running / unfinished, step {self.summary.get('step', '?')})"
+            if self.unfinished
+            else self.name
+        )
 
     def settings(self) -> dict:
         flat = flatten(self.config)

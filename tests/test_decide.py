@@ -185,3 +185,20 @@ def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys,
         misspelt.value.code == 2 and "--decide eval_los: the loop evaluates no such metric" in capsys.readouterr().err
     )
     assert not list(Path("runs").glob("typo-*"))
+    with pytest.raises(SystemExit) as idle:  # an axis that only names or displays the runs
+        ablate.main(["--vary", "progress_bar=true,false", "--decide", "eval_loss", "--name", "idle", "--", *loop])
+    assert idle.value.code == 2 and "its values change no setting of the experiment" in capsys.readouterr().err
+    changed = [a if a != "2" else "3" for a in argv]  # the same ablation, other --max_steps: not reused silently
+    with pytest.raises(SystemExit) as stale:
+        ablate.main(changed)
+    assert stale.value.code == 2
+    assert "abl-learning_rate1e-4 was run with other settings (training_args.max_steps: the run has 2, this " \
+           "invocation 3" in capsys.readouterr().err  # fmt: skip
+
+    def interrupted(command):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ablate, "run_loop", interrupted)
+    fresh = ["--vary", "learning_rate=1e-4,5e-3", "--decide", "eval_loss", "--name", "ctrlc", "--", *loop]
+    assert ablate.main(fresh) == 130
+    assert capsys.readouterr().err.strip().startswith("interrupted: rerun the same command to continue")
