@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .cli_types import at_least
 from .constants import pretraining_metric_names
 from .training.args import parse_args
 from .training.plan import launch_command, local_launcher
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decide", required=True, help="the deciding metric of summary.json, e.g. eval_loss")
     parser.add_argument("--direction", choices=("lower", "higher"), help="which is better (default: by the name)")
     parser.add_argument("--name", default="ablate", help="prefix of the run names (default: ablate)")
-    parser.add_argument("--num_processes", type=int, default=1, help="processes per run (accelerate launch)")
+    parser.add_argument("--num_processes", type=at_least(1), default=1, help="processes per run (accelerate launch)")
     return parser
 
 

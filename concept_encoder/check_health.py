@@ -19,6 +19,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from .cli_types import at_least
 from .config import ConceptEncoderConfig
 from .data import DataArguments, DataSourceError, prepare_data
 from .heads import ConceptEncoderForMaskedLM
@@ -56,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="a save_pretrained folder, e.g. Cache/runs/<run>/final")
     parser.add_argument("--dataset", default="embedded", help="text to probe with (as for the loop)")
     parser.add_argument("--tokenizer", default=None, help="default: the model folder's own tokenizer")
-    parser.add_argument("--max_seq_length", type=int, default=128)
-    parser.add_argument("--batches", type=int, default=4)
-    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--max_seq_length", type=at_least(2), default=128)
+    parser.add_argument("--batches", type=at_least(1), default=4)
+    parser.add_argument("--batch_size", type=at_least(1), default=16)
     parser.add_argument("--cache_dir", default="Cache")
     args = parser.parse_args(argv)
 

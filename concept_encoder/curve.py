@@ -32,6 +32,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cli_types import at_least
 from .constants import ARCHITECTURES
 from .training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from .training.plan import local_launcher
@@ -290,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--finetune_args", default="", help='arguments for loops/finetune.py, e.g. "--seeds 3"')
     parser.add_argument("--twins", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                         help="also the from-scratch twin of each architecture (default true)")  # fmt: skip
-    parser.add_argument("--num_processes", type=int, default=1, help="processes per run (accelerate launch)")
+    parser.add_argument("--num_processes", type=at_least(1), default=1, help="processes per run (accelerate launch)")
     return parser
 
 

@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from concept_encoder import memory  # noqa: E402
+from concept_encoder.cli_types import at_least  # noqa: E402
 from concept_encoder.data.arguments import DataArguments  # noqa: E402
 from concept_encoder.extension_locks import stale_lock_message, stale_op_locks  # noqa: E402
 from concept_encoder.training.args import (  # noqa: E402
@@ -97,19 +98,6 @@ def parse_size_gb(text: str) -> float:
         return memory.parse_size_gb(text)
     except ValueError as error:
         raise UsageError(str(error)) from error
-
-
-def at_least(minimum: int):
-    """argparse type: an int >= `minimum` (a usage error otherwise)."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
-        return value
-
-    parse.__name__ = f"int >= {minimum}"
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:

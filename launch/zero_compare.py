@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from concept_encoder import process_group  # noqa: E402
+from concept_encoder.cli_types import at_least  # noqa: E402
 from concept_encoder.memory import GIB, estimate_training_memory, parse_size_gb, zero_settings  # noqa: E402
 from concept_encoder.report_files import claim_report_folder  # noqa: E402
 from concept_encoder.training.args import parse_args as parse_loop_args  # noqa: E402
@@ -232,17 +233,17 @@ def parse_args(argv=None):
     )
     parser.add_argument("--configs", default="zero0,zero1,zero2,zero2_offload,zero3,zero3_offload",
                         help="comma-separated ds config names (ds_configs/<name>.json), or `none` for plain DDP")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per config")
-    parser.add_argument("--untimed_steps", type=int, default=2, help="steps run first and not timed")
-    parser.add_argument("--num_processes", type=int, default=1)
+    parser.add_argument("--steps", type=at_least(1), default=5, help="timed optimizer steps per config")
+    parser.add_argument("--untimed_steps", type=at_least(0), default=2, help="steps run first and not timed")
+    parser.add_argument("--num_processes", type=at_least(1), default=1)
     parser.add_argument("--memory_budget", type=size_argument, default=None, help="cap CUDA memory, e.g. 10GB")
     parser.add_argument("--find_max", action="store_true", help="largest preset that completes under each config")
     parser.add_argument("--find_max_from", default=PRESET_ORDER[0], choices=PRESET_ORDER,
                         help="--find_max: the smallest preset tried (default micro; skip the ones known to fit)")  # fmt: skip
     parser.add_argument("--out_dir", default="Cache/reports")
     parser.add_argument("--workdir", default=str(ROOT), help="where the runs' Cache/ (data, tokenizers) lives")
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
-    parser.add_argument("--port", type=int, default=29720)
+    parser.add_argument("--timeout", type=at_least(1), default=1800, help="seconds per run")
+    parser.add_argument("--port", type=at_least(1024), default=29720)
     args, loop_argv = parser.parse_known_args(argv)
     try:
         args.loop = parse_loop_args(loop_argv, defaults=LOOP_DEFAULTS)

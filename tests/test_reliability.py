@@ -167,6 +167,35 @@ def test_compare_shows_an_unfinished_run_and_a_cut_metrics_line_is_named_not_fat
     ]
 
 
+@pytest.mark.parametrize(
+    ("tool", "argv", "message"),
+    [
+        ("check_health", ["some/model", "--batches", "0"], "argument --batches: 0 is below 1"),
+        ("check_health", ["some/model", "--batch_size", "two"], "argument --batch_size: 'two' is not a whole number"),
+        ("data", ["--seed", "-1"], "argument --seed: -1 is below 0"),
+        ("ablate", ["--vary", "a=1,2", "--decide", "eval_loss", "--num_processes", "0"], "--num_processes: 0 is below"),
+        ("zero_compare", ["--steps", "0"], "argument --steps: 0 is below 1"),
+        ("check_plan", ["--num_processes", "0"], "argument --num_processes: 0 is below 1"),
+    ],
+)
+def test_every_tool_range_checks_its_numbers_in_one_line(tool, argv, message, capsys):
+    import importlib
+
+    modules = {"check_health": "concept_encoder.check_health", "data": "concept_encoder.data.__main__",
+               "ablate": "concept_encoder.ablate", "zero_compare": "launch.zero_compare", "check_plan": "launch.check_plan"}  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        importlib.import_module(modules[tool]).main(argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_setting_given_twice_in_a_yaml_config_is_refused_naming_it(tmp_path):
+    from concept_encoder.training.args import parse_args
+
+    config = yaml_file(tmp_path, "learning_rate: 1e-3\nmax_steps: 10\nlearning_rate: 5e-4\n")
+    with pytest.raises(ValueError, match="duplicate key 'learning_rate': give each setting once"):
+        parse_args(["--config", str(config)])
+
+
 class CreatesAFile:
     """Pickled, it names `Path.touch` as the function to call on loading: code run from a checkpoint."""
 

@@ -11,6 +11,7 @@ import sys
 import torch
 from transformers import HfArgumentParser
 
+from ..cli_types import at_least
 from ..constants import IGNORE_INDEX
 from . import DataArguments, DataSourceError, prepare_data
 
@@ -28,7 +29,7 @@ def show_masked(tokenizer, batch: dict, row: int, max_tokens: int = 60) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = HfArgumentParser(DataArguments, description=__doc__)
     parser.add_argument("--cache_dir", default="Cache", help="where tokenizers and datasets are cached")
-    parser.add_argument("--seed", type=int, default=0, help="masking seed for the shown examples")
+    parser.add_argument("--seed", type=at_least(0), default=0, help="masking seed for the shown examples")
     data_args, extra = parser.parse_args_into_dataclasses(args=argv)
     try:
         data = prepare_data(data_args, cache_dir=extra.cache_dir, seed=extra.seed)

@@ -406,13 +406,29 @@ def build_parser(classes=ARGUMENT_CLASSES, **kwargs) -> HfArgumentParser:
     return parser
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (the plain loader keeps
+    the last value silently: `learning_rate` twice in a config would train with whichever came second)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}: give each setting once", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml_mapping(path: str | Path, what: str) -> dict:
     """A YAML file that must hold a mapping; ValueError naming `what` and the file otherwise."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{what} {path}: no such file")
     try:
-        values = yaml.safe_load(path.read_text()) or {}
+        values = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}
     except yaml.YAMLError as error:
         raise ValueError(f"{what} {path}: not valid YAML ({error})") from error
     if not isinstance(values, dict):
