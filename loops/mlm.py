@@ -55,6 +55,8 @@ from concept_encoder.training.batches import accumulation_windows
 from concept_encoder.training.checkpoint import (
     TrainState,
     check_resume_settings,
+    disk_full,
+    is_disk_full,
     load_checkpoint,
     resolve_resume,
     resume_settings,
@@ -195,23 +197,31 @@ def train_step(
     }
 
 
-def save_model_folder(accelerator, model, tokenizer, folder: Path) -> None:
-    """`save_pretrained` + tokenizer into `folder`; collective (every rank calls it: ZeRO-3 shards are gathered)."""
+def save_model_folder(accelerator, model, tokenizer, folder: Path, run_dir: Path) -> None:
+    """`save_pretrained` + tokenizer into `folder`, written under a `.partial` name and renamed when complete
+    (a folder that exists is whole); collective: every rank calls it (ZeRO-3 shards are gathered). A full
+    disk removes the partial folder and ends the run with one line naming the last intact checkpoint."""
     state_dict = model_state_dict(accelerator, model)
     if accelerator.is_main_process:
-        plain_model(accelerator, model).save_pretrained(folder, state_dict=state_dict)
-        tokenizer.save_pretrained(folder)
+        partial = folder.with_name(f"{folder.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            plain_model(accelerator, model).save_pretrained(partial, state_dict=state_dict)
+            tokenizer.save_pretrained(partial)
+        except (OSError, RuntimeError) as error:
+            shutil.rmtree(partial, ignore_errors=True)
+            if is_disk_full(error):
+                raise disk_full(run_dir, f"the model {folder}") from error
+            raise
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
 
 
 def save_snapshot(accelerator, model, tokenizer, run_dir: Path, step: int) -> None:
-    """The model at `step` as `<run>/snapshots/step-<step>` (`--snapshot_steps`), written under a `.partial`
-    name and renamed when complete, so a folder that exists is whole (a resume rewrites it identically)."""
+    """The model at `step` as `<run>/snapshots/step-<step>` (`--snapshot_steps`; a resume rewrites it identically)."""
     folder = run_dir / "snapshots" / f"step-{step}"
-    partial = folder.with_name(f"{folder.name}.partial")
-    save_model_folder(accelerator, model, tokenizer, partial)
+    save_model_folder(accelerator, model, tokenizer, folder, run_dir)
     if accelerator.is_main_process:
-        shutil.rmtree(folder, ignore_errors=True)
-        partial.rename(folder)
         logger.info("snapshot at step %d: %s", step, folder)
     accelerator.wait_for_everyone()
 
@@ -246,7 +256,7 @@ def save_final(
         model.eval()
         with torch.no_grad():  # every rank runs it: under ZeRO-3 the forward gathers parameters
             reference = model(input_ids=probe_ids.to(accelerator.device)).logits.float().cpu()
-        save_model_folder(accelerator, model, tokenizer, final_dir)
+        save_model_folder(accelerator, model, tokenizer, final_dir, run_dir)
         if accelerator.is_main_process:
             with outside_zero3():
                 reloaded = type(plain_model(accelerator, model)).from_pretrained(final_dir).eval()

@@ -196,6 +196,27 @@ def test_a_setting_given_twice_in_a_yaml_config_is_refused_naming_it(tmp_path):
         parse_args(["--config", str(config)])
 
 
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 960 vs 888")])  # fmt: skip
+def test_a_full_disk_at_the_final_save_removes_the_partial_model_and_names_the_last_checkpoint(workdir, monkeypatch,
+                                                                                                error):  # fmt: skip
+    import transformers.modeling_utils
+
+    from concept_encoder.training.checkpoint import DiskFullError
+
+    os.chdir(workdir)
+
+    def full(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    name = f"full-{type(error).__name__}"
+    with pytest.raises(DiskFullError, match=f"while saving the model runs/{name}/final .* the last intact checkpoint "
+                                            f"is runs/{name}/checkpoints/step_0000002"):  # fmt: skip
+        run("--run_name", name, "--max_steps", "2", "--save_steps", "2")
+    assert not Path(f"runs/{name}/final").exists() and not Path(f"runs/{name}/final.partial").exists()
+
+
 class CreatesAFile:
     """Pickled, it names `Path.touch` as the function to call on loading: code run from a checkpoint."""
 
@@ -573,7 +594,8 @@ def test_unreadable_files_other_models_and_a_full_disk_are_named(tmp_path, monke
 
     monkeypatch.setattr(Accelerator, "save_state", save_until_the_disk_is_full)
     with pytest.raises(
-        DiskFullError, match=r"step 4; the last intact checkpoint is runs/full/checkpoints/step_0000002"
+        DiskFullError,
+        match=r"step 4 \(the partial files were removed\); the last intact checkpoint is runs/full/checkpoints/step_0000002",
     ):
         run("--run_name", "full", "--max_steps", "6", "--save_steps", "2")
     assert [p.name for p in Path("runs/full/checkpoints").iterdir()] == ["step_0000002"]  # no half checkpoint

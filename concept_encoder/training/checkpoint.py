@@ -116,12 +116,7 @@ def save_checkpoint(
         if not is_disk_full(error):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        intact = newest_intact(run_dir)
-        raise DiskFullError(
-            f"no space left on the disk of {run_dir} while saving the checkpoint of step {state.step}; "
-            f"the last intact checkpoint is {intact or 'none (nothing was saved before)'}. Free space, then "
-            "resume with --resume_from_checkpoint auto"
-        ) from error
+        raise disk_full(run_dir, f"the checkpoint of step {state.step}") from error
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / TRAIN_STATE).write_text(json.dumps(asdict(state), indent=2))
@@ -137,13 +132,27 @@ def save_checkpoint(
     return final
 
 
+# How a full disk shows: ENOSPC, or torch's zip writer failing mid-file ("unexpected pos", "file write failed").
+DISK_FULL_TEXTS = ("No space left on device", "unexpected pos", "file write failed")
+
+
 def is_disk_full(error: BaseException) -> bool:
     """ENOSPC, raised directly or wrapped (torch.save's writer reports it inside a RuntimeError)."""
     while error is not None:
-        if isinstance(error, OSError) and error.errno == errno.ENOSPC or "No space left on device" in str(error):
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC or any(t in str(error) for t in DISK_FULL_TEXTS):
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def disk_full(run_dir: Path, what: str) -> DiskFullError:
+    """The one-line error for a full disk while saving `what`, naming the run's last intact checkpoint."""
+    intact = newest_intact(run_dir)
+    return DiskFullError(
+        f"no space left on the disk of {run_dir} while saving {what} (the partial files were removed); the last "
+        f"intact checkpoint is {intact or 'none (nothing was saved before)'}. Free space, then resume with "
+        "--resume_from_checkpoint auto"
+    )
 
 
 def newest_intact(run_dir: Path) -> Path | None:

@@ -119,8 +119,18 @@ def stopped_by_gate(run_dir: Path) -> bool:
 
 def save_run_config(run_dir: Path, config: dict) -> None:
     """Step 11a: the resolved configuration, written to the run dir and logged."""
+    from .checkpoint import disk_full, is_disk_full
+
     logger.info("resolved config: %s", json.dumps(config, default=str))
-    (run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    partial = run_dir / "config.json.partial"
+    try:
+        partial.write_text(json.dumps(config, indent=2, default=str))
+    except OSError as error:  # a full disk leaves no half-written config behind
+        partial.unlink(missing_ok=True)
+        if is_disk_full(error):
+            raise disk_full(run_dir, "the run config") from error
+        raise
+    partial.replace(run_dir / "config.json")
 
 
 def wandb_credentials_present() -> bool:
