@@ -103,6 +103,16 @@ def test_a_resume_keeps_the_runs_tokenizer_whatever_happens_to_the_cache(workdir
     own = load_tokenizer("runs/tok/tokenizer")
     [cache] = [p for p in Path("Cache/tokenizers").glob("wordpiece-2000-*") if p.is_dir()]
     assert vocab_digest(load_tokenizer(str(cache))) == vocab_digest(own)
+    try:
+        swap_the_cache_and_resume(workdir, cache, common, first_losses)
+    finally:  # the module's later runs share this cache: give them the original back
+        shutil.rmtree(cache, ignore_errors=True)
+        own.save_pretrained(cache)
+
+
+def swap_the_cache_and_resume(workdir, cache: Path, common: list[str], first_losses: list[float]) -> None:
+    from concept_encoder.data import load_tokenizer
+
     # another training of the same spec lands in the cache (trainings differ): the resume must not notice it
     other = load_tokenizer("train:wordpiece:2000", texts=iter(["entirely different words here"] * 50),
                            corpus_id="other", cache_dir=workdir / "elsewhere")  # fmt: skip

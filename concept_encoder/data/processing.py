@@ -79,11 +79,11 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     serialised pipeline (vocabulary, normaliser, pre-tokeniser, post-processor), else name and vocabulary.
     So a run's own copy of its tokenizer (`<run>/tokenizer`) finds the blocks cached for the original."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = (
-        backend.to_str()
-        if backend is not None
-        else tokenizer.name_or_path + json.dumps(sorted(tokenizer.get_vocab().items()))
-    )
+    if backend is not None:  # truncation and padding are call settings a tokenizer call leaves behind: not identity
+        pipeline = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+        text = json.dumps(pipeline, sort_keys=True)
+    else:
+        text = tokenizer.name_or_path + json.dumps(sorted(tokenizer.get_vocab().items()))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
