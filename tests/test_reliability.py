@@ -227,6 +227,53 @@ def test_a_full_disk_at_the_final_save_removes_the_partial_model_and_names_the_l
     assert not Path(f"runs/{name}/final").exists() and not Path(f"runs/{name}/final.partial").exists()
 
 
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A read-only tmpfs mounted at a fresh folder (root on Linux); the test is skipped, saying why, elsewhere."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True,
+                             text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({mounted.stderr.strip() or 'not root'})")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_read_only_output_and_cache_folders_are_one_line_before_any_model(tmp_path, read_only_folder, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ValueError, match=f"--output_dir {read_only_folder}/runs is not writable .*Read-only file system"
+    ):
+        run("--run_name", "ro", "--output_dir", str(read_only_folder / "runs"))
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "Cache").symlink_to(read_only_folder)
+    monkeypatch.chdir(project)
+    with pytest.raises(ValueError, match="the cache folder .* Cache is not writable .*run from a folder whose Cache"):
+        run("--run_name", "ro")
+    assert not Path("runs").exists()
+
+
+def test_a_run_folder_deleted_while_training_ends_the_run_in_one_line(workdir, monkeypatch):
+    import loops.mlm as mlm
+    from concept_encoder.training.runs import RunFolderError
+
+    os.chdir(workdir)
+    original, calls = mlm.train_step, []
+
+    def delete_then_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            shutil.rmtree("runs/gone")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mlm, "train_step", delete_then_step)
+    with pytest.raises(RunFolderError, match="run folder runs/gone disappeared while training"):
+        run("--run_name", "gone", "--max_steps", "4")
+    assert not Path("runs/gone").exists()  # not silently recreated
+
+
 class CreatesAFile:
     """Pickled, it names `Path.touch` as the function to call on loading: code run from a checkpoint."""
 

@@ -100,6 +100,10 @@ def save_checkpoint(
     """
     import torch
 
+    if not Path(run_dir).is_dir():  # saving would silently create a new, empty run folder in its place
+        from .tracking import raise_run_folder_gone
+
+        raise_run_folder_gone(Path(run_dir))
     final = Path(run_dir) / "checkpoints" / f"step_{state.step:07d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process and tmp.exists():

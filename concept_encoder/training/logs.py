@@ -40,12 +40,17 @@ def setup_logging(state: PartialState, log_dir: str | Path = "Cache/logs", name:
         logging.getLogger("matplotlib").setLevel(logging.WARNING)
         transformers.utils.logging.set_verbosity_warning()
         datasets.utils.logging.set_verbosity_warning()
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
         path = Path(log_dir) / f"{name}-{dt.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
-        file_handler = logging.FileHandler(path)
-        file_handler.setFormatter(fmt)
-        root.addHandler(file_handler)
-        logger.info("log file: %s", path)
+        try:  # a folder that cannot be written is reported by the preflight, in one line, right after
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            file_handler = logging.FileHandler(path)
+        except OSError as error:
+            logger.warning("no log file: %s (%s)", path, error.strerror or error)
+            path = None
+        else:
+            file_handler.setFormatter(fmt)
+            root.addHandler(file_handler)
+            logger.info("log file: %s", path)
     else:
         root.setLevel(logging.ERROR)
         transformers.utils.logging.set_verbosity_error()

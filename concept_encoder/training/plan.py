@@ -76,14 +76,26 @@ def launched_ds_config() -> dict | None:
 
 def output_dir_problem(output_dir: str) -> str | None:
     """Why runs cannot be written under `output_dir` (a file in the way, no write permission), else None."""
-    out = Path(output_dir).expanduser()
+    return folder_problem(output_dir, "--output_dir")
+
+
+def folder_problem(folder: str | Path, what: str) -> str | None:
+    """Why nothing can be written under `folder` (a file in the way, no permission, a read-only filesystem),
+    else None. The nearest existing ancestor is tried with a real file (created and removed at once):
+    permission bits say nothing for root or on a read-only mount."""
+    import tempfile
+
+    out = Path(folder).expanduser()
     probe = out
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
-        return f"--output_dir {out}: {probe} is a file, not a folder"
-    if not os.access(probe, os.W_OK):
-        return f"--output_dir {out} is not writable (checked {probe})"
+        return f"{what} {out}: {probe} is a file, not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as error:
+        return f"{what} {out} is not writable (checked {probe}: {error.strerror or error})"
     return None
 
 

@@ -14,6 +14,15 @@ import torch
 logger = logging.getLogger("concept_encoder")
 
 
+def raise_run_folder_gone(run_dir: Path) -> None:
+    from .runs import RunFolderError
+
+    raise RunFolderError(
+        f"run folder {run_dir} disappeared while training (deleted, moved or unmounted): nothing more can be saved "
+        "there; this run stops. Start it again, or resume from a copy of its checkpoints"
+    )
+
+
 class MetricsWriter:
     """Appends one JSON object per record to `<run>/metrics.jsonl` and mirrors it to W&B."""
 
@@ -28,6 +37,8 @@ class MetricsWriter:
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
+        if not self.path.parent.is_dir():
+            raise_run_folder_gone(self.path.parent)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
