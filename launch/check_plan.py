@@ -50,6 +50,7 @@ from concept_encoder.training.checkpoint import CheckpointError, resolve_resume 
 from concept_encoder.training.plan import (  # noqa: E402
     decoded_fraction,
     deepspeed_batch_values,
+    ds_config_problems,
     fresh_model_fields,
     launch_command,
     output_dir_problem,
@@ -217,6 +218,8 @@ def resolve_plan(args, loop_argv: list[str]) -> tuple[Plan, dict, dict | None]:
             ds_cfg = json.loads(path.read_text())
         except json.JSONDecodeError as error:
             raise UsageError(f"ds config {plan.ds_config}: not valid JSON ({error})") from error
+        if problems := ds_config_problems(ds_cfg):
+            raise UsageError(f"ds config {plan.ds_config}: {'; '.join(problems)}")
     if args.num_processes is not None:
         plan.world_size = args.num_processes
     if args.nodes is not None:

@@ -198,6 +198,26 @@ def test_every_tool_range_checks_its_numbers_in_one_line(tool, argv, message, ca
     assert stopped.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_ds_config_out_of_range_is_one_line_for_the_plan_checker_and_the_loop(tmp_path, monkeypatch, capsys):
+    from launch import check_plan
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 4, "offload_param": {"device": "gpu"}},
+                               "train_micro_batch_size_per_gpu": 0}))  # fmt: skip
+    assert check_plan.main(["--profile", "cpu", "--ds_config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "zero_optimization.stage=4 must be 0, 1, 2 or 3" in err and "offload_param.device='gpu'" in err
+    assert "train_micro_batch_size_per_gpu=0 must be a number >= 1" in err
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch --deepspeed_config_file` sets
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(bad))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ValueError, match="the DeepSpeed config of this launch is out of range: zero_optimization.stage=4"
+    ):
+        run("--run_name", "bad-ds")
+    assert not Path("runs/bad-ds").exists()
+
+
 def test_a_setting_given_twice_in_a_yaml_config_is_refused_naming_it(tmp_path):
     from concept_encoder.training.args import parse_args
 

@@ -60,6 +60,42 @@ def deepspeed_batch_values(training_args, world_size: int) -> dict[str, int]:
     }
 
 
+# ds config entries that must be numbers at or above a bound when given (or "auto", filled by the loop)
+DS_NUMBER_BOUNDS = {
+    ("train_micro_batch_size_per_gpu",): 1, ("gradient_accumulation_steps",): 1, ("train_batch_size",): 1,
+    ("gradient_clipping",): 0, ("zero_optimization", "reduce_bucket_size"): 1,
+    ("zero_optimization", "allgather_bucket_size"): 1, ("zero_optimization", "stage3_prefetch_bucket_size"): 0,
+    ("zero_optimization", "stage3_param_persistence_threshold"): 0, ("zero_optimization", "stage3_max_live_parameters"): 0,
+    ("zero_optimization", "stage3_max_reuse_distance"): 0, ("zero_optimization", "sub_group_size"): 1,
+}  # fmt: skip
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def ds_config_problems(config: dict) -> list[str]:
+    """What in a DeepSpeed config is out of range (a ZeRO stage other than 0-3, an unknown offload device,
+    a bucket or batch size below its bound), each naming the entry; empty when sound."""
+    problems = []
+    zero = config.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        return ["zero_optimization must be a mapping"]
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        problems.append(f"zero_optimization.stage={stage!r} must be 0, 1, 2 or 3")
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none") if isinstance(zero.get(key) or {}, dict) else None
+        if device not in OFFLOAD_DEVICES:
+            problems.append(f"zero_optimization.{key}.device={device!r} must be one of {OFFLOAD_DEVICES}")
+    for path, bound in DS_NUMBER_BOUNDS.items():
+        value = config
+        for part in path:
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is None or value == "auto":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < bound:
+            problems.append(f'{".".join(path)}={value!r} must be a number >= {bound} (or "auto")')
+    return problems  # precision (fp16 and bf16 both on, bf16 on an old GPU) is the plan checker's own check
+
+
 def launched_ds_config() -> dict | None:
     """The ds config `accelerate launch` handed this process (known before the Accelerator exists): its
     `--deepspeed_config_file`, or the stage and offload devices of its flags; None without DeepSpeed."""

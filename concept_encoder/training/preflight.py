@@ -18,7 +18,7 @@ from pathlib import Path
 from ..extension_locks import StaleLockError, stale_lock_message, stale_op_locks
 from ..memory import zero_settings
 from .args import ARGUMENT_CLASSES, parse_args
-from .plan import folder_problem, launched_ds_config, output_dir_problem
+from .plan import ds_config_problems, folder_problem, launched_ds_config, output_dir_problem
 
 
 def effective_precision(mixed_precision: str | None) -> str:
@@ -48,7 +48,9 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
             "mixed precision fp16 needs a CUDA GPU and this run is on the CPU; "
             "use --mixed_precision bf16 (supported on CPU) or no"
         )
-    if zero_settings(launched_ds_config())[1] and (stale := stale_op_locks("cpu_adam")):
+    if (ds_config := launched_ds_config()) and (problems := ds_config_problems(ds_config)):
+        raise ValueError(f"the DeepSpeed config of this launch is out of range: {'; '.join(problems)}")
+    if zero_settings(ds_config)[1] and (stale := stale_op_locks("cpu_adam")):
         raise StaleLockError(stale_lock_message("cpu_adam", stale))  # the optimizer would wait on it forever
     if model_args.model_name_or_path:
         config_path = Path(model_args.model_name_or_path) / "config.json"
