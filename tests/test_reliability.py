@@ -347,6 +347,27 @@ def test_reports_of_invocations_started_in_the_same_second_never_collide(finishe
     assert len(folders) == 3 and all(f.is_dir() and not any(f.iterdir()) for f in folders)
 
 
+def test_deepspeed_state_files_are_checked_before_deepspeed_unpickles_them(tmp_path):
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from concept_encoder.training.checkpoint import verify_deepspeed_states
+
+    sound = tmp_path / "sound" / "pytorch_model"
+    sound.mkdir(parents=True)  # what a ZeRO-3 checkpoint's optimizer file holds besides tensors
+    torch.save({"zero_stage": ZeroStageEnum(3), "loss_scaler": LossScaler(1.0), "flat": torch.ones(4)},
+               sound / "zero_pp_rank_0_mp_rank_00_optim_states.pt")  # fmt: skip
+    verify_deepspeed_states(sound.parent)
+    crafted = tmp_path / "crafted" / "pytorch_model"
+    crafted.mkdir(parents=True)
+    marker = tmp_path / "code-ran"
+    torch.save({"optimizer_state_dict": CreatesAFile(marker)}, crafted / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match="optim_states.pt is not a state file this project writes"):
+        verify_deepspeed_states(crafted.parent)
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [

@@ -305,7 +305,30 @@ def set_aside_later_history(run_dir: Path, step: int) -> Path | None:
     return folder
 
 
-def load_state_file(path: Path) -> dict:
+def deepspeed_safe_globals() -> list:
+    """The classes (beyond tensors and plain values) DeepSpeed's own state files hold: the ZeRO stage enum and
+    its loss scalers (plain attribute bags). Allowed when those files are checked; nothing else is."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+
+
+def verify_deepspeed_states(checkpoint: Path) -> None:
+    """DeepSpeed reads its `*_model_states.pt` / `*_optim_states.pt` with full unpickling; before it does, each
+    is read here with `weights_only=True` (memory-mapped: no second copy of the tensors), allowing only
+    `deepspeed_safe_globals()`. A file that needs anything else is refused and nothing from it runs."""
+    import torch
+
+    files = sorted(Path(checkpoint).rglob("*_states.pt"))
+    if not files:
+        return
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        for path in files:
+            load_state_file(path, mmap=True)
+
+
+def load_state_file(path: Path, mmap: bool = False) -> dict:
     """A state file of a checkpoint, read with `weights_only=True`: tensors and plain values only. A file
     that needs anything else (a crafted pickle would run code while loading) is refused, never run."""
     import pickle
@@ -313,7 +336,7 @@ def load_state_file(path: Path) -> dict:
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(
@@ -357,6 +380,7 @@ def load_checkpoint(
                 f"resume with the same number of processes"
             )
         states.append((obj, checked_state(path, obj)))
+    verify_deepspeed_states(checkpoint)  # before DeepSpeed unpickles them in full
     accelerator.load_state(str(checkpoint))
     for obj, state in states:
         obj.load_state_dict(state)
