@@ -347,6 +347,30 @@ def test_reports_of_invocations_started_in_the_same_second_never_collide(finishe
     assert len(folders) == 3 and all(f.is_dir() and not any(f.iterdir()) for f in folders)
 
 
+def test_a_log_file_that_cannot_be_written_is_one_line_not_a_traceback_per_record(tmp_path, capsys):
+    import logging
+
+    from concept_encoder.training.logs import LogFileHandler
+
+    handler = LogFileHandler(tmp_path / "run.log")
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+    handler.stream = FullDisk()
+    log = logging.getLogger("full-disk-test")
+    log.addHandler(handler)
+    for i in range(3):
+        log.warning("record %d", i)
+    err = capsys.readouterr().err
+    assert err.count("cannot be written") == 1 and "No space left on device" in err and "Traceback" not in err
+    log.removeHandler(handler)
+
+
 def test_deepspeed_state_files_are_checked_before_deepspeed_unpickles_them(tmp_path):
     import torch
     from deepspeed.runtime.fp16.loss_scaler import LossScaler

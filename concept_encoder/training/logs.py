@@ -43,7 +43,7 @@ def setup_logging(state: PartialState, log_dir: str | Path = "Cache/logs", name:
         path = Path(log_dir) / f"{name}-{dt.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
         try:  # a folder that cannot be written is reported by the preflight, in one line, right after
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-            file_handler = logging.FileHandler(path)
+            file_handler = LogFileHandler(path)
         except OSError as error:
             logger.warning("no log file: %s (%s)", path, error.strerror or error)
             path = None
@@ -57,6 +57,24 @@ def setup_logging(state: PartialState, log_dir: str | Path = "Cache/logs", name:
         datasets.utils.logging.set_verbosity_error()
         datasets.disable_progress_bars()
     return path
+
+
+class LogFileHandler(logging.FileHandler):
+    """The run's log file. When it cannot be written (a full disk), it says so once, in one line on stderr,
+    and stops writing, instead of logging's traceback at every record; the console log goes on."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            self.failed = True
+            error = sys.exc_info()[1]
+            sys.stderr.write(f"warning: the log file {self.baseFilename} cannot be written ({error}); "
+                             "logging to the console only\n")  # fmt: skip
 
 
 def git_state() -> str:
