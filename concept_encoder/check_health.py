@@ -1,10 +1,14 @@
-"""`python -m concept_encoder.check_health <model folder> [--dataset ...]`: is a saved model healthy?
+"""`python -m concept_encoder.check_health <model folder> [--dataset ... | --text FILE]`: is a saved model healthy?
 
 Loads a `save_pretrained` folder (e.g. `Cache/runs/<run>/final`), fails with exit code 1 if any
 parameter is NaN/Inf, then evaluates a few masked validation batches with the loop's own evaluation
 (`concept_encoder.training.evaluation`) and prints the concept-health table (effective rank, cosines,
-collapsed dimensions) with the masked-token loss and accuracy. The metric functions themselves live
-in `concept_encoder.health_metrics`.
+collapsed dimensions) with the masked-token loss and accuracy, beside the unigram baseline (always guess
+the text's most frequent token, scored on the same masked positions) and the accuracy as a multiple of it.
+`--text FILE` is the held-out language check: every block of any plain-text file (say, English of another
+domain than the pretraining corpus) is evaluated; a ratio below 1x means the model has not yet learned
+even the unigram distribution of that text. The metric functions themselves live in
+`concept_encoder.health_metrics`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from datasets import concatenate_datasets
 from torch.utils.data import DataLoader
 
 from .cli_types import at_least
@@ -24,7 +29,7 @@ from .config import ConceptEncoderConfig
 from .data import DataArguments, DataSourceError, prepare_data
 from .heads import ConceptEncoderForMaskedLM
 from .health_metrics import format_health_table
-from .training.evaluation import evaluate, health_of
+from .training.evaluation import evaluate, health_of, most_frequent_token
 
 
 def not_a_model_folder(path: Path) -> str | None:
@@ -58,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", default="embedded", help="text to probe with (as for the loop)")
     parser.add_argument("--tokenizer", default=None, help="default: the model folder's own tokenizer")
     parser.add_argument("--max_seq_length", type=at_least(2), default=128)
-    parser.add_argument("--batches", type=at_least(1), default=4)
+    parser.add_argument("--text", help="held-out language check: a .txt/.jsonl/.parquet file, evaluated whole")
+    parser.add_argument("--batches", type=at_least(1), default=None, help="default 4, all of it with --text")
     parser.add_argument("--batch_size", type=at_least(1), default=16)
     parser.add_argument("--cache_dir", default="Cache")
     args = parser.parse_args(argv)
@@ -77,29 +83,42 @@ def main(argv: list[str] | None = None) -> int:
     seq_len = min(args.max_seq_length, model.config.max_position_embeddings)
     try:
         data = prepare_data(
-            DataArguments(dataset=args.dataset, tokenizer=tokenizer, max_seq_length=seq_len),
+            DataArguments(dataset=args.text or args.dataset, tokenizer=tokenizer, max_seq_length=seq_len),
             cache_dir=args.cache_dir,
             seed=0,
         )
     except (DataSourceError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    split = data.validation if len(data.validation) else data.train
+    if args.text:  # the whole file is held out: both splits
+        split = concatenate_datasets([data.train, data.validation])
+    else:
+        split = data.validation if len(data.validation) else data.train
+    batches = args.batches or (None if args.text else 4)
+    unigram = most_frequent_token(split, data.tokenizer)
     accelerator = Accelerator()
     loader = DataLoader(split, batch_size=args.batch_size, collate_fn=data.collator.collate)
     result = evaluate(accelerator, model.to(accelerator.device), loader, data.collator, data.collator.state_dict(),
-                      max_batches=args.batches)  # fmt: skip
-    n = min(len(split), args.batches * args.batch_size)
+                      max_batches=batches, unigram_id=unigram)  # fmt: skip
+    n = len(split) if batches is None else min(len(split), batches * args.batch_size)
     print(f"model {path}  ({sum(p.numel() for p in model.parameters()):,} parameters, all finite)")
     print(
-        f"probe {args.dataset}: {n} examples of {seq_len} tokens, C={model.config.concept_num}, H={model.config.hidden_size}\n"
+        f"probe {args.text or args.dataset}: {n} examples of {seq_len} tokens, C={model.config.concept_num}, "
+        f"H={model.config.hidden_size}\n"
     )
     table = {
         **health_of(result),
         "masked_token_loss": result["eval_loss"],
         "masked_token_accuracy": result["eval_accuracy"],
+        "unigram_baseline_accuracy": result["eval_unigram_accuracy"],
+        "accuracy_over_unigram": result["eval_accuracy_over_unigram"],
     }
     print(format_health_table(table))
+    print(
+        f"\nmasked-token accuracy {result['eval_accuracy']:.4f} against {result['eval_unigram_accuracy']:.4f} for always "
+        f"guessing {data.tokenizer.convert_ids_to_tokens(unigram)!r} on the same {result['eval_masked_tokens']:,} "
+        f"masked tokens: {result['eval_accuracy_over_unigram']:.2f}x"
+    )
     if not math.isfinite(result["eval_loss"]):
         print("error: the masked-token loss is not finite", file=sys.stderr)
         return 1

@@ -70,7 +70,7 @@ from concept_encoder.training.deepspeed_setup import (
     outside_zero3,
     zero3_construction_config,
 )
-from concept_encoder.training.evaluation import evaluate, health_of
+from concept_encoder.training.evaluation import evaluate, health_of, most_frequent_token
 from concept_encoder.training.logs import (
     log_data_config,
     log_dataset_sizes,
@@ -343,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     extra_evals = evaluation_corruptions(args.objective, data.tokenizer, args, seed=args.seed + 1)
     extra_eval_states = {name: extra.state_dict() for name, extra in extra_evals.items()}
     first_validation_example = next(iter(data.validation))  # also for the export check at the end
+    unigram_id = most_frequent_token(data.validation, data.tokenizer)  # the baseline every eval is set beside
     probe_attention_kernels(model.config, eval_collator([first_validation_example]), state)
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
@@ -512,8 +513,9 @@ def main(argv: list[str] | None = None) -> int:
         at_snapshot = progress_state.step in snapshot_steps  # a snapshot's eval loss belongs beside it
         if progress_state.step % eval_steps == 0 or progress_state.step == args.max_steps or at_snapshot:
             last_eval = evaluate(
-                accelerator, model, eval_loader, eval_collator, eval_collator_state, args.max_eval_batches
-            )
+                accelerator, model, eval_loader, eval_collator, eval_collator_state, args.max_eval_batches,
+                unigram_id=unigram_id,
+            )  # fmt: skip
             for name, extra in extra_evals.items():  # the objective's own yardsticks, e.g. loss at t=0.5
                 results = evaluate(
                     accelerator, model, eval_loader, extra, extra_eval_states[name], args.max_eval_batches, health=False

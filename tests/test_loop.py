@@ -238,6 +238,47 @@ def test_health_cli_reports_and_rejects_non_finite_weights(tmp_path):
     assert out.returncode == 1 and "encoder.concepts" in out.stderr
 
 
+def test_held_out_language_check_scores_the_unigram_baseline_on_the_same_masked_positions(tmp_path, capsys):
+    import re
+
+    from datasets import concatenate_datasets
+
+    from concept_encoder import check_health
+    from concept_encoder.data import DataArguments, prepare_data
+    from concept_encoder.training.evaluation import most_frequent_token
+
+    final = Path("runs/learn/final")
+    if not final.exists():
+        run("--run_name", "learn", "--max_steps", "3")
+    summary = json.loads(Path("runs/learn/summary.json").read_text())  # the loop sets every eval beside it too
+    assert summary["eval_accuracy_over_unigram"] == pytest.approx(
+        summary["eval_accuracy"] / summary["eval_unigram_accuracy"]
+    )
+    assert f"**{summary['eval_accuracy_over_unigram']:.2f}x**" in (final / "README.md").read_text()
+    text = tmp_path / "other-domain.txt"  # English of another domain than the pretraining corpus
+    text.write_text("\n\n".join(f"The river {i} runs past the old mill and the farm by the hill." for i in range(80)))
+    assert check_health.main([str(final), "--text", str(text), "--max_seq_length", "64", "--batch_size", "8"]) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"accuracy ([\d.]+) against ([\d.]+) for always guessing '(.+)' on the same ([\d,]+) masked "
+                      r"tokens: ([\d.]+)x", out)  # fmt: skip
+    accuracy, unigram, token, masked, ratio = found.groups()
+    # recount the baseline by hand on the same masks: every block of the file, the collator from its start state
+    data = prepare_data(DataArguments(dataset=str(text), tokenizer=str(final), max_seq_length=64), cache_dir="Cache",
+                        seed=0)  # fmt: skip
+    blocks = concatenate_datasets([data.train, data.validation])
+    most = most_frequent_token(blocks, data.tokenizer)
+    assert data.tokenizer.convert_ids_to_tokens(most) == token
+    hits = total = 0
+    for start in range(0, len(blocks), 8):
+        labels = data.collator.mask(
+            data.collator.collate([blocks[i] for i in range(start, min(start + 8, len(blocks)))])
+        )
+        chosen = labels["labels"][labels["labels"] != -100]
+        hits, total = hits + int((chosen == most).sum()), total + chosen.numel()
+    assert total == int(masked.replace(",", "")) and float(unigram) == pytest.approx(hits / total, abs=1e-4)
+    assert float(ratio) == pytest.approx(float(accuracy) / float(unigram), abs=0.01)
+
+
 RSS_AFTER_FREE = """
 import psutil, torch
 from concept_encoder.training.runtime import retain_freed_cpu_memory

@@ -19,8 +19,30 @@ from ..objectives import model_inputs
 
 
 @torch.no_grad()
+def most_frequent_token(split, tokenizer) -> int:
+    """The id that occurs most often in `split`'s `input_ids`, special tokens left out: the unigram baseline
+    ("always guess the text's most frequent token") a language model must beat on that text."""
+    import collections
+
+    specials = set(tokenizer.all_special_ids)
+    counts: collections.Counter = collections.Counter()
+    from datasets import Dataset
+
+    rows = split["input_ids"] if isinstance(split, Dataset) else (example["input_ids"] for example in split)
+    for ids in rows:
+        counts.update(i for i in ids if i not in specials)
+    return counts.most_common(1)[0][0]
+
+
 def evaluate(
-    accelerator, model, loader, eval_collator, collator_state: dict, max_batches: int | None, health: bool = True
+    accelerator,
+    model,
+    loader,
+    eval_collator,
+    collator_state: dict,
+    max_batches: int | None,
+    health: bool = True,
+    unigram_id: int | None = None,
 ) -> dict:
     """Loss, perplexity and masked-token accuracy over `loader`, weighted by masked-token count and
     gathered across ranks (duplicate samples that even out the last batch are dropped), plus the
@@ -29,11 +51,12 @@ def evaluate(
     `concept_encoder.objectives` (e.g. diffusion at a fixed rate): the loss is then the plain
     cross-entropy at its labelled positions.
     `eval_collator` masks each padded batch, restarting from `collator_state`, so every evaluation
-    sees the same masks."""
+    sees the same masks. With `unigram_id` (`most_frequent_token`), the unigram baseline is scored on the
+    same masked positions: `eval_unigram_accuracy` and `eval_accuracy_over_unigram` (the ratio)."""
     eval_collator.load_state_dict(collator_state)
     was_training = model.training
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+    totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
     health_sum = torch.zeros(len(HEALTH_KEYS), dtype=torch.float64, device=accelerator.device)
     has_concepts = False
     batches = 0
@@ -47,9 +70,10 @@ def evaluate(
         targets = batch["labels"][labelled]  # [L]
         ce = F.cross_entropy(out.logits.float(), targets, reduction="none")  # [L]
         correct = (out.logits.argmax(dim=-1) == targets).double()
-        per_sample = torch.zeros(labelled.shape[0], 3, dtype=torch.float64, device=accelerator.device)  # [B,3]
+        guessed = (targets == (-1 if unigram_id is None else unigram_id)).double()  # [L] the unigram baseline
+        per_sample = torch.zeros(labelled.shape[0], 4, dtype=torch.float64, device=accelerator.device)  # [B,4]
         rows = labelled.nonzero()[:, 0]  # sample of each labelled position, matching the logits' order
-        per_sample.index_add_(0, rows, torch.stack([ce.double(), torch.ones_like(ce).double(), correct], dim=1))
+        per_sample.index_add_(0, rows, torch.stack([ce.double(), torch.ones_like(ce).double(), correct, guessed], 1))
         totals += accelerator.gather_for_metrics(per_sample).sum(dim=0)
         if health and out.concepts is not None:
             values = concept_health(out.concepts)
@@ -66,12 +90,20 @@ def evaluate(
         "eval_perplexity": math.exp(min(loss, 50.0)),
         "eval_accuracy": (totals[2] / totals[1].clamp(min=1)).item(),
         "eval_masked_tokens": int(totals[1].item()),
+        **({} if unigram_id is None else unigram_scores(totals)),
         **(
             {f"health/{k}": round(float(v), 6) for k, v in zip(HEALTH_KEYS, health_sum, strict=True)}
             if has_concepts
             else {}
         ),
     }
+
+
+def unigram_scores(totals: torch.Tensor) -> dict[str, float]:
+    """The unigram baseline's accuracy on the masked positions and the model's accuracy as a multiple of it."""
+    unigram = (totals[3] / totals[1].clamp(min=1)).item()
+    accuracy = (totals[2] / totals[1].clamp(min=1)).item()
+    return {"eval_unigram_accuracy": unigram, "eval_accuracy_over_unigram": accuracy / unigram if unigram else math.nan}
 
 
 def health_of(results: dict) -> dict[str, float]:

@@ -97,6 +97,14 @@ def model_card(run_name: str, config: dict, summary: dict, command: list[str]) -
             f"masked-token loss {summary['eval_loss']:.4f}, perplexity {summary['eval_perplexity']:.1f}, "
             f"accuracy {summary['eval_accuracy']:.4f} over {summary['eval_masked_tokens']:,} masked tokens.",
         ]
+        if summary.get("eval_unigram_accuracy") is not None:
+            lines += [
+                "",
+                f"Against the unigram baseline (always guess the split's most frequent token, scored on the same "
+                f"masked positions: accuracy {summary['eval_unigram_accuracy']:.4f}): "
+                f"**{summary['eval_accuracy_over_unigram']:.2f}x**. Below 1x the model has not yet learned the "
+                "unigram distribution of its text.",
+            ]
     health = health_of(summary)
     if health:
         lines += ["", "## Concept health (last evaluation)", "", format_health_table(health)]
