@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     )
     peak = args.peak_tflops or (peak_tflops(device_name) if cuda else None)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    work = Path(args.out).resolve() if args.out else claim_report_folder(ROOT / "Cache" / "reports", "gpu_check")
+    work = Path(args.out).resolve() if args.out else claim_report_folder("Cache/reports", "gpu_check")
     work.mkdir(parents=True, exist_ok=True)
     settings = part_settings(dry=not cuda)
     builders = {

@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .paths import cache_path
 from .report_files import claim_report_stem
 
 # Settings that name or place a run, or describe the machine, rather than define the experiment.
@@ -183,7 +184,7 @@ def fmt(value) -> str:
 def compare(paths: list[str | Path], report_dir: str | Path = "Cache/reports") -> dict:
     """Compare the runs at `paths`; writes the report files and returns what they hold."""
     runs = [load_run(p) for p in paths]
-    add_finetune_reports(runs, report_dir)
+    add_finetune_reports(runs, cache_path(report_dir))
     differ, fixed = differences(runs)
     metrics = metric_table(runs)
     gates = [run.summary.get("gates", []) for run in runs]

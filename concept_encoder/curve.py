@@ -34,6 +34,7 @@ from pathlib import Path
 
 from .cli_types import at_least
 from .constants import ARCHITECTURES
+from .paths import cache_path
 from .training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from .training.plan import local_launcher
 from .training.runs import ended_on_its_own, stopped_by_gate
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         plans = [plan_architecture(a, budgets, loop_argv, args.name, args.num_processes) for a in architectures]
     except ValueError as error:
         parser.exit(2, f"usage error: {error}\n")
-    curve = Curve(Path(args.curves_dir) / args.name, args.task, finetune_argv, args.num_processes)
+    curve = Curve(cache_path(args.curves_dir) / args.name, args.task, finetune_argv, args.num_processes)
     total = len(plans) * (len(budgets) + args.twins) + bool(args.reference)
     progress = iter(range(1, total + 1))
     gate_notes = {}

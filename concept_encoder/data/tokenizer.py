@@ -23,6 +23,7 @@ from pathlib import Path
 from accelerate import PartialState
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from ..paths import cache_path
 from .sources import DataSourceError, ensure_hub, unreachable_message
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def slug(text: str) -> str:
 
 def trained_tokenizer_dir(cache_dir: str | Path, kind: str, vocab_size: int, corpus_id: str) -> Path:
     digest = hashlib.sha1(corpus_id.encode()).hexdigest()[:8]
-    return Path(cache_dir) / "tokenizers" / f"{kind}-{vocab_size}-{slug(corpus_id)}-{digest}"
+    return cache_path(cache_dir) / "tokenizers" / f"{kind}-{vocab_size}-{slug(corpus_id)}-{digest}"
 
 
 def train_tokenizer(kind: str, vocab_size: int, texts: Iterator[str]) -> PreTrainedTokenizerFast:

@@ -36,6 +36,7 @@ from ..constants import (
 )
 from ..data.arguments import DataArguments
 from ..gates import GATE_ACTIONS, GATE_EXIT_CODE, parse_gates
+from ..paths import cache_path
 from ..presets import PRESETS
 from ..tasks.arguments import TaskArguments
 
@@ -484,6 +485,12 @@ def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, defaults
                 f"loops/finetune.py chooses the learning rate on the dev split from --learning_rates; give "
                 f"--learning_rates {training.learning_rate:g} for one fixed rate instead of --learning_rate"
             )
+    for instance in parsed:  # `Cache/...` means the project's Cache/, wherever the command starts (paths.py)
+        for name in ("output_dir", "report_dir"):
+            value = getattr(instance, name, None)
+            if isinstance(value, str) and (resolved := str(cache_path(value))) != value:
+                default = field_default(next(f for f in fields(instance) if f.name == name))
+                (resolve_default if value == default else setattr)(instance, name, resolved)
     return parsed
 
 

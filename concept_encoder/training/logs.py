@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
+from ..paths import cache_path
 from ..summary import parameter_counts
 
 logger = logging.getLogger("concept_encoder")
@@ -40,7 +41,8 @@ def setup_logging(state: PartialState, log_dir: str | Path = "Cache/logs", name:
         logging.getLogger("matplotlib").setLevel(logging.WARNING)
         transformers.utils.logging.set_verbosity_warning()
         datasets.utils.logging.set_verbosity_warning()
-        path = Path(log_dir) / f"{name}-{dt.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
+        log_dir = cache_path(log_dir)  # the project's Cache/logs, wherever the command starts
+        path = log_dir / f"{name}-{dt.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
         try:  # a folder that cannot be written is reported by the preflight, in one line, right after
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             file_handler = LogFileHandler(path)

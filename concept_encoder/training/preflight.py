@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..extension_locks import StaleLockError, stale_lock_message, stale_op_locks
 from ..memory import zero_settings
+from ..paths import cache_path
 from .args import ARGUMENT_CLASSES, parse_args
 from .plan import ds_config_problems, folder_problem, launched_ds_config, output_dir_problem
 
@@ -41,7 +42,7 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
     """
     if problem := output_dir_problem(training_args.output_dir):
         raise ValueError(f"{problem}; choose another --output_dir")
-    if problem := folder_problem("Cache", "the cache folder (tokenizers, datasets, logs, reports)"):
+    if problem := folder_problem(cache_path("Cache"), "the cache folder (tokenizers, datasets, logs, reports)"):
         raise ValueError(f"{problem}; run from a folder whose Cache/ can be written, or make it writable")
     if effective_precision(training_args.mixed_precision) == "fp16" and not cuda:
         raise ValueError(
