@@ -260,6 +260,26 @@ def read_only_folder(tmp_path):
     subprocess.run(["umount", str(folder)], check=False)
 
 
+def test_a_real_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_partial_files(tmp_path, monkeypatch):
+    from concept_encoder.training.checkpoint import DiskFullError
+
+    disk = tmp_path / "small-disk"  # 3 MB: the run folder fits, a micro model's checkpoint (~4 MB) does not
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip() or 'not root'})")
+    try:
+        monkeypatch.chdir(tmp_path)
+        with pytest.raises(DiskFullError, match="no space left on the disk of .*small-disk/runs/full while saving the "
+                                                "checkpoint of step 2 .* the last intact checkpoint is none"):  # fmt: skip
+            run("--run_name", "full", "--output_dir", str(disk / "runs"), "--max_steps", "4", "--save_steps", "2")
+        assert not list((disk / "runs" / "full" / "checkpoints").iterdir())  # the partial checkpoint is gone
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
 def test_read_only_output_and_cache_folders_are_one_line_before_any_model(tmp_path, read_only_folder, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(
