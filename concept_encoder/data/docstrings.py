@@ -31,6 +31,7 @@ import importlib.metadata
 import io
 import json
 import logging
+import os
 import re
 import sys
 import sysconfig
@@ -114,7 +115,7 @@ def list_installed_files(roots: list[Path]) -> tuple[list[SourceFile], list[str]
         for entry in sorted(dist.files, key=str):
             if entry.suffix != ".py" or shadows_stdlib(Path(str(entry))):
                 continue
-            path = Path(dist.locate_file(entry)).resolve()
+            path = Path(os.path.normpath(dist.locate_file(entry)))  # lexical: a resolve() per file costs seconds
             inside = any(path.is_relative_to(root) for root in roots)  # not ../../bin scripts
             if not inside or path in seen or not path.is_file():
                 continue
