@@ -105,12 +105,12 @@ def list_installed_files(roots: list[Path]) -> tuple[list[SourceFile], list[str]
     files: list[SourceFile] = []
     notes: list[str] = []
     distributions = importlib.metadata.distributions(path=[str(r) for r in roots])
-    for dist in sorted(distributions, key=lambda d: (str(d.metadata["Name"] or "").lower(), d.version or "")):
-        name = dist.metadata["Name"]
+    named = [(str(d.metadata["Name"] or ""), d.version or "", d) for d in distributions]  # METADATA parsed once
+    for name, version, dist in sorted(named, key=lambda item: (item[0].lower(), item[1])):
         if not name or name.replace("_", "-").lower() == "concept-encoder":  # this project, if installed
             continue
         if dist.files is None:
-            notes.append(f"{name} {dist.version}: no RECORD, not read")
+            notes.append(f"{name} {version}: no RECORD, not read")
             continue
         for entry in sorted(dist.files, key=str):
             if entry.suffix != ".py" or shadows_stdlib(Path(str(entry))):
@@ -120,7 +120,7 @@ def list_installed_files(roots: list[Path]) -> tuple[list[SourceFile], list[str]
             if not inside or path in seen or not path.is_file():
                 continue
             seen.add(path)
-            files.append(SourceFile(path, name, dist.version))
+            files.append(SourceFile(path, name, version))
     return files, notes
 
 
