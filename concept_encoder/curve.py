@@ -153,15 +153,13 @@ class Curve:
         return [json.loads(p.read_text()) for p in sorted((self.folder / "points").glob("*.json"))]
 
 
-def eval_loss_at(run_dir: Path, step: int) -> float | None:
-    """The pretraining run's MLM eval loss at `step` (the loop evaluates at every snapshot step)."""
+def evaluation_at(run_dir: Path, step: int) -> dict:
+    """The pretraining run's MLM eval loss and accuracy over the unigram baseline at `step` (the loop evaluates
+    at every snapshot step); None for what was not recorded."""
     path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    found = [
-        r["eval_loss"] for r in read_metrics(path) if r["kind"] == "eval" and r["step"] == step and "eval_loss" in r
-    ]
-    return found[-1] if found else None
+    found = [r for r in read_metrics(path) if r["kind"] == "eval" and r["step"] == step] if path.is_file() else []
+    last = found[-1] if found else {}
+    return {"eval_loss": last.get("eval_loss"), "unigram_ratio": last.get("eval_accuracy_over_unigram")}
 
 
 def pretrain(plan: ArchitecturePlan, run_dir: Path, processes: int) -> dict:
@@ -193,7 +191,7 @@ def summarise(points: list[dict], gate_notes: dict[str, str]) -> dict:
             if point["kind"] == "snapshot":
                 series = curves.setdefault((point["architecture"], row["method"]), [])
                 series.append({"tokens": point["tokens"], "step": point["step"], "eval_loss": point.get("eval_loss"),
-                               **entry})  # fmt: skip
+                               "unigram_ratio": point.get("unigram_ratio"), **entry})  # fmt: skip
             else:
                 lines[(point["label"], row["method"])] = entry
     for series in curves.values():
@@ -214,17 +212,23 @@ def format_markdown(summary: dict, task: str, name: str) -> str:
     metric, curves, lines = summary["metric"], summary["curves"], summary["lines"]
     methods = sorted({m for _, m in curves} | {m for _, m in lines}, key=lambda m: (m != "fine-tune", m))
     out = [f"# Learning curve `{name}` on `{task}` (validation {metric}, mean ± std over seeds; choices on dev)", "",
-           "| model | pretraining tokens | step | MLM eval loss | " + " | ".join(methods) + " |",
+           "| model | pretraining tokens | step | MLM eval loss (accuracy / unigram) | " + " | ".join(methods) + " |",
            "|---|---|---|---|" + "---|" * len(methods)]  # fmt: skip
     for architecture in dict.fromkeys(a for a, _ in curves):
         by_tokens: dict[int, dict] = {}
         for (arch, method), series in curves.items():
             for entry in series if arch == architecture else []:
-                by_tokens.setdefault(entry["tokens"], {"step": entry["step"], "eval_loss": entry["eval_loss"]})[
-                    method
-                ] = entry
+                by_tokens.setdefault(
+                    entry["tokens"],
+                    {
+                        "step": entry["step"],
+                        "eval_loss": entry["eval_loss"],
+                        "unigram_ratio": entry.get("unigram_ratio"),
+                    },
+                )[method] = entry
         for tokens, found in sorted(by_tokens.items()):
             loss = f"{found['eval_loss']:.3f}" if found["eval_loss"] is not None else ""
+            loss += f" ({found['unigram_ratio']:.2f}x)" if found["unigram_ratio"] is not None else ""
             out.append(f"| {architecture} | {tokens:,} | {found['step']} | {loss} | "
                        + " | ".join(cell(found.get(m)) for m in methods) + " |")  # fmt: skip
     for label in dict.fromkeys(label for label, _ in lines):
@@ -349,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 announce(key, f"{plan.tokens(step):,} tokens (step {step}): fine-tuning and probes on {args.task}")
                 info = {"kind": "snapshot", "architecture": plan.architecture, "tokens": plan.tokens(step),
-                        "step": step, "eval_loss": eval_loss_at(run_dir, step)}  # fmt: skip
+                        "step": step, **evaluation_at(run_dir, step)}  # fmt: skip
                 curve.measure(key, str(snapshot), [], info)
         if args.twins:
             key = f"{plan.architecture}-twin"

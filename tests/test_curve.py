@@ -78,6 +78,7 @@ def test_curve_pretrains_once_measures_each_point_and_reuses_finished_ones(launc
     points = {p.stem: json.loads(p.read_text()) for p in Path("Cache/curves/c/points").glob("*.json")}
     assert sorted(points) == ["concept-1.024k", "concept-2.048k", "concept-twin"]
     assert points["concept-1.024k"]["step"] == 2 and points["concept-1.024k"]["eval_loss"] > 0
+    assert points["concept-1.024k"]["unigram_ratio"] >= 0  # accuracy over the unigram baseline at that step
     assert {row["method"] for row in points["concept-twin"]["rows"]} == {
         "fine-tune", "probe: concepts mean", "probe: embeddings mean"}  # fmt: skip
     table = Path("Cache/curves/c/curve.md").read_text()
