@@ -96,7 +96,9 @@ def test_one_document_per_example_mode(tokenizer):
     assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
 
 
-def test_processed_dataset_is_cached_and_reused(tokenizer, tmp_path):
+def test_processed_dataset_is_cached_and_reused(tokenizer, tmp_path, monkeypatch):
+    from concept_encoder.data import processing
+
     raw = raw_from(make_documents())
     first, stats = preprocess(raw, tokenizer, 32, cache_dir=tmp_path, source="gen")
     path = Path(stats["cache_path"])
@@ -110,6 +112,15 @@ def test_processed_dataset_is_cached_and_reused(tokenizer, tmp_path):
     headless, without_cls = preprocess(raw, tokenizer, 32, cache_dir=tmp_path, source="gen", block_cls=False)
     assert without_cls["cache_path"] != stats["cache_path"]  # ... and whether blocks start with [CLS]
     assert headless["train"]["input_ids"][0][0] != tokenizer.cls_token_id == first["train"]["input_ids"][0][0]
+    blocks = [list(ids) for ids in first["train"]["input_ids"]]  # read now: `first` maps the files damaged below
+    for arrow in path.rglob("*.arrow"):  # a damaged entry (a disk error, a killed copy): named and rebuilt
+        arrow.write_bytes(b"not arrow")
+    warnings = []
+    monkeypatch.setattr(processing.logger, "warning", lambda text, *args: warnings.append(text % args))
+    rebuilt, stats3 = preprocess(raw, tokenizer, 32, cache_dir=tmp_path, source="gen")
+    assert len(warnings) == 1 and warnings[0].startswith(f"dataset cache {path} does not load (")
+    assert [list(ids) for ids in rebuilt["train"]["input_ids"]] == blocks and stats3 == stats
+    assert not [p for p in (tmp_path / "datasets").iterdir() if ".partial" in p.name]  # written aside, renamed
 
 
 def packed_examples(tokenizer, n_docs=400, L=64):

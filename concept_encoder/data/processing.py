@@ -17,10 +17,13 @@ tokenizer's word ids), which whole-word and span masking use as unit boundaries.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
+import shutil
 from pathlib import Path
 
 from accelerate import PartialState
@@ -29,6 +32,8 @@ from transformers import PreTrainedTokenizerBase
 
 from .sources import DataSourceError
 from .tokenizer import slug
+
+logger = logging.getLogger(__name__)
 
 PACK_BATCH_DOCS = 10_000
 CACHE_FORMAT_VERSION = 1
@@ -157,9 +162,14 @@ def preprocess(
         if cache_dir is None
         else Path(cache_dir) / "datasets" / cache_key(source, tokenizer, max_seq_length, packing, **key_extra)
     )
-    with PartialState().main_process_first():
+    with PartialState().main_process_first(), cache_lock(path):
         if path is not None and (path / "stats.json").exists():
-            return load_from_disk(str(path)), json.loads((path / "stats.json").read_text())
+            try:
+                return load_from_disk(str(path)), json.loads((path / "stats.json").read_text())
+            except Exception as error:  # a damaged entry: say which, then rebuild it
+                logger.warning("dataset cache %s does not load (%s: %s): rebuilding it", path, type(error).__name__,
+                               str(error).splitlines()[0] if str(error) else "")  # fmt: skip
+                shutil.rmtree(path, ignore_errors=True)
         workers = {name: worker_count(len(ds), num_proc) for name, ds in raw.items()}
         processed = DatasetDict(
             {
@@ -178,12 +188,29 @@ def preprocess(
         stats = dataset_stats(raw, processed, max_seq_length, packing, workers)
         stats["block_cls"] = block_cls
         check_not_empty(raw, processed, tokenizer, max_seq_length, packing, block_cls)  # an empty split is never cached
-        if path is not None and PartialState().is_main_process:
-            processed.save_to_disk(str(path))
+        if path is not None and PartialState().is_main_process:  # written aside, renamed when whole
+            partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+            processed.save_to_disk(str(partial))
             stats["cache_path"] = str(path)
-            (path / "stats.json").write_text(json.dumps(stats, indent=2))
+            (partial / "stats.json").write_text(json.dumps(stats, indent=2))
+            shutil.rmtree(path, ignore_errors=True)
+            partial.rename(path)
             processed = load_from_disk(str(path))  # memory-mapped, like the later runs get it
     return processed, stats
+
+
+@contextlib.contextmanager
+def cache_lock(path: Path | None):
+    """A file lock beside the cache entry `path` (nothing without one): two processes that build the same
+    entry take turns, and the second finds what the first wrote."""
+    if path is None:
+        yield
+        return
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        yield
 
 
 def check_not_empty(
