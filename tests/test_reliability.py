@@ -247,15 +247,23 @@ def test_a_full_disk_at_the_final_save_removes_the_partial_model_and_names_the_l
     assert not Path(f"runs/{name}/final").exists() and not Path(f"runs/{name}/final.partial").exists()
 
 
+def mount_tmpfs(folder: Path, options: str) -> str | None:
+    """Mount a tmpfs at `folder`; None when mounted, else why not (not root, no mount command, no permission)."""
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
+                              text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as error:
+        return str(error)
+    return None if done.returncode == 0 else (done.stderr.strip() or f"mount exited {done.returncode}")
+
+
 @pytest.fixture
 def read_only_folder(tmp_path):
     """A read-only tmpfs mounted at a fresh folder (root on Linux); the test is skipped, saying why, elsewhere."""
     folder = tmp_path / "read-only"
     folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True,
-                             text=True)  # fmt: skip
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here ({mounted.stderr.strip() or 'not root'})")
+    if problem := mount_tmpfs(folder, "ro,size=1m"):
+        pytest.skip(f"cannot mount a read-only tmpfs here ({problem})")
     yield folder
     subprocess.run(["umount", str(folder)], check=False)
 
@@ -265,11 +273,8 @@ def test_a_real_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_partial_file
 
     disk = tmp_path / "small-disk"  # 3 MB: the run folder fits, a micro model's checkpoint (~4 MB) does not
     disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True, text=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip() or 'not root'})")
+    if problem := mount_tmpfs(disk, "size=3m"):
+        pytest.skip(f"cannot mount a small tmpfs here ({problem})")
     try:
         monkeypatch.chdir(tmp_path)
         with pytest.raises(DiskFullError, match="no space left on the disk of .*small-disk/runs/full while saving the "
