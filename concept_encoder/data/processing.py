@@ -17,7 +17,6 @@ tokenizer's word ids), which whole-word and span masking use as unit boundaries.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -31,7 +30,7 @@ from datasets import DatasetDict, Features, IterableDatasetDict, Sequence, Value
 from transformers import PreTrainedTokenizerBase
 
 from .sources import DataSourceError
-from .tokenizer import slug
+from .tokenizer import cache_lock, first_line, slug
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +166,7 @@ def preprocess(
             try:
                 return load_from_disk(str(path)), json.loads((path / "stats.json").read_text())
             except Exception as error:  # a damaged entry: say which, then rebuild it
-                logger.warning("dataset cache %s does not load (%s: %s): rebuilding it", path, type(error).__name__,
-                               str(error).splitlines()[0] if str(error) else "")  # fmt: skip
+                logger.warning("dataset cache %s does not load (%s): rebuilding it", path, first_line(error))
                 shutil.rmtree(path, ignore_errors=True)
         workers = {name: worker_count(len(ds), num_proc) for name, ds in raw.items()}
         processed = DatasetDict(
@@ -197,20 +195,6 @@ def preprocess(
             partial.rename(path)
             processed = load_from_disk(str(path))  # memory-mapped, like the later runs get it
     return processed, stats
-
-
-@contextlib.contextmanager
-def cache_lock(path: Path | None):
-    """A file lock beside the cache entry `path` (nothing without one): two processes that build the same
-    entry take turns, and the second finds what the first wrote."""
-    if path is None:
-        yield
-        return
-    from filelock import FileLock
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
-        yield
 
 
 def check_not_empty(

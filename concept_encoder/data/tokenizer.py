@@ -11,6 +11,7 @@ keeps the tokenizer it started with in its own folder (`<run>/tokenizer`), which
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -118,20 +119,36 @@ def load_tokenizer(
     return tokenizer
 
 
-def cached_trained_tokenizer(path: Path, spec: str, kind: str, vocab_size: int, texts) -> PreTrainedTokenizerBase:
-    """The cache entry at `path`, trained and written first if missing (or unreadable: named, then rebuilt).
-    A file lock serialises two processes on one entry (the second loads what the first wrote); the entry
-    is written to a temporary folder and renamed, so no reader ever sees half of it."""
+@contextlib.contextmanager
+def cache_lock(path: Path | None):
+    """A file lock beside the cache entry `path` (nothing without one): two processes that build the same
+    entry (a tokenizer, processed blocks) take turns, and the second finds what the first wrote."""
+    if path is None:
+        yield
+        return
     from filelock import FileLock
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
+        yield
+
+
+def first_line(error: BaseException) -> str:
+    """`Type: first line of the message`, for one-line reports of a damaged cache entry."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def cached_trained_tokenizer(path: Path, spec: str, kind: str, vocab_size: int, texts) -> PreTrainedTokenizerBase:
+    """The cache entry at `path`, trained and written first if missing (or unreadable: named, then rebuilt).
+    A file lock serialises two processes on one entry (the second loads what the first wrote); the entry
+    is written to a temporary folder and renamed, so no reader ever sees half of it."""
+    with cache_lock(path):
         if (path / "tokenizer.json").exists():
             try:
                 return AutoTokenizer.from_pretrained(path)
             except Exception as error:  # a damaged entry: say which, then rebuild it
-                logger.warning("tokenizer cache %s does not load (%s: %s): rebuilding it", path,
-                               type(error).__name__, str(error).splitlines()[0] if str(error) else "")  # fmt: skip
+                logger.warning("tokenizer cache %s does not load (%s): rebuilding it", path, first_line(error))
                 shutil.rmtree(path)
         if texts is None:
             raise ValueError(f"--tokenizer {spec!r} needs training texts and none were given")
