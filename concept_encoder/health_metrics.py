@@ -45,8 +45,16 @@ _TINY = 1e-12  # guards the divisions when a concept matrix is all zeros
 
 
 def _singular_values(concepts: torch.Tensor, caller: str) -> torch.Tensor:
-    """`concepts [B,C,H]` → float32 singular values `[B,min(C,H)]`, descending."""
-    return torch.linalg.svdvals(check_concepts(concepts, caller))
+    """`concepts [B,C,H]` → float32 singular values `[B,min(C,H)]`, descending.
+
+    Computed as the square roots of the eigenvalues of each sample's smaller Gram matrix (`X Xᵀ [C,C]` or
+    `Xᵀ X [H,H]`) in float64 rather than with `torch.linalg.svdvals`: the same values (squaring the
+    condition number costs nothing visible in float64), and batched `svdvals` is pathologically slow on
+    CPU: 3.9 s for one `[16,64,256]` evaluation batch against 0.01 s this way (measured on 2 cores).
+    """
+    x = check_concepts(concepts, caller).double()
+    gram = x @ x.mT if x.shape[-2] <= x.shape[-1] else x.mT @ x  # [B,K,K], K = min(C,H)
+    return torch.linalg.eigvalsh(gram).clamp(min=0).sqrt().flip(-1).float()
 
 
 def _entropy_rank(singular_values: torch.Tensor) -> torch.Tensor:
@@ -82,8 +90,8 @@ def batch_mean_effective_rank(concepts: torch.Tensor) -> float:
     of M), in [1, min(C,H)]. The form used in published concept/slot collapse numbers; 1 for an all-zero M.
     """
     with full_precision(concepts.device):
-        mean = check_concepts(concepts, "batch_mean_effective_rank").mean(dim=0)  # [C,H]
-        s = torch.linalg.svdvals(mean)
+        mean = check_concepts(concepts, "batch_mean_effective_rank").mean(dim=0, keepdim=True)  # [1,C,H]
+        s = _singular_values(mean, "batch_mean_effective_rank")[0]
         if s.max() <= _TINY:
             return 1.0
         return (s.sum() / s.max()).item()

@@ -157,3 +157,18 @@ def test_bad_input_raises():
         effective_rank(torch.randn(C, H))
     with pytest.raises(ValueError, match="threshold"):
         collapsed_dimensions(orthonormal(), threshold=0.0)
+
+
+@pytest.mark.parametrize("shape", [(3, 8, 16), (2, 16, 8), (1, 5, 5)])
+def test_singular_values_from_the_gram_matrix_equal_svdvals(shape):
+    """The metrics take singular values from the smaller Gram matrix (fast on CPU); they must be svdvals'."""
+    from concept_encoder.health_metrics import _singular_values
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x[0, 1] = x[0, 0]  # a repeated concept: rank C-1 when C <= H
+    expected = torch.linalg.svdvals(x).float()
+    got = _singular_values(x, "test")
+    assert got.shape == (shape[0], min(shape[1:]))
+    assert torch.allclose(got, expected, atol=1e-5 * expected.max().item())
+    if shape[1] <= shape[2]:
+        assert got[0, -1].item() == pytest.approx(0.0, abs=1e-4)
