@@ -13,6 +13,7 @@ VOCAB_CHUNK_ELEMENTS = 2**24
 
 EMBEDDED_DATASET = "embedded"  # the offline built-in corpus
 DOCSTRINGS_DATASET = "docstrings"  # offline: docstrings of the installed third-party packages
+LICENSES_DATASET = "licenses"  # offline: license texts of the installed packages (held-out English)
 MASKING_STRATEGIES = ("mlm", "whole_word", "span")
 DECODER_TYPES = ("perceiver", "posonly", "weighted")
 CLASSIFIER_POOLINGS = ("weighted", "mean")

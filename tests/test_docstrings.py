@@ -1,6 +1,7 @@
 """The docstring corpus (`--dataset docstrings[:folder]`) on a fake site-packages tree: what is read, what
 is left out (stdlib names, short or duplicated docstrings, task sentences, undecodable files), order,
-cache key and the statistics a run records."""
+cache key and the statistics a run records; and the license texts (`--dataset licenses[:folder]`) read from the
+same kind of tree."""
 
 import random
 import sysconfig
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from concept_encoder.data import DataArguments, DataSourceError, load_raw_dataset, prepare_data
-from concept_encoder.data.docstrings import docstring_corpus, docstring_roots, installed_files, normalised
+from concept_encoder.data.docstrings import docstring_corpus, installed_files, normalised, site_roots
 from concept_encoder.data.sources import source_fingerprint
 from concept_encoder.tasks.embedded import embedded_sentences
 
@@ -125,7 +126,50 @@ def test_bad_docstring_sources_say_what_to_do(tmp_path):
 
 
 def test_the_installed_environment_is_read_from_its_records_without_the_stdlib():
-    files, _ = installed_files(docstring_roots("docstrings"))
+    files, _ = installed_files(site_roots("docstrings"))
     assert {"torch", "transformers", "datasets"} <= {f.package.lower() for f in files}
     stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
     assert not any(f.path.is_relative_to(stdlib) and "site-packages" not in f.path.parts for f in files)
+
+
+APACHE = "Licensed under the Apache License, Version 2.0 (the License); you may not use this file except\nin compliance with the License."
+
+
+def test_license_texts_are_read_once_per_paragraph_in_a_fixed_order(tmp_path):
+    from concept_encoder.data.licenses import DOCUMENT_WORDS, license_documents
+
+    root = tmp_path / "site-packages"
+    root.mkdir()
+    unique = [prose(i, words=30) for i in range(12)]
+    write_distribution(root, "zeta-pkg", "2.0", {
+        "zeta_pkg/__init__.py": module(prose(1), {}),
+        "zeta_pkg/license.py": module("LICENSE module: code, not a license text " + prose(2), {}),
+        "zeta-2.0.dist-info/licenses/LICENSE.txt": f"Copyright (c) 2020 Zeta\n\n{APACHE}\n\n{unique[0]}\n".encode(),
+        "zeta_pkg/COPYING": f"{unique[1]}\n\ncaf\xe9".encode("latin-1"),  # not UTF-8: skipped whole
+    })  # fmt: skip
+    write_distribution(root, "alpha-pkg", "1.5", {
+        "LICENSE": ("\n\n".join([APACHE.upper().replace("\n", " "), *unique[2:]]) + "\n").encode(),
+        "NOTICE.md": f"{unique[2]}\n".encode(),  # a paragraph already read
+    })  # fmt: skip
+    docs = license_documents(f"licenses:{root}")
+    paragraphs = [p for doc in docs for p in doc.split("\n\n")]
+    # alpha-pkg first (distributions by name); the Apache paragraph once (normalised), the short line and the
+    # .py file and the latin-1 COPYING not at all
+    assert paragraphs == [APACHE.upper().replace("\n", " "), *unique[2:], unique[0]]
+    assert all(len(doc.split()) >= DOCUMENT_WORDS for doc in docs[:-1])
+    assert load_raw_dataset(f"licenses:{root}", validation_split_percentage=10)["train"].num_rows >= 1
+
+    before = source_fingerprint(f"licenses:{root}")
+    time.sleep(0.01)
+    (root / "NOTICE.md").write_text(unique[3] + " changed\n")
+    assert source_fingerprint(f"licenses:{root}") != before  # block caches see the new text
+
+
+def test_no_license_text_is_one_clear_error(tmp_path):
+    root = tmp_path / "site-packages"
+    root.mkdir()
+    write_distribution(root, "bare", "1.0", {"bare/__init__.py": module(prose(1), {}), "LICENSE": b"MIT\n"})
+    with pytest.raises(DataSourceError, match="no installed distribution .* lists a license text"):
+        load_raw_dataset(f"licenses:{root}")
+    with pytest.raises(DataSourceError, match="is not a folder"):
+        load_raw_dataset(f"licenses:{tmp_path / 'missing'}")

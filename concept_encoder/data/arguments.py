@@ -13,7 +13,10 @@ class DataArguments:
 
     dataset: str = field(
         default=EMBEDDED_DATASET,
-        metadata={"help": "`embedded` (offline built-in corpus), a local file/folder, or a Hub `name[:config]`"},
+        metadata={
+            "help": "`embedded` (offline built-in corpus), `docstrings[:folder]` / `licenses[:folder]` (the "
+            "installed packages' docstrings / license texts), a local file/folder, or a Hub `name[:config]`"
+        },
     )
     text_field: str = field(default="text", metadata={"help": "column holding the text (json/jsonl/parquet/Hub)"})
     tokenizer: str = field(

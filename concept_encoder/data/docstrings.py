@@ -62,9 +62,9 @@ class SourceFile:
     version: str
 
 
-def docstring_roots(spec: str) -> list[Path]:
-    """The folders `spec` names: this interpreter's `site-packages` for `docstrings`, else the folder after
-    `docstrings:`. A folder that does not exist is a DataSourceError."""
+def site_roots(spec: str) -> list[Path]:
+    """The folders `spec` names: this interpreter's `site-packages` for `docstrings` (or `licenses`), else
+    the folder after `docstrings:` (`licenses:`). A folder that does not exist is a DataSourceError."""
     _, _, folder = spec.partition(":")
     if not folder:
         paths = sysconfig.get_paths()
@@ -84,23 +84,38 @@ def shadows_stdlib(relative: Path) -> bool:
     return relative.parts[0].removesuffix(".py") in sys.stdlib_module_names
 
 
+def is_python_source(entry: Path) -> bool:
+    """A `.py` file of a distribution, not a backport named like a stdlib module."""
+    return entry.suffix == ".py" and not shadows_stdlib(entry)
+
+
+LICENSE_NAMES = ("LICENSE", "LICENCE", "COPYING", "NOTICE")
+
+
+def is_license_text(entry: Path) -> bool:
+    """LICENSE, LICENCE, COPYING or NOTICE files (any suffix but code: LICENSE.txt, COPYING.md, ...)."""
+    return entry.name.upper().startswith(LICENSE_NAMES) and entry.suffix not in (".py", ".pyc", ".so")
+
+
+FILE_KINDS = {"python": is_python_source, "license": is_license_text}
 _listings: dict[tuple, tuple[list[SourceFile], list[str]]] = {}
 
 
-def installed_files(roots: list[Path]) -> tuple[list[SourceFile], list[str]]:
-    """Every `.py` file the distributions under `roots` list in their RECORD, sorted by distribution name
-    then path; each file once. Returns (files, notes on distributions or files left out).
+def installed_files(roots: list[Path], kind: str = "python") -> tuple[list[SourceFile], list[str]]:
+    """Every file of `kind` (`FILE_KINDS`: `.py` sources, license texts) the distributions under `roots`
+    list in their RECORD, sorted by distribution name then path; each file once. Returns (files, notes on
+    distributions or files left out).
 
     Reading every RECORD takes seconds, and one data preparation asks three times (documents, cache
     key, manifest): the listing is kept per process while no root folder's modification time changes
     (installing, removing or upgrading a distribution adds or removes entries there)."""
-    key = tuple((str(root), root.stat().st_mtime_ns) for root in roots)
+    key = (kind, *((str(root), root.stat().st_mtime_ns) for root in roots))
     if key not in _listings:
-        _listings[key] = list_installed_files(roots)
+        _listings[key] = list_installed_files(roots, FILE_KINDS[kind])
     return _listings[key]
 
 
-def list_installed_files(roots: list[Path]) -> tuple[list[SourceFile], list[str]]:
+def list_installed_files(roots: list[Path], wanted=is_python_source) -> tuple[list[SourceFile], list[str]]:
     seen: set[Path] = set()
     files: list[SourceFile] = []
     notes: list[str] = []
@@ -113,7 +128,7 @@ def list_installed_files(roots: list[Path]) -> tuple[list[SourceFile], list[str]
             notes.append(f"{name} {version}: no RECORD, not read")
             continue
         for entry in sorted(dist.files, key=str):
-            if entry.suffix != ".py" or shadows_stdlib(Path(str(entry))):
+            if not wanted(Path(str(entry))):
                 continue
             path = Path(os.path.normpath(dist.locate_file(entry)))  # lexical: a resolve() per file costs seconds
             inside = any(path.is_relative_to(root) for root in roots)  # not ../../bin scripts
@@ -246,7 +261,7 @@ class DocstringCorpus:
 def docstring_corpus(spec: str, cache_dir: str | Path | None = "Cache") -> DocstringCorpus:
     """The corpus `spec` names (`docstrings` or `docstrings:<site-packages folder>`), built once per
     fingerprint and cached as JSON lines under `<cache_dir>/datasets/docstrings-<key>`."""
-    roots = docstring_roots(spec)
+    roots = site_roots(spec)
     files, notes = installed_files(roots)
     if not files:
         raise DataSourceError(
@@ -277,5 +292,5 @@ def docstring_corpus(spec: str, cache_dir: str | Path | None = "Cache") -> Docst
 
 def corpus_fingerprint(spec: str) -> str:
     """The cache key of `spec`'s corpus without reading any docstring (a listing and a stat per file)."""
-    roots = docstring_roots(spec)
+    roots = site_roots(spec)
     return fingerprint(installed_files(roots)[0], roots)

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
 from datasets.exceptions import DatasetsError
 
-from ..constants import DOCSTRINGS_DATASET, EMBEDDED_DATASET
+from ..constants import DOCSTRINGS_DATASET, EMBEDDED_DATASET, LICENSES_DATASET
 
 logger = logging.getLogger(__name__)
 
@@ -45,21 +45,25 @@ def embedded_documents(min_words: int = 120) -> list[str]:
     """
     from pydoc_data.topics import topics
 
-    documents = []
-    for name in sorted(topics):
-        group: list[str] = []
-        words = 0
-        for paragraph in re.split(r"\n\s*\n", topics[name]):
-            paragraph = paragraph.strip()
-            if not paragraph:
-                continue
-            group.append(paragraph)
-            words += len(paragraph.split())
-            if words >= min_words:
-                documents.append("\n\n".join(group))
-                group, words = [], 0
-        if group:
+    return [doc for name in sorted(topics) for doc in group_paragraphs(paragraphs_of(topics[name]), min_words)]
+
+
+def paragraphs_of(text: str) -> list[str]:
+    """The non-blank paragraphs of `text` (cut at blank lines), stripped."""
+    return [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def group_paragraphs(paragraphs: list[str], min_words: int) -> list[str]:
+    """Consecutive paragraphs joined (blank line between) until a group has `min_words` words; the rest last."""
+    documents, group, words = [], [], 0
+    for paragraph in paragraphs:
+        group.append(paragraph)
+        words += len(paragraph.split())
+        if words >= min_words:
             documents.append("\n\n".join(group))
+            group, words = [], 0
+    if group:
+        documents.append("\n\n".join(group))
     return documents
 
 
@@ -117,7 +121,7 @@ def source_fingerprint(spec: str) -> str:
     """What identifies the content of `spec` beside its name, for cache keys: each local file's path,
     size and modification time (replacing a file at the same path changes it), the Python version for
     the embedded corpus (it is CPython's own documentation), the digest of every file read for the
-    docstring corpus, nothing for a Hub name."""
+    docstring corpus and the license texts, nothing for a Hub name."""
     if spec == EMBEDDED_DATASET:
         return f"py{sys.version_info.major}.{sys.version_info.minor}"
     if spec.startswith(DOCSTRINGS_DATASET):
@@ -125,6 +129,11 @@ def source_fingerprint(spec: str) -> str:
 
         if is_docstrings_spec(spec):
             return corpus_fingerprint(spec)
+    if spec.startswith(LICENSES_DATASET):
+        from .licenses import is_licenses_spec, licenses_fingerprint
+
+        if is_licenses_spec(spec):
+            return licenses_fingerprint(spec)
     path = Path(spec).expanduser()
     if not path.exists():
         return ""
@@ -166,7 +175,7 @@ def load_raw_dataset(
     """Load documents from `spec` as `{train, validation}` with one `text` column.
 
     `spec` is `embedded`, `docstrings[:<site-packages folder>]` (its documents cached under
-    `cache_dir`), a local file or folder, or a Hub dataset `name` or `name:config`
+    `cache_dir`), `licenses[:<site-packages folder>]` (`concept_encoder.data.licenses`), a local file or folder, or a Hub dataset `name` or `name:config`
     (e.g. `wikitext:wikitext-103-raw-v1`, `JeanKaddour/minipile`). Without a validation split,
     `validation_split_percentage` of the documents are held out at random, or when streaming (the
     size is unknown) the first `streaming_validation_documents`.
@@ -198,11 +207,15 @@ def load_raw_dataset(
 
 
 def offline_documents(spec: str, cache_dir: str | Path | None) -> list[str] | None:
-    """The documents of a built-in offline source (`embedded`, `docstrings[:folder]`); None for any other."""
+    """The documents of a built-in offline source (`embedded`, `docstrings[:folder]`, `licenses[:folder]`);
+    None for any other."""
     if spec == EMBEDDED_DATASET:
         return embedded_documents()
     from .docstrings import docstring_corpus, is_docstrings_spec
+    from .licenses import is_licenses_spec, license_documents
 
+    if is_licenses_spec(spec):
+        return license_documents(spec)
     return docstring_corpus(spec, cache_dir).documents if is_docstrings_spec(spec) else None
 
 
