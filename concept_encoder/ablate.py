@@ -3,6 +3,8 @@
     python -m concept_encoder.ablate --vary concept_loss_weight=0,0.1,1.0 --decide eval_loss -- \\
         --preset small --max_steps 300 --gate "health/effective_rank_fraction>=0.25@200"
     make ablate VARY=concept_loss_weight=0,0.1,1.0 DECIDE=eval_loss ARGS="--max_steps 300"
+    python -m concept_encoder.ablate --vary concept_loss_warmup_steps=0,150,300 --heldout licenses \
+        --decide heldout/licenses/accuracy_over_unigram -- --preset small --max_steps 300
 
 Each value runs sequentially as its own run (`<name>-<setting><value>` under the loop's
 `--output_dir`), with the same seed and every other argument fixed. A run stopped by a gate (its
@@ -12,6 +14,11 @@ whose runs finished, and resumes an interrupted one from its checkpoint. The com
 (`concept_encoder.compare`) follows, and the winner is named by the deciding metric (lower is better
 for losses, perplexity and cosines, higher otherwise; `--direction` overrides) among the runs no
 gate rejected. Varying two settings at once is refused: one thing at a time.
+
+`--heldout TEXT` adds the held-out language check (`check_health MODEL --text TEXT`: masked-token accuracy on
+text none of the runs trained on, beside that text's unigram baseline) of each run's final model, saved as
+`<run>/heldout-<name>.json` (rerun only when the text changed) and compared as `heldout/<name>/<metric>`,
+e.g. `heldout/licenses/accuracy_over_unigram`, which `--decide` can name.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import sys
 from pathlib import Path
 
 from .cli_types import at_least
-from .constants import pretraining_metric_names
+from .constants import LICENSES_DATASET, pretraining_metric_names
 from .training.args import parse_args
 from .training.plan import launch_command, local_launcher
 from .training.runs import ended_on_its_own, stopped_by_gate
@@ -70,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--direction", choices=("lower", "higher"), help="which is better (default: by the name)")
     parser.add_argument("--name", default="ablate", help="prefix of the run names (default: ablate)")
     parser.add_argument("--num_processes", type=at_least(1), default=1, help="processes per run (accelerate launch)")
+    parser.add_argument(
+        "--heldout",
+        help="held-out language check of each run's final model on this text: `licenses` (the installed packages' "
+        "license texts) or a .txt/.jsonl/.parquet file; compared as heldout/<name>/<metric>",
+    )
     return parser
 
 
@@ -130,6 +142,38 @@ def choose_winner(result: dict, runs: list[tuple[str, Path]], metric: str, direc
     return best[1], best[0]
 
 
+HELDOUT_METRICS = ("accuracy_over_unigram", "masked_token_accuracy", "masked_token_loss", "unigram_baseline_accuracy")
+
+
+def heldout_name(spec: str) -> str:
+    """The short name of a held-out text: `licenses`, or a file's stem (`novel.txt` → `novel`)."""
+    name = spec if spec == LICENSES_DATASET else Path(spec).stem
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def heldout_metric_names(spec: str) -> tuple[str, ...]:
+    return tuple(f"heldout/{heldout_name(spec)}/{metric}" for metric in HELDOUT_METRICS)
+
+
+def heldout_problem(spec: str) -> str | None:
+    """Why `spec` cannot be the held-out text (checked before any run); None when it can."""
+    if spec == LICENSES_DATASET or Path(spec).expanduser().is_file():
+        return None
+    return f"--heldout {spec!r}: no such file; give a .txt/.jsonl/.parquet file or `licenses`"
+
+
+def heldout_check(run_dir: Path, spec: str) -> int:
+    """`check_health <run>/final --text spec --json <run>/heldout-<name>.json`, unless that file already holds
+    the check of this very text (same fingerprint); the check's exit code."""
+    from . import check_health
+    from .data.sources import source_fingerprint
+
+    out = run_dir / f"heldout-{heldout_name(spec)}.json"
+    if out.is_file() and json.loads(out.read_text()).get("fingerprint") == source_fingerprint(spec):
+        return 0
+    return check_health.main([str(run_dir / "final"), "--text", spec, "--json", str(out)])
+
+
 def main(argv: list[str] | None = None) -> int:
     from .compare import compare, lower_is_better
 
@@ -142,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         plans = plan_runs(setting, values, loop_argv, args.name)
         model_args, _, train_args = parse_args(loop_argv)
         decidable = pretraining_metric_names(train_args.objective, model_args.architecture)
+        if args.heldout:
+            if problem := heldout_problem(args.heldout):
+                raise ValueError(problem)
+            decidable += heldout_metric_names(args.heldout)
         if args.decide not in decidable:  # checked before any run starts
             raise ValueError(
                 f"--decide {args.decide}: the loop evaluates no such metric; choose one of {', '.join(decidable)}"
@@ -173,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"{run_name} failed with exit code {code}; fix it and rerun the same command", file=sys.stderr
                     )
+                    return code
+            if args.heldout:
+                code = heldout_check(run_dir, args.heldout)
+                if code != 0:
+                    print(f"{run_name}: the held-out check on {args.heldout} failed (exit code {code}); rerun the same "
+                          "command once it is fixed (finished runs are reused)", file=sys.stderr)  # fmt: skip
                     return code
             summary = json.loads((run_dir / "summary.json").read_text())
             if any(g["passed"] is False for g in summary.get("gates", [])):

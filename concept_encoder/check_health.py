@@ -6,7 +6,8 @@ parameter is NaN/Inf, then evaluates a few masked validation batches with the lo
 collapsed dimensions) with the masked-token loss and accuracy, beside the unigram baseline (always guess
 the text's most frequent token, scored on the same masked positions) and the accuracy as a multiple of it.
 `--text FILE` is the held-out language check: every block of any plain-text file (say, English of another
-domain than the pretraining corpus) is evaluated; a ratio below 1x means the model has not yet learned
+domain than the pretraining corpus; `--text licenses` takes the installed packages' license texts, legal
+English, from `concept_encoder.data.licenses`) is evaluated; a ratio below 1x means the model has not yet learned
 even the unigram distribution of that text. The metric functions themselves live in
 `concept_encoder.health_metrics`.
 """
@@ -21,12 +22,12 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from datasets import concatenate_datasets
 from torch.utils.data import DataLoader
 
 from .cli_types import at_least
 from .config import ConceptEncoderConfig
 from .data import DataArguments, DataSourceError, prepare_data
+from .data.sources import source_fingerprint
 from .heads import ConceptEncoderForMaskedLM
 from .health_metrics import format_health_table
 from .training.evaluation import evaluate, health_of, most_frequent_token
@@ -63,10 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", default="embedded", help="text to probe with (as for the loop)")
     parser.add_argument("--tokenizer", default=None, help="default: the model folder's own tokenizer")
     parser.add_argument("--max_seq_length", type=at_least(2), default=128)
-    parser.add_argument("--text", help="held-out language check: a .txt/.jsonl/.parquet file, evaluated whole")
+    parser.add_argument(
+        "--text", help="held-out language check: a .txt/.jsonl/.parquet file, or `licenses`, evaluated whole"
+    )
     parser.add_argument("--batches", type=at_least(1), default=None, help="default 4, all of it with --text")
     parser.add_argument("--batch_size", type=at_least(1), default=16)
     parser.add_argument("--cache_dir", default="Cache")
+    parser.add_argument("--json", help="also write the numbers (and the text's fingerprint) to this JSON file")
     args = parser.parse_args(argv)
 
     path = Path(args.model)
@@ -86,14 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             DataArguments(dataset=args.text or args.dataset, tokenizer=tokenizer, max_seq_length=seq_len),
             cache_dir=args.cache_dir,
             seed=0,
+            held_out=bool(args.text),  # the whole file is held out: one split, packed in order
         )
     except (DataSourceError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.text:  # the whole file is held out: both splits
-        split = concatenate_datasets([data.train, data.validation])
-    else:
-        split = data.validation if len(data.validation) else data.train
+    split = data.validation if len(data.validation) else data.train
     batches = args.batches or (None if args.text else 4)
     unigram = most_frequent_token(split, data.tokenizer)
     accelerator = Accelerator()
@@ -114,6 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         "accuracy_over_unigram": result["eval_accuracy_over_unigram"],
     }
     print(format_health_table(table))
+    if args.json:
+        source = args.text or args.dataset
+        record = {
+            "model": str(path),
+            "text": source,
+            "fingerprint": source_fingerprint(source),  # what was read: a changed text is rechecked
+            "examples": n,
+            "masked_tokens": result["eval_masked_tokens"],
+            "unigram_token": data.tokenizer.convert_ids_to_tokens(unigram),
+            **table,
+        }
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     print(
         f"\nmasked-token accuracy {result['eval_accuracy']:.4f} against {result['eval_unigram_accuracy']:.4f} for always "
         f"guessing {data.tokenizer.convert_ids_to_tokens(unigram)!r} on the same {result['eval_masked_tokens']:,} "

@@ -120,6 +120,16 @@ def add_finetune_reports(runs: list[Run], report_dir: Path) -> None:
                         run.summary[f"{prefix}/{row['task']}/{metric}"] = row[f"{metric}_mean"]
 
 
+def add_heldout_checks(runs: list[Run]) -> None:
+    """Put each run's held-out language checks (`<run>/heldout-<name>.json`, written by `ablate --heldout`)
+    into its final metrics as `heldout/<name>/<metric>`."""
+    for run in runs:
+        for path in sorted(run.path.glob("heldout-*.json")):
+            record = json.loads(path.read_text())
+            name = path.stem.removeprefix("heldout-")
+            run.summary.update({f"heldout/{name}/{k}": v for k, v in record.items() if is_number(v)})
+
+
 def differences(runs: list[Run]) -> tuple[dict[str, list], list[str]]:
     """({setting: [value per run]} for the settings that differ, [the settings held fixed])."""
     settings = [run.settings() for run in runs]
@@ -185,6 +195,7 @@ def compare(paths: list[str | Path], report_dir: str | Path = "Cache/reports") -
     """Compare the runs at `paths`; writes the report files and returns what they hold."""
     runs = [load_run(p) for p in paths]
     add_finetune_reports(runs, cache_path(report_dir))
+    add_heldout_checks(runs)
     differ, fixed = differences(runs)
     metrics = metric_table(runs)
     gates = [run.summary.get("gates", []) for run in runs]

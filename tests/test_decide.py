@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,3 +203,68 @@ def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys,
     fresh = ["--vary", "learning_rate=1e-4,5e-3", "--decide", "eval_loss", "--name", "ctrlc", "--", *loop]
     assert ablate.main(fresh) == 130
     assert capsys.readouterr().err.strip().startswith("interrupted: rerun the same command to continue")
+
+
+def test_ablate_checks_each_final_model_on_held_out_text_and_decides_by_it(capsys, monkeypatch, tmp_path):
+    def in_process(command):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        code = mlm.main(command[command.index(str(ROOT / "loops" / "mlm.py")) + 1 :])
+        return 1 if code else 0
+
+    checks = []
+    real_check = ablate.heldout_check
+    monkeypatch.setattr(ablate, "run_loop", in_process)
+    monkeypatch.setattr(
+        ablate, "heldout_check", lambda run_dir, spec: checks.append(run_dir.name) or real_check(run_dir, spec)
+    )
+    text = tmp_path / "river.txt"  # English of another domain than the pretraining corpus
+    text.write_text("\n\n".join(f"The river {i} runs past the old mill and the farm by the hill." for i in range(60)))
+    loop = [*COMMON, "--output_dir", "runs", "--max_steps", "2", "--eval_steps", "2"]
+    metric = "heldout/river/accuracy_over_unigram"
+    argv = [
+        "--vary",
+        "learning_rate=1e-4,5e-3",
+        "--heldout",
+        str(text),
+        "--decide",
+        metric,
+        "--name",
+        "held",
+        "--",
+        *loop,
+    ]
+    assert ablate.main(argv) == 0
+    out = capsys.readouterr().out
+    ratios = {}
+    for lr in ("1e-4", "5e-3"):
+        record = json.loads(Path(f"runs/held-learning_rate{lr}/heldout-river.json").read_text())
+        assert record["text"] == str(text) and record["masked_tokens"] > 0
+        assert record["accuracy_over_unigram"] == pytest.approx(
+            record["masked_token_accuracy"] / record["unigram_baseline_accuracy"]
+        )
+        ratios[lr] = record["accuracy_over_unigram"]
+    assert f"| {metric} |" in out
+    winner = re.search(rf"winner by {metric} \(higher is better\): held-learning_rate(\S+) ", out).group(1)
+    assert ratios[winner] == max(ratios.values())  # (two steps may leave both at the same ratio)
+
+    loser = "1e-4" if winner == "5e-3" else "5e-3"  # make the other run the clear winner by its saved check
+    path = Path(f"runs/held-learning_rate{loser}/heldout-river.json")
+    path.write_text(json.dumps({**json.loads(path.read_text()), "accuracy_over_unigram": ratios[winner] + 1.0}))
+    saved = {p: p.stat().st_mtime_ns for p in Path("runs").glob("held-*/heldout-river.json")}
+    assert ablate.main(argv) == 0  # the same text: checks reused, not rerun, and the decision follows them
+    assert {p: p.stat().st_mtime_ns for p in saved} == saved
+    assert f"winner by {metric} (higher is better): held-learning_rate{loser} " in capsys.readouterr().out
+    text.write_text(text.read_text() + "\n\nA new paragraph about the mill pond and the geese on it.\n")
+    assert ablate.main(argv) == 0  # the text changed: checked again
+    assert all(p.stat().st_mtime_ns != t for p, t in saved.items())
+    capsys.readouterr()
+
+    for bad, message in [  # refused before any run or check starts
+        ([*argv[:3], str(tmp_path / "missing.txt"), *argv[4:]], "--heldout '.*missing.txt': no such file"),
+        ([a for a in argv if a not in ("--heldout", str(text))], f"--decide {metric}: the loop evaluates no such"),
+    ]:
+        before = len(checks)
+        with pytest.raises(SystemExit) as refused:
+            ablate.main(bad)
+        assert refused.value.code == 2
+        assert re.search(message, capsys.readouterr().err) and len(checks) == before

@@ -106,9 +106,14 @@ def test_train_records_carry_model_tflops_and_mfu_against_the_given_peak():
 
 
 def test_stream_held_out_whole_is_a_clear_error():
+    from concept_encoder.data import DataArguments, DataSourceError, prepare_data
+
+    whole = ["--max_steps", "2", "--streaming", "true", "--streaming_validation_documents", "100000"]
+    with pytest.raises(DataSourceError, match="tokenizer was trained on no text.*--streaming_validation_documents"):
+        run("--run_name", "stream_empty", *whole, "--tokenizer", "train:wordpiece:1999")  # trained on the empty split
+    prepare_data(DataArguments(tokenizer="train:wordpiece:2000", max_seq_length=64))  # this one trained (cached)
     with pytest.raises(ValueError, match="too small for one optimizer step.*--streaming_validation_documents"):
-        run("--run_name", "stream_empty", "--max_steps", "2", "--streaming", "true",
-            "--streaming_validation_documents", "100000")  # fmt: skip
+        run("--run_name", "stream_empty", *whole)
 
 
 def test_non_finite_loss_stops_with_the_step(monkeypatch):
@@ -241,8 +246,6 @@ def test_health_cli_reports_and_rejects_non_finite_weights(tmp_path):
 def test_held_out_language_check_scores_the_unigram_baseline_on_the_same_masked_positions(tmp_path, capsys):
     import re
 
-    from datasets import concatenate_datasets
-
     from concept_encoder import check_health
     from concept_encoder.data import DataArguments, prepare_data
     from concept_encoder.training.evaluation import most_frequent_token
@@ -264,8 +267,9 @@ def test_held_out_language_check_scores_the_unigram_baseline_on_the_same_masked_
     accuracy, unigram, token, masked, ratio = found.groups()
     # recount the baseline by hand on the same masks: every block of the file, the collator from its start state
     data = prepare_data(DataArguments(dataset=str(text), tokenizer=str(final), max_seq_length=64), cache_dir="Cache",
-                        seed=0)  # fmt: skip
-    blocks = concatenate_datasets([data.train, data.validation])
+                        seed=0, held_out=True)  # fmt: skip
+    blocks = data.validation
+    assert data.train is None  # the whole file is one split, however short
     most = most_frequent_token(blocks, data.tokenizer)
     assert data.tokenizer.convert_ids_to_tokens(most) == token
     hits = total = 0

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from datasets import IterableDataset
+from datasets import DatasetDict, IterableDataset, concatenate_datasets
 
 from ..paths import cache_path
 from .arguments import DataArguments
@@ -35,10 +35,16 @@ class PreparedData:
 
 
 def prepare_data(
-    args: DataArguments, cache_dir: str | Path = "Cache", seed: int | None = None, tokenizer_folder: Path | None = None
+    args: DataArguments,
+    cache_dir: str | Path = "Cache",
+    seed: int | None = None,
+    tokenizer_folder: Path | None = None,
+    held_out: bool = False,
 ) -> PreparedData:
     """Load the source, load/train the tokenizer, tokenise + pack (cached), build the collator.
-    `tokenizer_folder`: use this saved tokenizer instead of `args.tokenizer` (a resumed run's own copy)."""
+    `tokenizer_folder`: use this saved tokenizer instead of `args.tokenizer` (a resumed run's own copy).
+    `held_out`: the whole source is one `validation` split, packed in order (`train` is None): text a model
+    is evaluated on, never trained on, however short (the held-out language check)."""
     cache_dir = cache_path(cache_dir)  # `Cache` is the project's (paths.py)
     raw = load_raw_dataset(
         args.dataset,
@@ -48,9 +54,11 @@ def prepare_data(
         args.streaming_validation_documents,
         cache_dir,
     )
+    if held_out:
+        raw = DatasetDict({"validation": concatenate_datasets([raw["train"], raw["validation"]])})
 
     def training_texts():
-        for batch in itertools.islice(raw["train"].iter(batch_size=1000), TOKENIZER_TRAINING_DOCS // 1000):
+        for batch in itertools.islice(next(iter(raw.values())).iter(batch_size=1000), TOKENIZER_TRAINING_DOCS // 1000):
             yield from batch["text"]
 
     content = source_fingerprint(args.dataset)  # replacing a file at the same path rebuilds both caches
@@ -71,11 +79,12 @@ def prepare_data(
         num_proc=args.preprocessing_num_workers,
         validation_split_percentage=args.validation_split_percentage,
         content=content,
+        **({"held_out": True} if held_out else {}),  # its own cache entry; the other keys unchanged
     )
     if is_docstrings_spec(args.dataset):  # which packages (and versions) the corpus was read from
         stats = {**stats, "source": docstring_corpus(args.dataset, cache_dir).manifest}
     collator = collator_for(args, tokenizer, seed)
-    return PreparedData(tokenizer, processed["train"], processed["validation"], collator, stats)
+    return PreparedData(tokenizer, processed.get("train"), processed["validation"], collator, stats)
 
 
 def collator_for(args: DataArguments, tokenizer, seed: int | None):

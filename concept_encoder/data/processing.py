@@ -213,7 +213,8 @@ def check_not_empty(
         )
         raise DataSourceError(
             f"the {name} split yields no example: {len(raw[name])} documents, {tokens} tokens; {need}. "
-            f"Use more text, a smaller --max_seq_length, or a larger --validation_split_percentage"
+            f"Use more text, a smaller --max_seq_length"
+            + (", or a larger --validation_split_percentage" if len(raw) > 1 else "")
         )
 
 

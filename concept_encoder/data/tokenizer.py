@@ -80,6 +80,12 @@ def train_tokenizer(kind: str, vocab_size: int, texts: Iterator[str]) -> PreTrai
             vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
         )
     tok.train_from_iterator(texts, trainer=trainer)
+    if tok.get_vocab_size() <= len(specials) + (256 if kind == "bpe" else 0):  # learned nothing beyond its alphabet
+        raise DataSourceError(
+            "the tokenizer was trained on no text: the training split is empty (with --streaming, the first "
+            "--streaming_validation_documents documents are held out for validation); use more data, hold out "
+            "fewer documents, or pass a trained tokenizer with --tokenizer"
+        )
     from tokenizers.processors import TemplateProcessing
 
     tok.post_processor = TemplateProcessing(

@@ -31,6 +31,11 @@ def most_frequent_token(split, tokenizer) -> int:
     rows = split["input_ids"] if isinstance(split, Dataset) else (example["input_ids"] for example in split)
     for ids in rows:
         counts.update(i for i in ids if i not in specials)
+    if not counts:
+        raise ValueError(
+            "the evaluation text holds no token but special ones ([UNK], [CLS], ...): the tokenizer does not cover "
+            "it; use a tokenizer trained on text like it, or other text"
+        )
     return counts.most_common(1)[0][0]
 
 
