@@ -79,16 +79,20 @@ glue: install
 # Deciding: compare runs, or vary one setting and let a metric pick (README: Deciding)
 #   make compare RUNS="Cache/runs/a Cache/runs/b"
 #   make ablate VARY=concept_loss_weight=0,0.1,1.0 DECIDE=eval_loss ARGS='--gate "health/effective_rank_fraction>=0.25@200"'
+#   make ablate VARY=concept_loss_warmup_steps=0,300 HELDOUT=licenses DECIDE=heldout/licenses/accuracy_over_unigram
 RUNS   ?=
 VARY   ?=
 DECIDE ?= eval_loss
+HELDOUT ?=
+ABLATE_NAME ?=
 compare: install
 	$(if $(RUNS),,$(error name the runs: make compare RUNS="Cache/runs/a Cache/runs/b"))
 	$(PY) -m concept_encoder.compare $(RUNS)
 
 ablate: install
 	$(if $(VARY),,$(error name one setting and its values: make ablate VARY=concept_loss_weight=0,0.1,1.0))
-	$(PY) -m concept_encoder.ablate --vary $(VARY) --decide $(DECIDE) -- --preset $(PRESET) --max_steps $(STEPS) \
+	$(PY) -m concept_encoder.ablate --vary $(VARY) --decide $(DECIDE) $(if $(HELDOUT),--heldout $(HELDOUT)) \
+		$(if $(ABLATE_NAME),--name $(ABLATE_NAME)) -- --preset $(PRESET) --max_steps $(STEPS) \
 		--dataset $(DATASET) --tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)
 
 # Learning curve: downstream score against pretraining tokens for the Concept Encoder and BERT of the same shape,
