@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 
 # The main job's knobs: `make train PRESET=tiny STEPS=100 DATASET=path/to/texts ARGS="--masking span"`
 PRESET    ?= small
-STEPS     ?= 300
+STEPS     ?= 600
 DATASET   ?= embedded
 TOKENIZER ?= train:wordpiece:8000
 SEQ_LEN   ?= 128

@@ -217,6 +217,14 @@ def test_fixed_concept_weight_warms_up_linearly():
     assert weights == pytest.approx([0.0, 0.05, 0.1, 0.15, 0.2])  # step k uses min(1, (k-1)/4) × 0.2
 
 
+def test_the_default_recipe_warms_its_concept_weights_up_in_the_loop():
+    if not Path("runs/learn/final").exists():  # the default recipe's run, shared with the held-out check's test
+        run("--run_name", "learn", "--max_steps", "3")
+    train = records("learn", "train")
+    for name in ("orthogonality", "uniformity"):  # 100 warm-up steps: step k trains with weight (k-1)/100
+        assert [r[f"concept/weight/{name}"] for r in train] == pytest.approx([0.0, 0.01, 0.02])
+
+
 def test_unknown_concept_loss_is_an_error_before_training():
     with pytest.raises(ValueError, match=r"unknown concept loss\(es\) \['orthogonal'\]"):
         run("--run_name", "bad_loss", "--max_steps", "2", "--concept_losses", "orthogonal")

@@ -337,3 +337,32 @@ def test_loop_checkpoint_entry_keeps_the_first_release_format(weighting, paramet
         "kendall_gal": math.exp(-0.5) * 2.5 + 0.5 + math.exp(0.25) * 1.0 - 0.25,
     }[weighting]
     assert total.item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_the_default_recipe_warms_its_concept_losses_up_over_the_first_100_steps():
+    """DEFAULT_RECIPE: orthogonality and uniformity at weight 1.0, reached linearly over the first 100 optimizer
+    steps (chosen by the README's ablation); no warm-up where none applies, and none when asked for 0."""
+    from types import SimpleNamespace
+
+    from concept_encoder.training.args import DEFAULT_RECIPE, parse_args
+    from concept_encoder.training.objective import build_concept_objective
+
+    _, _, args = parse_args([])
+    assert (args.concept_losses, args.loss_weighting, args.concept_loss_weight) == (
+        "orthogonality,uniformity",
+        "fixed",
+        1.0,
+    )
+    assert args.concept_loss_warmup_steps == DEFAULT_RECIPE["concept_loss_warmup_steps"] == 100
+    config = SimpleNamespace(concept_num=C, hidden_size=H, hidden_dropout_prob=0.0)
+    objective = build_concept_objective(args, config, torch.device("cpu"))
+    x = random_concepts()
+    for step, weight in [(0, 0.0), (25, 0.25), (50, 0.5), (99, 0.99), (100, 1.0), (300, 1.0)]:
+        total, terms = objective(mlm(), x, step=step)
+        assert terms["weight/orthogonality"].item() == pytest.approx(weight)
+        assert terms["weight/uniformity"].item() == pytest.approx(weight)
+        expected = 2.5 + weight * (orthogonality_loss(x) + uniformity_loss(x)).item()
+        assert total.item() == pytest.approx(expected, abs=1e-5)
+    for argv in (["--architecture", "bert"], ["--loss_weighting", "kendall_gal"], ["--concept_losses", "none"],
+                 ["--concept_loss_warmup_steps", "0"]):  # fmt: skip
+        assert parse_args(argv)[2].concept_loss_warmup_steps == 0, argv

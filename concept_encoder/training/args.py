@@ -103,7 +103,7 @@ class TrainingArguments:
     output_dir: str = field(default="Cache/runs", metadata={"help": "parent of the run directories"})
     run_name: str | None = field(default=None, metadata={"help": "fixed run id (default: preset-size-timestamp)"})
     seed: int = field(default=42, metadata={"help": "seed for init, data order, masking and dropout"})
-    max_steps: int = field(default=300, metadata={"help": "optimizer steps to train"})
+    max_steps: int = field(default=600, metadata={"help": "optimizer steps to train (the default recipe's budget)"})
     per_device_train_batch_size: int = field(default=16, metadata={"help": "micro-batch per process"})
     per_device_eval_batch_size: int = field(default=32, metadata={"help": "evaluation batch per process"})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
@@ -155,9 +155,11 @@ class TrainingArguments:
         default="fixed", metadata={"help": f"how the losses are weighted: one of {LOSS_WEIGHTING_NAMES}"}
     )
     concept_loss_weight: float = field(default=1.0, metadata={"help": "fixed weighting: weight of each concept loss"})
-    concept_loss_warmup_steps: int = field(
-        default=0, metadata={"help": "fixed weighting: linear warm-up of the concept weights, in optimizer steps"}
-    )
+    concept_loss_warmup_steps: int | None = field(
+        default=None,
+        metadata={"help": "fixed weighting: linear warm-up of the concept weights from 0, in optimizer steps "
+                  "(default: DEFAULT_RECIPE's for a Concept Encoder with fixed weighting, else 0)"},
+    )  # fmt: skip
     cuda_memory_budget_gb: float | None = field(
         default=None, metadata={"help": "cap this process's CUDA memory (e.g. 10 to emulate an RTX 3080)"}
     )
@@ -241,7 +243,7 @@ class TrainingArguments:
             )
         self.gates = parse_gates(self.gate)  # syntax here; metric names where the loop's metrics are known
         check_concept_loss_settings(
-            self.concept_loss_names, self.loss_weighting, self.concept_loss_weight, self.concept_loss_warmup_steps
+            self.concept_loss_names, self.loss_weighting, self.concept_loss_weight, self.concept_loss_warmup_steps or 0
         )
 
     @property
@@ -343,9 +345,15 @@ class FinetuneArguments:
 
 # What a fresh Concept Encoder pretrains with unless told otherwise: the configuration of the README's
 # decision table that kept the concepts healthy (effective rank 0.99 of 64 at 1.3M tokens, where plain
-# MLM, diffusion and TSDAE collapsed to 0.03-0.06) at the same masked-token loss. `--concept_losses none`
-# gives plain MLM.
-DEFAULT_RECIPE = {"concept_losses": "orthogonality,uniformity", "hidden_dropout_prob": 0.0}
+# MLM, diffusion and TSDAE collapsed to 0.03-0.06) at the same masked-token loss, with the concept losses
+# warmed up over the first 100 steps: the README's recipe ablation (600 steps, 3 seeds) found it learns
+# held-out English better (2.50x the unigram baseline against 2.29x without, higher on each seed; held-out
+# loss 8.36 against 8.53) and stays healthy (0.989 of full rank). `--concept_losses none` gives plain MLM.
+DEFAULT_RECIPE = {
+    "concept_losses": "orthogonality,uniformity",
+    "concept_loss_warmup_steps": 100,
+    "hidden_dropout_prob": 0.0,
+}
 
 
 def check_pretraining_combination(model_args: ModelArguments, args: TrainingArguments) -> None:
@@ -356,6 +364,8 @@ def check_pretraining_combination(model_args: ModelArguments, args: TrainingArgu
         parse_gates(args.gate, pretraining_metric_names(args.objective, "bert"), "loops/mlm.py with bert")
         if args.concept_losses is None:
             resolve_default(args, "concept_losses", "none")
+        if args.concept_loss_warmup_steps is None:
+            resolve_default(args, "concept_loss_warmup_steps", 0)
         if args.objective == "tsdae":
             raise ValueError(
                 "--objective tsdae needs a bottleneck to reconstruct through; --architecture bert has none "
@@ -378,6 +388,9 @@ def check_pretraining_combination(model_args: ModelArguments, args: TrainingArgu
     parse_gates(args.gate, pretraining_metric_names(args.objective, model_args.architecture), "loops/mlm.py")
     if args.concept_losses is None:
         resolve_default(args, "concept_losses", DEFAULT_RECIPE["concept_losses"])
+    if args.concept_loss_warmup_steps is None:  # a warm-up applies to fixed weights of concept losses only
+        recipe = args.loss_weighting == "fixed" and args.concept_loss_names
+        resolve_default(args, "concept_loss_warmup_steps", DEFAULT_RECIPE["concept_loss_warmup_steps"] if recipe else 0)
     if model_args.model_name_or_path is None:
         if model_args.decoder_type is None:
             resolve_default(model_args, "decoder_type", "posonly" if args.objective == "tsdae" else "perceiver")
