@@ -792,7 +792,7 @@ def test_final_model_loads_without_the_package_and_carries_a_model_card(tmp_path
     assert "library_name: transformers" in card and "3 optimizer steps" in card
     assert f"{summary['eval_loss']:.4f}" in card and "| effective_rank |" in card
     assert "accelerate launch loops/mlm.py" in card and "--run_name travel" in card
-    assert "| concept losses | orthogonality, uniformity (weight 1.0) |" in card  # the default recipe's
+    assert "| concept losses | orthogonality, uniformity (weight 1.0, warmed up over 100 steps) |" in card  # the recipe
 
 
 def test_the_script_rejects_a_bad_argument_before_importing_torch(tmp_path):
