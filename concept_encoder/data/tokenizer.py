@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from pathlib import Path
 from accelerate import PartialState
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from ..paths import cache_path
+from ..paths import cache_path, written_aside
 from .sources import DataSourceError, ensure_hub, unreachable_message
 
 logger = logging.getLogger(__name__)
@@ -158,11 +157,8 @@ def cached_trained_tokenizer(path: Path, spec: str, kind: str, vocab_size: int, 
                 shutil.rmtree(path)
         if texts is None:
             raise ValueError(f"--tokenizer {spec!r} needs training texts and none were given")
-        partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-        train_tokenizer(kind, vocab_size, texts).save_pretrained(partial)
-        if path.exists():
-            shutil.rmtree(path)
-        partial.rename(path)
+        with written_aside(path, replace_existing=True) as partial:
+            train_tokenizer(kind, vocab_size, texts).save_pretrained(partial)
         return AutoTokenizer.from_pretrained(path)
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
+from ..paths import written_aside
 from .linear import fit_linear, label_arrays
 from .metrics import baseline_predictions, compute_metrics
 
@@ -73,8 +73,7 @@ def task_baselines(task, cache_dir: str | Path | None = None) -> dict:
     result = {"majority": majority, "tfidf": tfidf}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # ranks may write at once
-        partial.write_text(json.dumps(result, indent=2, default=float))
-        partial.replace(path)
+        with written_aside(path) as partial:  # ranks may write at once: each its own partial file
+            partial.write_text(json.dumps(result, indent=2, default=float))
         result = json.loads(path.read_text())  # as a later invocation will read it (JSON keys and numbers)
     return result

@@ -12,6 +12,8 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from filelock import FileLock, Timeout
 
+from ..paths import written_aside
+
 logger = logging.getLogger("concept_encoder")
 
 
@@ -96,9 +98,8 @@ def keep_run_tokenizer(run_dir: Path, tokenizer) -> None:
     folder = Path(run_dir) / RUN_TOKENIZER
     if folder.is_dir():
         return
-    partial = folder.with_name(f"{RUN_TOKENIZER}.partial-{os.getpid()}")
-    tokenizer.save_pretrained(partial)
-    partial.rename(folder)
+    with written_aside(folder) as partial:
+        tokenizer.save_pretrained(partial)
 
 
 def ended_on_its_own(run_dir: Path) -> bool:
@@ -122,15 +123,13 @@ def save_run_config(run_dir: Path, config: dict) -> None:
     from .checkpoint import disk_full, is_disk_full
 
     logger.info("resolved config: %s", json.dumps(config, default=str))
-    partial = run_dir / "config.json.partial"
     try:
-        partial.write_text(json.dumps(config, indent=2, default=str))
-    except OSError as error:  # a full disk leaves no half-written config behind
-        partial.unlink(missing_ok=True)
+        with written_aside(run_dir / "config.json") as partial:  # a full disk leaves no half-written config
+            partial.write_text(json.dumps(config, indent=2, default=str))
+    except OSError as error:
         if is_disk_full(error):
             raise disk_full(run_dir, "the run config") from error
         raise
-    partial.replace(run_dir / "config.json")
 
 
 def wandb_credentials_present() -> bool:
