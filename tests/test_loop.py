@@ -250,7 +250,9 @@ def test_health_cli_reports_and_rejects_non_finite_weights(tmp_path):
     assert out.returncode == 1 and "encoder.concepts" in out.stderr
 
 
-def test_held_out_language_check_scores_the_unigram_baseline_on_the_same_masked_positions(tmp_path, capsys):
+def test_held_out_language_check_scores_the_unigram_baseline_on_the_same_masked_positions(
+    tmp_path, capsys, monkeypatch
+):
     import re
 
     from concept_encoder import check_health
@@ -267,7 +269,13 @@ def test_held_out_language_check_scores_the_unigram_baseline_on_the_same_masked_
     assert f"**{summary['eval_accuracy_over_unigram']:.2f}x**" in (final / "README.md").read_text()
     text = tmp_path / "other-domain.txt"  # English of another domain than the pretraining corpus
     text.write_text("\n\n".join(f"The river {i} runs past the old mill and the farm by the hill." for i in range(80)))
+    from concept_encoder.training import evaluation
+
+    grad_modes = []
+    health = evaluation.concept_health
+    monkeypatch.setattr(evaluation, "concept_health", lambda c: grad_modes.append(torch.is_grad_enabled()) or health(c))
     assert check_health.main([str(final), "--text", str(text), "--max_seq_length", "64", "--batch_size", "8"]) == 0
+    assert grad_modes and not any(grad_modes)  # evaluation builds no autograd graph (it once grew without bound)
     out = capsys.readouterr().out
     found = re.search(r"accuracy ([\d.]+) against ([\d.]+) for always guessing '(.+)' on the same ([\d,]+) masked "
                       r"tokens: ([\d.]+)x", out)  # fmt: skip

@@ -39,6 +39,7 @@ def most_frequent_token(split, tokenizer) -> int:
     return counts.most_common(1)[0][0]
 
 
+@torch.no_grad()  # without it every batch's graph hangs on `totals`: memory grows with the batches evaluated
 def evaluate(
     accelerator,
     model,
