@@ -56,9 +56,13 @@ def parse_vary(texts: list[str]) -> tuple[str, list[str]]:
     return name.strip().lstrip("-"), options
 
 
+def safe_name(text: str) -> str:
+    """`text` as one folder or file name part: every character but letters, digits and `._-` becomes `_`."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+
+
 def run_name_for(base: str, setting: str, value: str) -> str:
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in value)
-    return f"{base}-{setting}{safe}"
+    return f"{base}-{setting}{safe_name(value)}"
 
 
 def run_loop(command: list[str]) -> int:
@@ -147,8 +151,7 @@ HELDOUT_METRICS = ("accuracy_over_unigram", "masked_token_accuracy", "masked_tok
 
 def heldout_name(spec: str) -> str:
     """The short name of a held-out text: `licenses`, or a file's stem (`novel.txt` → `novel`)."""
-    name = spec if spec == LICENSES_DATASET else Path(spec).stem
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    return safe_name(spec if spec == LICENSES_DATASET else Path(spec).stem)
 
 
 def heldout_metric_names(spec: str) -> tuple[str, ...]:

@@ -165,6 +165,17 @@ def test_license_texts_are_read_once_per_paragraph_in_a_fixed_order(tmp_path):
     assert source_fingerprint(f"licenses:{root}") != before  # block caches see the new text
 
 
+def test_the_license_texts_cache_key_carries_their_reading_rules(tmp_path, monkeypatch):
+    from concept_encoder.data import licenses
+
+    root = tmp_path / "site-packages"
+    root.mkdir()
+    write_distribution(root, "alpha-pkg", "1.5", {"LICENSE": (prose(1, words=30) + "\n").encode()})
+    before = source_fingerprint(f"licenses:{root}")
+    monkeypatch.setattr(licenses, "MIN_WORDS", 40)  # other rules, other documents: not the same cache entry
+    assert source_fingerprint(f"licenses:{root}") != before
+
+
 def test_no_license_text_is_one_clear_error(tmp_path):
     root = tmp_path / "site-packages"
     root.mkdir()

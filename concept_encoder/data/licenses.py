@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..constants import LICENSES_DATASET
-from .docstrings import digest, fingerprint, installed_files, normalised, site_roots
+from .docstrings import digest, installed_files, normalised, site_fingerprint, site_roots
 from .sources import DataSourceError, group_paragraphs, paragraphs_of
 
 MIN_WORDS = 8  # "Copyright (c) 2020 Someone" lines and headings carry little language
@@ -40,8 +40,10 @@ def license_paragraphs(paths: list[Path], min_words: int = MIN_WORDS) -> list[st
         except (UnicodeDecodeError, OSError):
             continue
         for paragraph in paragraphs_of(text):
+            if len(paragraph.split()) < min_words:
+                continue
             key = digest(normalised(paragraph))
-            if len(paragraph.split()) >= min_words and key not in seen:
+            if key not in seen:
                 seen.add(key)
                 kept.append(paragraph)
     return kept
@@ -61,6 +63,6 @@ def license_documents(spec: str) -> list[str]:
 
 
 def licenses_fingerprint(spec: str) -> str:
-    """The cache key of `spec`'s text: every license file's path, size and modification time."""
-    roots = site_roots(spec)
-    return fingerprint(installed_files(roots, kind="license")[0], roots)
+    """The cache key of `spec`'s text: every license file's path, size and modification time, and this
+    module's rules (a changed rule changes the documents, so the block caches must not be reused)."""
+    return site_fingerprint(spec, "license", ("licenses", MIN_WORDS, DOCUMENT_WORDS))

@@ -125,10 +125,10 @@ def source_fingerprint(spec: str) -> str:
     if spec == EMBEDDED_DATASET:
         return f"py{sys.version_info.major}.{sys.version_info.minor}"
     if spec.startswith(DOCSTRINGS_DATASET):
-        from .docstrings import corpus_fingerprint, is_docstrings_spec
+        from .docstrings import is_docstrings_spec, site_fingerprint
 
         if is_docstrings_spec(spec):
-            return corpus_fingerprint(spec)
+            return site_fingerprint(spec)
     if spec.startswith(LICENSES_DATASET):
         from .licenses import is_licenses_spec, licenses_fingerprint
 
