@@ -262,7 +262,7 @@ def test_written_aside_moves_a_whole_file_or_folder_into_place_and_removes_a_fai
     assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
 
     folder = tmp_path / "final"
-    (folder).mkdir()
+    folder.mkdir()
     (folder / "old.bin").write_bytes(b"1")
     with pytest.raises(OSError), written_aside(folder) as partial:  # an existing folder is kept unless asked
         partial.mkdir()

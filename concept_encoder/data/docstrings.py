@@ -139,15 +139,15 @@ def list_installed_files(roots: list[Path], wanted=is_python_source) -> tuple[li
     return files, notes
 
 
-def fingerprint(files: list[SourceFile], roots: list[Path], rules: tuple = (EXTRACTOR_VERSION, MIN_WORDS)) -> str:
+def fingerprint(files: list[SourceFile], roots: list[Path], rules: tuple | None = None) -> str:
     """Digest of what the corpus is built from: each file's path (relative to its root), size and
-    modification time, each package's version, the extraction `rules` (the docstring reader's by default)."""
+    modification time, each package's version, the extraction `rules` (None: the docstring reader's)."""
     listing = []
     for f in files:
         root = next(r for r in roots if f.path.is_relative_to(r))
         stat = f.path.stat()
         listing.append((str(f.path.relative_to(root)), stat.st_size, stat.st_mtime_ns, f.package, f.version))
-    payload = json.dumps([*rules, listing])
+    payload = json.dumps([*(rules or (EXTRACTOR_VERSION, MIN_WORDS)), listing])
     return hashlib.sha1(payload.encode()).hexdigest()[:12]
 
 
@@ -288,7 +288,7 @@ def docstring_corpus(spec: str, cache_dir: str | Path | None = "Cache") -> Docst
     return DocstringCorpus(documents, manifest)
 
 
-def site_fingerprint(spec: str, kind: str = "python", rules: tuple = (EXTRACTOR_VERSION, MIN_WORDS)) -> str:
+def site_fingerprint(spec: str, kind: str = "python", rules: tuple | None = None) -> str:
     """The cache key of a site-packages source (`docstrings`, `licenses`) without reading any file's text (a
     listing and a stat per file of `kind`), with the `rules` that turn those files into documents."""
     roots = site_roots(spec)
