@@ -223,7 +223,7 @@ def compare(paths: list[str | Path], report_dir: str | Path = "Cache/reports") -
                     f"- {name}: `{o['gate']}` {verdict}"
                     + (f" ({fmt(o['value'])} at step {o['step']})" if o["step"] is not None else "")
                 )
-    stem = Path(claim_report_stem(report_dir, "compare"))  # compare_<time>[-n]: this invocation's own
+    stem = Path(claim_report_stem(report_dir, "compare"))  # compare_<time>[_NN]: this invocation's own
     png = plot(runs, stem.with_suffix(".png"))
     if png:
         lines += ["", f"![curves]({png.name})"]

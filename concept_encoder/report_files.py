@@ -3,7 +3,9 @@
 Every tool that writes a report (`compare`, `ablate` through compare, `loops/finetune.py`, the merged
 fine-tuning report, `launch/zero_compare.py`, `benchmarks/gpu_check.py`, the curve's points) asks here
 for its name. Two invocations that start within the same second (or on two machines sharing the
-folder) get `<prefix>_<time>` and `<prefix>_<time>-2`: the claim is an exclusive create (`open(..., "x")`
+folder) get `<prefix>_<time>` and `<prefix>_<time>_02` (names sort in the order they were claimed, so
+the newest report is the last in a sorted listing: `_` sorts after the `.` of `<prefix>_<time>.json`,
+where `-2` sorted before it): the claim is an exclusive create (`open(..., "x")`
 for a file, `mkdir` for a folder), which the filesystem settles, not a check followed by a write.
 Torch-free.
 """
@@ -20,7 +22,7 @@ from .paths import cache_path
 def candidates(directory: Path, prefix: str):
     base = f"{prefix}_{dt.datetime.now():%Y%m%d-%H%M%S}"
     for n in itertools.count(1):
-        yield directory / (base if n == 1 else f"{base}-{n}")
+        yield directory / (base if n == 1 else f"{base}_{n:02d}")
 
 
 def claim_report_stem(directory: str | Path, prefix: str, first_suffix: str = ".md") -> Path:
@@ -38,7 +40,7 @@ def claim_report_stem(directory: str | Path, prefix: str, first_suffix: str = ".
 
 
 def claim_report_folder(directory: str | Path, prefix: str) -> Path:
-    """A folder `<directory>/<prefix>_<time>[-n]` created by this call and by no other invocation."""
+    """A folder `<directory>/<prefix>_<time>[_NN]` created by this call and by no other invocation."""
     directory = cache_path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for folder in candidates(directory, prefix):

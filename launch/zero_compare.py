@@ -274,7 +274,7 @@ def main(argv=None) -> int:
         )
         return 2
     args.mixed_precision = args.loop[2].mixed_precision or ("bf16" if has_cuda else "no")
-    report_dir = claim_report_folder(args.out_dir, "zero_compare")  # zero_compare_<time>[-n]: this invocation's
+    report_dir = claim_report_folder(args.out_dir, "zero_compare")  # zero_compare_<time>[_NN]: this invocation's
     rows = []
     presets = [args.loop[0].preset] if not args.find_max else PRESET_ORDER[PRESET_ORDER.index(args.find_max_from) :]
     jobs = [(c, p) for c in args.configs for p in presets]

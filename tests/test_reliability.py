@@ -390,7 +390,7 @@ def test_reports_of_invocations_started_in_the_same_second_never_collide(finishe
     from concept_encoder.training.finetune_report import write_report
 
     first, second = (compare([finished_run], report_dir=tmp_path) for _ in range(2))
-    assert first["markdown"] != second["markdown"]  # e.g. compare_<time>.md and compare_<time>-2.md
+    assert first["markdown"] != second["markdown"]  # e.g. compare_<time>.md and compare_<time>_02.md
     for result in (first, second):  # each report whole, with its own plot
         assert (
             Path(result["png"]).is_file() and f"]({Path(result['png']).name})" in Path(result["markdown"]).read_text()
@@ -399,8 +399,10 @@ def test_reports_of_invocations_started_in_the_same_second_never_collide(finishe
                   "seconds": 1, "learning_rate": 1e-3, "best_step": 2}  # fmt: skip
     reports = [write_report([run_result], {}, tmp_path, "title")["json"] for _ in range(3)]
     assert len(set(reports)) == 3 and all(json.loads(p.read_text())["runs"] == [run_result] for p in reports)
-    folders = {claim_report_folder(tmp_path, "zero_compare") for _ in range(3)}
-    assert len(folders) == 3 and all(f.is_dir() and not any(f.iterdir()) for f in folders)
+    assert sorted(reports) == reports  # claimed order is name order: the newest report sorts last
+    folders = [claim_report_folder(tmp_path, "zero_compare") for _ in range(3)]
+    assert len(set(folders)) == 3 and all(f.is_dir() and not any(f.iterdir()) for f in folders)
+    assert sorted(folders) == folders
 
 
 def test_a_log_file_that_cannot_be_written_is_one_line_not_a_traceback_per_record(tmp_path, capsys):

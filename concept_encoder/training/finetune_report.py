@@ -150,7 +150,7 @@ def plot(rows: list[dict], baselines: dict, path: Path) -> None:
 def write_report(
     results: list[dict], baselines: dict, out_dir: Path, title: str, prefix: str = "finetune"
 ) -> dict[str, Path]:
-    """`<prefix>_<time>[-n].{md,json,png}` under `out_dir` (names no other invocation holds); returns their
+    """`<prefix>_<time>[_NN].{md,json,png}` under `out_dir` (names no other invocation holds); returns their
     paths. `baselines`: task → its baselines."""
     rows = report_rows(results)
     stem = claim_report_stem(out_dir, prefix)
