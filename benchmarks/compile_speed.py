@@ -33,7 +33,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 from benchmarks.scaling import MASK_RATE, build, shapes  # noqa: E402
-from concept_encoder.constants import IGNORE_INDEX  # noqa: E402
+from concept_encoder.model.constants import IGNORE_INDEX  # noqa: E402
 from concept_encoder.training.runtime import maybe_compile  # noqa: E402
 
 SPEEDUP_TARGET = 1.0

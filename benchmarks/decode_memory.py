@@ -5,7 +5,7 @@
 
 `sparse`: `ConceptEncoderForMaskedLM(input_ids, labels=..., return_logits=False)`, as the training loop
 calls it: decoder, LM head and cross-entropy run only at the labelled positions (15%), and the loss is
-computed without keeping the `[L,V]` logits (`concept_encoder.vocab_projection`).
+computed without keeping the `[L,V]` logits (`concept_encoder.model.vocab_projection`).
 `sparse_logits`: the same with the sparse logits returned (the default call, `cross_entropy` on them).
 `dense`: the same model decoding every position to `[B,N,V]` logits (`model(input_ids).logits`) and
 cross-entropy with `ignore_index=IGNORE_INDEX`, as a full-vocabulary head does. Same weights, same labels;
@@ -36,7 +36,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset  # noqa: E402
-from concept_encoder.constants import IGNORE_INDEX  # noqa: E402
+from concept_encoder.model.constants import IGNORE_INDEX  # noqa: E402
 
 MASK_RATE = 0.15
 

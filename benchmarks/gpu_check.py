@@ -9,7 +9,7 @@ reported and the next one runs; the whole stays under `--budget_s`, 8 minutes by
 
 1. `probe`: the loop's attention-kernel probe for the `base` preset under bf16: is flash eligible?
 2. `loop`: `loops/mlm.py` on the `base` preset with bf16 through `accelerate launch`: tokens/s,
-   achieved TFLOP/s (analytic matmul FLOPs, `concept_encoder/flops.py`) and MFU against the GPU's
+   achieved TFLOP/s (analytic matmul FLOPs, `concept_encoder/accounting/flops.py`) and MFU against the GPU's
    peak bf16 dense TFLOP/s, looked up from the device name (`PEAK_BF16_TFLOPS`) or `--peak_tflops`.
 3. `compile`: `benchmarks/compile_speed.py` on `base` with bf16: compiled / eager step-time ratio,
    compile time, recompiles after warm-up.
@@ -37,8 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from concept_encoder import process_group  # noqa: E402
-from concept_encoder.report_files import claim_report_folder  # noqa: E402
+from concept_encoder.common import process_group  # noqa: E402
+from concept_encoder.common.report_files import claim_report_folder  # noqa: E402
 
 # Dense bf16 tensor-core peak per GPU (vendor data sheets, no sparsity), by a name fragment; first match wins.
 PEAK_BF16_TFLOPS = [
@@ -161,8 +161,8 @@ def zero_part(settings: dict, work: Path, cuda: bool):
 
         with path.open() as f:
             rows = list(csv.DictReader(f))
-        from concept_encoder.memory import model_parameter_count
-        from concept_encoder.presets import PRESETS
+        from concept_encoder.accounting.memory import model_parameter_count
+        from concept_encoder.model.presets import PRESETS
 
         largest = {}
         for row in rows:

@@ -34,7 +34,7 @@ from benchmarks.common import (  # noqa: E402
     synchronize,
     write_json,
 )
-from concept_encoder import process_group  # noqa: E402
+from concept_encoder.common import process_group  # noqa: E402
 from concept_encoder.training.args import parse_args as parse_loop_args  # noqa: E402
 from concept_encoder.training.plan import LOOP_SCRIPT, PYTHON_ACCELERATE_LAUNCH, launch_command  # noqa: E402
 

@@ -45,10 +45,11 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 from concept_encoder import ConceptEncoderConfig, ConceptEncoderForMaskedLM  # noqa: E402
-from concept_encoder.constants import IGNORE_INDEX  # noqa: E402
-from concept_encoder.flops import mlm_training_flops  # noqa: E402
-from concept_encoder.heads import MaskedLMHead  # noqa: E402
-from concept_encoder.presets import PRESETS  # noqa: E402
+from concept_encoder.accounting.flops import mlm_training_flops  # noqa: E402
+from concept_encoder.model.bert_baseline import bert_config  # noqa: E402
+from concept_encoder.model.constants import IGNORE_INDEX  # noqa: E402
+from concept_encoder.model.heads import MaskedLMHead  # noqa: E402
+from concept_encoder.model.presets import PRESETS  # noqa: E402
 
 MODELS = ("concept", "concept_kv", "bert", "bert_sparse")
 CONCEPT_MODELS = ("concept", "concept_kv")  # compared with the sparse-head BERT, each against its FLOP bound
@@ -81,7 +82,7 @@ def shapes(preset: str, vocab_size: int, max_len: int) -> dict:
 
 
 def build(name: str, shape: dict) -> nn.Module:
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import BertForMaskedLM
 
     sharing = TOKEN_KV_SHARING.get(name, "none")  # the BERTs' sparse head only reads the shape
     ours = ConceptEncoderConfig(
@@ -89,20 +90,10 @@ def build(name: str, shape: dict) -> nn.Module:
     )
     if name in CONCEPT_MODELS:
         return ConceptEncoderForMaskedLM(ours)
-    bert_config = BertConfig(
-        vocab_size=shape["vocab_size"],
-        hidden_size=shape["hidden_size"],
-        num_hidden_layers=shape["num_hidden_layers"],
-        num_attention_heads=shape["num_attention_heads"],
-        intermediate_size=shape["intermediate_size"],
-        max_position_embeddings=shape["max_position_embeddings"],
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        attn_implementation="sdpa",
-    )
+    bert = bert_config({**shape, "hidden_dropout_prob": 0.0}, shape["vocab_size"], attn_implementation="sdpa")
     if name == "bert":
-        return BertForMaskedLM(bert_config)
-    return BertWithSparseHead(bert_config, ours)
+        return BertForMaskedLM(bert)
+    return BertWithSparseHead(bert, ours)
 
 
 def batch(shape: dict, batch_size: int, seq_len: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +129,7 @@ def make_step(name: str, model: nn.Module, ids: torch.Tensor, labels: torch.Tens
 
 def flops_per_step(name: str, shape: dict, batch_size: int, seq_len: int) -> float:
     """Analytic matmul FLOPs of forward + backward (3 × forward) for one step; ours from
-    `concept_encoder.flops` (latent layers on C rows), BERT's in the same accounting."""
+    `concept_encoder.accounting.flops` (latent layers on C rows), BERT's in the same accounting."""
     if name in CONCEPT_MODELS:
         return mlm_training_flops({**shape, "token_kv_sharing": TOKEN_KV_SHARING[name]}, batch_size, seq_len, MASK_RATE)
     H, L, V, inner = (shape[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"))

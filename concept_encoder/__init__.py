@@ -1,29 +1,41 @@
 """Concept Encoders: C learned concepts cross-attend to N tokens (O(N·C)) instead of token self-attention.
 
-`python -m concept_encoder` prints the size presets with exact parameter counts.
+`python -m concept_encoder <tool>` runs the package's tools (`python -m concept_encoder --help` lists them);
+alone it prints the size presets with exact parameter counts.
 
-The public names below load on first use (PEP 562), so the torch-free parts (`concept_encoder.memory`,
-`concept_encoder.presets`, `concept_encoder.training.args`) import without torch. The model registers
+The library, one concern per folder (data flows down this list's right-hand side, never up):
+
+- `model/`: the Hugging Face model (config, presets, attention, encoder, heads, BERT twin, Auto registration)
+- `concepts/`: what reads the `[B,C,H]` concept tensor: regularisers, their weighting, health metrics
+- `accounting/`: torch-free arithmetic: the memory model and FLOPs
+- `data/`: sources, corpora, tokenizer, packing, collators, corruptions
+- `tasks/`: downstream tasks and their baselines
+- `training/`: what the loops share, by init-order step
+- `decide/`: the tools that run and judge experiments
+- `common/`: paths, report names, CLI types, lazy names, process groups
+
+The public names below load on first use (PEP 562), so the torch-free parts (`concept_encoder.accounting`,
+`concept_encoder.model.presets`, `concept_encoder.training.args`) import without torch. The model registers
 with transformers' Auto classes either when it is imported or when transformers loads its Auto
-mappings (`concept_encoder.auto_registration`), so `import concept_encoder` followed by
+mappings (`concept_encoder.model.auto_registration`), so `import concept_encoder` followed by
 `AutoModelForMaskedLM.from_pretrained(path)` works on a saved Concept Encoder.
 """
 
-from . import auto_registration
-from .lazy import lazy_attributes
+from .common.lazy import lazy_attributes
+from .model import auto_registration
 
 EXPORTS = {
-    "PRESETS": "presets",
-    "ConceptEncoderConfig": "config",
-    "config_from_preset": "config",
-    "ConceptEncoder": "modeling",
-    "ConceptEncoderPreTrainedModel": "modeling",
-    "ConceptEncoderForMaskedLM": "heads",
-    "ConceptEncoderForSequenceClassification": "heads",
-    "ConceptMaskedLMOutput": "heads",
-    "format_preset_table": "summary",
-    "parameter_counts": "summary",
-    "preset_parameter_counts": "summary",
+    "PRESETS": "model.presets",
+    "ConceptEncoderConfig": "model.config",
+    "config_from_preset": "model.config",
+    "ConceptEncoder": "model.modeling",
+    "ConceptEncoderPreTrainedModel": "model.modeling",
+    "ConceptEncoderForMaskedLM": "model.heads",
+    "ConceptEncoderForSequenceClassification": "model.heads",
+    "ConceptMaskedLMOutput": "model.heads",
+    "format_preset_table": "model.summary",
+    "parameter_counts": "model.summary",
+    "preset_parameter_counts": "model.summary",
 }
 __all__ = sorted(EXPORTS)
 __getattr__, __dir__ = lazy_attributes(__name__, EXPORTS)

@@ -1,22 +1,17 @@
 """Names and numbers the library shares with its torch-free tools (plan checker, argument parsing).
 
+The model's own names (decoder types, poolings, token key/value sharing, the ignored label, the vocabulary
+chunk) are in `concept_encoder/model/constants.py`, which every saved model carries beside its weights.
+
 Plain data, no imports: the argument dataclasses validate against these tuples without importing
 torch, and the modules that implement each option key their tables by the same names (each such
 table checks at import that it covers its tuple, so a name cannot be added here without code).
 """
 
-IGNORE_INDEX = -100  # label of positions that are not predicted (transformers' and torch's convention)
-
-# Rows of the vocabulary projection are processed in chunks whose float32 working copy stays under
-# this many elements (16-bit compute only); the memory model counts the same chunk.
-VOCAB_CHUNK_ELEMENTS = 2**24
-
 EMBEDDED_DATASET = "embedded"  # the offline built-in corpus
 DOCSTRINGS_DATASET = "docstrings"  # offline: docstrings of the installed third-party packages
 LICENSES_DATASET = "licenses"  # offline: license texts of the installed packages (held-out English)
 MASKING_STRATEGIES = ("mlm", "whole_word", "span")
-DECODER_TYPES = ("perceiver", "posonly", "weighted")
-CLASSIFIER_POOLINGS = ("weighted", "mean")
 CONCEPT_LOSS_NAMES = (
     "orthogonality",
     "soft_orthogonality",
@@ -57,26 +52,6 @@ TASK_METRIC_NAMES = (
     "micro_f1",
     "subset_accuracy",
 )
-
-
-def token_kv_groups(sharing: str, num_layers: int) -> int:
-    """How many token key/value projections an encoder of `num_layers` layers has under `token_kv_sharing`:
-    one per layer (`none`), one for all (`all`), or K (`groups:K`, contiguous groups of layers); ValueError otherwise."""
-    if sharing == "none":
-        return num_layers
-    if sharing == "all":
-        return 1
-    count = sharing[len("groups:") :] if isinstance(sharing, str) and sharing.startswith("groups:") else ""
-    if count.isdigit() and 1 <= int(count) <= num_layers:
-        return int(count)
-    raise ValueError(
-        f"token_kv_sharing={sharing!r}: use none, all, or groups:K with 1 <= K <= num_hidden_layers={num_layers}"
-    )
-
-
-def token_kv_group(layer: int, groups: int, num_layers: int) -> int:
-    """The key/value group of encoder layer `layer` (0-based): contiguous, as even as the division allows."""
-    return layer * groups // num_layers
 
 
 def eval_suffixes(objective: str) -> tuple[str, ...]:

@@ -11,7 +11,7 @@ the launch with the same `launch_command` and ask the same memory model; this on
 Each config runs `loops/mlm.py` in its own `accelerate launch` process for `--untimed_steps`
 plus `--steps` optimizer steps. Measured: peak CUDA memory allocated and reserved (max over
 ranks, where CUDA exists), peak host RSS (max over ranks), median step time, tokens/s and the
-final loss; beside them the analytic estimate (`concept_encoder.memory`: DeepSpeed's ZeRO
+final loss; beside them the analytic estimate (`concept_encoder.accounting.memory`: DeepSpeed's ZeRO
 estimators plus our activation model) and its error against the measurement. A config that
 fails (OOM, missing op) gets a row with the error and the comparison goes on.
 Writes `Cache/reports/zero_compare_<time>.{csv,md,png}` and prints the markdown table.
@@ -34,10 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from concept_encoder import process_group  # noqa: E402
-from concept_encoder.cli_types import at_least  # noqa: E402
-from concept_encoder.memory import GIB, estimate_training_memory, parse_size_gb, zero_settings  # noqa: E402
-from concept_encoder.report_files import claim_report_folder  # noqa: E402
+from concept_encoder.accounting.memory import GIB, estimate_training_memory, parse_size_gb, zero_settings  # noqa: E402
+from concept_encoder.common import process_group  # noqa: E402
+from concept_encoder.common.cli_types import at_least  # noqa: E402
+from concept_encoder.common.report_files import claim_report_folder  # noqa: E402
 from concept_encoder.training.args import parse_args as parse_loop_args  # noqa: E402
 from concept_encoder.training.plan import (  # noqa: E402
     LOOP_SCRIPT,

@@ -14,7 +14,7 @@ used for all seeds), the step, the probe's and the TF-IDF baseline's regularisat
 validation split, is evaluated once per seed, after every choice (`validate()`, from the saved model).
 Finally the report (`Cache/reports/finetune_<time>.{md,json,png}`). Decision gates (`--gate
 "accuracy>=0.3@100"`, on the task's dev metrics) stop a run that fails one (its best step so far is still
-evaluated and saved); the invocation then exits with code 3 (`concept_encoder.gates`).
+evaluated and saved); the invocation then exits with code 3 (`concept_encoder.training.gates`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
 from concept_encoder.data.tokenizer import TOKENIZER_FILES, check_vocab_covers, require_tokenizer_files
-from concept_encoder.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, GateMonitor, describe_outcome, parse_gates
 from concept_encoder.tasks.baselines import split_rows, task_baselines
 from concept_encoder.tasks.loading import encode_splits, load_task
 from concept_encoder.tasks.metrics import compute_metrics, metric_sign, predictions_from_logits
@@ -65,7 +64,9 @@ from concept_encoder.training.checkpoint import (
 from concept_encoder.training.deepspeed_setup import adamw_class, fill_deepspeed_auto_values, launched_zero_stage
 from concept_encoder.training.evaluation import predict
 from concept_encoder.training.finetune_report import write_report
+from concept_encoder.training.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, GateMonitor, describe_outcome, parse_gates
 from concept_encoder.training.logs import log_model_info, log_system_info, setup_logging
+from concept_encoder.training.metrics_log import MetricsWriter, read_metrics
 from concept_encoder.training.model import build_classifier, check_pooling
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.probe import describe_pooling, linear_probe
@@ -78,7 +79,7 @@ from concept_encoder.training.runtime import (
     setup_distributed,
 )
 from concept_encoder.training.selection import BestStep
-from concept_encoder.training.tracking import MetricsWriter, PreemptionFlag, read_metrics
+from concept_encoder.training.tracking import PreemptionFlag
 
 logger = logging.getLogger("concept_encoder")
 

@@ -6,11 +6,11 @@
 
 `main()` reads top to bottom in the project's fixed init order (1-13); the mechanics live in
 `concept_encoder.training`, the objectives (`--objective mlm|diffusion|tsdae`: how a batch is
-corrupted, which positions are decoded, how each is weighted) in `concept_encoder.objectives`.
+corrupted, which positions are decoded, how each is weighted) in `concept_encoder.data.objectives`.
 The loss of an optimizer step is the summed (weighted) cross-entropy of the whole accumulation
 window on all ranks divided by the window's token count (masked tokens; eligible tokens for
 diffusion's ELBO), not a mean of per-batch means. Decision gates (`--gate
-"health/effective_rank_fraction>=0.25@500"`, `concept_encoder.gates`) are checked at every evaluation;
+"health/effective_rank_fraction>=0.25@500"`, `concept_encoder.training.gates`) are checked at every evaluation;
 a failed one under `--gate_action stop` ends the run with a checkpoint, the final model and exit code 3.
 """
 
@@ -44,19 +44,17 @@ from accelerate.utils import (
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from concept_encoder.accounting.flops import training_flops_per_token
+from concept_encoder.common.paths import written_aside
+from concept_encoder.concepts.health import format_health_table
 from concept_encoder.data import collator_for, prepare_data
-from concept_encoder.flops import training_flops_per_token
-from concept_encoder.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, GateMonitor, describe_outcome, gate_stop_message
-from concept_encoder.health_metrics import format_health_table
-from concept_encoder.objectives import build_corruption, evaluation_corruptions, model_inputs
-from concept_encoder.paths import written_aside
+from concept_encoder.data.objectives import build_corruption, evaluation_corruptions, model_inputs
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.batches import accumulation_windows
 from concept_encoder.training.checkpoint import (
     TrainState,
     check_resume_settings,
     disk_full,
-    is_disk_full,
     load_checkpoint,
     resolve_resume,
     resume_settings,
@@ -71,6 +69,14 @@ from concept_encoder.training.deepspeed_setup import (
     zero3_construction_config,
 )
 from concept_encoder.training.evaluation import evaluate, health_of, most_frequent_token
+from concept_encoder.training.faults import is_disk_full
+from concept_encoder.training.gates import (
+    GATE_ACTION_TEXT,
+    GATE_EXIT_CODE,
+    GateMonitor,
+    describe_outcome,
+    gate_stop_message,
+)
 from concept_encoder.training.logs import (
     log_data_config,
     log_dataset_sizes,
@@ -78,6 +84,7 @@ from concept_encoder.training.logs import (
     log_system_info,
     setup_logging,
 )
+from concept_encoder.training.metrics_log import MetricsWriter
 from concept_encoder.training.model import build_model, held_parameters
 from concept_encoder.training.model_card import write_model_card
 from concept_encoder.training.objective import ConceptObjective, build_concept_objective
@@ -101,7 +108,6 @@ from concept_encoder.training.runtime import (
 )
 from concept_encoder.training.tracking import (
     DivergenceMonitor,
-    MetricsWriter,
     PreemptionFlag,
     memory_stats,
     plot_loss_curve,
@@ -128,7 +134,7 @@ def peak_memory_over_ranks(accelerator) -> dict:
 
 
 def throughput(interval: dict, flops_per_token: float, world_size: int, peak_tflops: float | None) -> dict:
-    """Achieved model TFLOP/s per device (`concept_encoder.flops`, matmuls only), and MFU against
+    """Achieved model TFLOP/s per device (`concept_encoder.accounting.flops`, matmuls only), and MFU against
     `--peak_tflops`."""
     tflops = flops_per_token * interval["tokens"] / interval["time"] / world_size / 1e12
     return {"tflops_per_s": tflops, **({"mfu": tflops / peak_tflops} if peak_tflops else {})}

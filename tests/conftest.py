@@ -1,5 +1,5 @@
 """Every test writes its Cache/ relative to its own working folder (usually a tmp dir), never into the
-checkout's: `CONCEPT_ENCODER_CACHE=Cache` makes `concept_encoder.paths.cache_root()` the current folder's.
+checkout's: `CONCEPT_ENCODER_CACHE=Cache` makes `concept_encoder.common.paths.cache_root()` the current folder's.
 Set at import, before any fixture (module-scoped ones included) runs a loop; subprocesses inherit it."""
 
 import os

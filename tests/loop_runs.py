@@ -1,4 +1,4 @@
-"""Shared by the loop's test modules: the tiny run's arguments, in-process runs, their records."""
+"""Shared by the loop's test modules: the tiny run's arguments, in-process runs, their records, a finished run."""
 
 import os
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 from accelerate.state import AcceleratorState, GradientState
 
 import loops.mlm as mlm
-from concept_encoder.training.tracking import read_metrics
+from concept_encoder.training.metrics_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -32,6 +32,14 @@ def fresh_accelerate(workdir, monkeypatch):
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def finished_run(workdir):
+    """Run `a`: 6 steps, checkpoints at 2, 4, 6 (all kept), finished."""
+    os.chdir(workdir)
+    run("--run_name", "a", "--max_steps", "6", "--save_steps", "2", "--save_total_limit", "3", "--eval_steps", "3")
+    return workdir / "runs" / "a"
 
 
 def run(*extra: str) -> int:

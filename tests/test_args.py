@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from concept_encoder.presets import PRESETS
-from concept_encoder.training.args import parse_args, to_argv
+from concept_encoder.common.dataclass_args import to_argv
+from concept_encoder.model.presets import PRESETS
+from concept_encoder.training.args import parse_args
 from concept_encoder.training.plan import deepspeed_batch_values, fresh_model_fields, launch_command
 
 
@@ -69,8 +70,8 @@ def test_deepspeed_batch_values_and_launch_command():
 
 
 def test_cache_is_the_projects_wherever_a_command_starts(tmp_path, monkeypatch):
-    from concept_encoder.paths import PROJECT_ROOT, cache_path
-    from concept_encoder.report_files import claim_report_stem
+    from concept_encoder.common.paths import PROJECT_ROOT, cache_path
+    from concept_encoder.common.report_files import claim_report_stem
     from concept_encoder.training.plan import launch_command
 
     monkeypatch.delenv("CONCEPT_ENCODER_CACHE")
@@ -84,3 +85,44 @@ def test_cache_is_the_projects_wherever_a_command_starts(tmp_path, monkeypatch):
     assert parse_args([])[2].output_dir == str(tmp_path / "shared" / "runs")
     assert claim_report_stem("Cache/reports", "x").parent == tmp_path / "shared" / "reports"
     assert not (tmp_path / "Cache").exists()
+
+
+def test_a_setting_given_twice_in_a_yaml_config_is_refused_naming_it(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("learning_rate: 1e-3\nmax_steps: 10\nlearning_rate: 5e-4\n")
+    with pytest.raises(ValueError, match="duplicate key 'learning_rate': give each setting once"):
+        parse_args(["--config", str(config)])
+
+
+def test_an_argument_set_applies_its_own_rule_after_each_class_and_to_argv_leaves_resolved_defaults_out():
+    from dataclasses import dataclass, field
+
+    from concept_encoder.common.dataclass_args import ArgumentSet, parse_dataclasses, resolve_default
+    from concept_encoder.training.args import ARGUMENT_CLASSES, FINETUNE_ARGUMENT_CLASSES
+
+    @dataclass
+    class Sizes:
+        width: int = 4
+        depth: int | None = None
+
+    @dataclass
+    class Budget:
+        steps: int = 10
+        tags: list[str] = field(default_factory=list)
+
+    def rule(sizes: Sizes, budget: Budget) -> None:
+        if sizes.width * budget.steps > 100:
+            raise ValueError(f"width {sizes.width} x steps {budget.steps} is over budget")
+        if sizes.depth is None:
+            resolve_default(sizes, "depth", sizes.width // 2)
+
+    with_rule = ArgumentSet((Sizes, Budget), rule, repeatable=("--tags",))
+    sizes, budget = parse_dataclasses(["--width", "8", "--tags", "a", "--steps", "12", "--tags", "b"], with_rule)
+    assert (sizes.depth, budget.steps, budget.tags) == (4, 12, ["a", "b"])
+    assert to_argv(sizes, budget) == ["--width", "8", "--steps", "12", "--tags", "a", "b"]  # depth was resolved
+    with pytest.raises(ValueError, match="width 20 x steps 10 is over budget"):
+        parse_dataclasses(["--width", "20"], with_rule)
+    assert parse_dataclasses(["--width", "20"], (Sizes, Budget))[0].depth is None  # a plain tuple has no rule
+    assert ARGUMENT_CLASSES.rule is not FINETUNE_ARGUMENT_CLASSES.rule  # each loop's set checks its own rules
+    with pytest.raises(ValueError, match="give --learning_rates 0.001 for one fixed rate"):
+        parse_args(["--model_name_or_path", ".", "--learning_rate", "1e-3"], classes=FINETUNE_ARGUMENT_CLASSES)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks import decode_memory, scaling
-from concept_encoder.presets import PRESETS
+from concept_encoder.model.presets import PRESETS
 
 
 def test_flop_model_is_linear_for_concepts_and_quadratic_for_bert():
@@ -87,6 +87,7 @@ def test_growth_is_timed_on_one_model_at_both_lengths():
     assert growth > 1.5  # 8x the tokens cannot cost about the same
 
 
+@pytest.mark.loop
 def test_gpu_check_dry_runs_every_part_and_marks_gpu_numbers_unavailable(tmp_path, capsys):
     from benchmarks import gpu_check
 

@@ -10,7 +10,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
-from concept_encoder.objectives import model_inputs
+from concept_encoder.data.objectives import model_inputs
 from concept_encoder.training.runtime import maybe_compile
 
 VOCAB = 300

@@ -1,4 +1,4 @@
-"""The learning-curve driver (`python -m concept_encoder.curve`) on `micro` with two tiny budgets: the
+"""The learning-curve driver (`python -m concept_encoder curve`) on `micro` with two tiny budgets: the
 snapshots it pretrains, the points it measures, reuse on a rerun, a rebuilt point, gates, bad plans."""
 
 import json
@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import loops.finetune as finetune
 import loops.mlm as mlm
-from concept_encoder import curve
+from concept_encoder.decide import curve
 
 PRETRAIN = [*COMMON, "--output_dir", "runs", "--save_steps", "2"]  # 8 x 64 = 512 tokens per step
 FINETUNE = ("--max_steps 2 --eval_steps 1 --learning_rates 1e-3 --seeds 1 --max_seq_length 32 "
@@ -61,6 +61,7 @@ def test_budget_parsing_and_labels():
         curve.parse_budgets("1M,1000k")
 
 
+@pytest.mark.loop
 def test_curve_pretrains_once_measures_each_point_and_reuses_finished_ones(launches, capsys):
     argv = ["--tokens", "1024,2048", "--architectures", "concept", "--name", "c", "--task", "colors.csv",
             "--finetune_args", FINETUNE,
@@ -115,6 +116,7 @@ def test_curve_pretrains_once_measures_each_point_and_reuses_finished_ones(launc
     assert all(torch.equal(resumed[k], last[k]) for k in last)  # exact resume: the same step-4 weights
 
 
+@pytest.mark.loop
 def test_a_gate_that_stops_pretraining_ends_the_curve_there(launches, capsys):
     argv = ["--tokens", "1024,2048", "--architectures", "concept", "--name", "g", "--twins", "false", "--task", "colors.csv",
             "--finetune_args", FINETUNE, "--", *PRETRAIN, "--gate", "eval_loss<0@1"]  # fmt: skip

@@ -1,4 +1,5 @@
-"""Data pipeline: sources, tokenizer cache, packing, masking collators, offline behaviour."""
+"""Data pipeline: sources, tokenizer cache (a damaged entry rebuilt), packing, masking collators, offline
+behaviour, caches keyed on content (a replaced file rebuilds, an empty split is never cached)."""
 
 import json
 import os
@@ -345,3 +346,48 @@ def test_embedded_corpus_and_cli_work_offline(tmp_path):
     data = prepare_data(DataArguments(tokenizer="train:wordpiece:3000", max_seq_length=64), cache_dir=tmp_path)
     assert len(data.train) > 100 and len(data.validation) > 5
     assert data.stats["train"]["documents"] > 300
+
+
+def test_a_damaged_tokenizer_cache_entry_is_named_and_rebuilt(tmp_path, monkeypatch):
+    from concept_encoder.data import tokenizer as tokenizers
+
+    warnings = []
+    monkeypatch.setattr(tokenizers.logger, "warning", lambda text, *args: warnings.append(text % args))
+    texts = ["alpha beta gamma delta", "epsilon zeta eta theta"] * 20
+    path = tmp_path / "wordpiece-300-x"
+    first = tokenizers.cached_trained_tokenizer(path, "train:wordpiece:300", "wordpiece", 300, iter(texts))
+    (path / "tokenizer.json").write_text("{ not json")
+    again = tokenizers.cached_trained_tokenizer(path, "train:wordpiece:300", "wordpiece", 300, iter(texts))
+    assert len(warnings) == 1 and warnings[0].startswith(f"tokenizer cache {path} does not load (")
+    assert warnings[0].endswith("rebuilding it") and len(again) == len(first)  # retrained: ids may differ (README)
+    reread = tokenizers.cached_trained_tokenizer(path, "train:wordpiece:300", "wordpiece", 300, None)  # no training
+    assert reread.get_vocab() == again.get_vocab()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wordpiece-300-x", "wordpiece-300-x.lock"]  # no partials
+
+
+def write_corpus(path: Path, documents: int, seed: int) -> None:
+    words = "alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma omega".split()
+    paragraphs = [" ".join(words[(seed + i * 7 + j) % len(words)] for j in range(60)) for i in range(documents)]
+    path.write_text("\n\n".join(paragraphs) + "\n")
+
+
+def test_a_replaced_data_file_rebuilds_and_an_empty_split_is_never_cached(tmp_path):
+    from concept_encoder.data import DataArguments, DataSourceError, prepare_data
+
+    corpus = tmp_path / "corpus.txt"
+    write_corpus(corpus, 40, seed=0)
+    args = DataArguments(dataset=str(corpus), tokenizer="train:wordpiece:200", max_seq_length=32)
+    first = prepare_data(args, cache_dir=tmp_path / "cache")
+    assert first.stats["train"]["documents"] + first.stats["validation"]["documents"] == 40
+    write_corpus(corpus, 80, seed=1)  # same path, new content
+    second = prepare_data(args, cache_dir=tmp_path / "cache")
+    assert second.stats["train"]["documents"] + second.stats["validation"]["documents"] == 80
+    assert second.stats["cache_path"] != first.stats["cache_path"]
+
+    tiny = tmp_path / "tiny.txt"
+    write_corpus(tiny, 20, seed=2)
+    for _ in range(2):  # the second attempt gives the same clear error: nothing empty was cached
+        with pytest.raises(DataSourceError, match=r"the validation split yields no example: 1 documents, \d+ tokens"):
+            prepare_data(DataArguments(dataset=str(tiny), tokenizer="train:wordpiece:200", max_seq_length=512),
+                         cache_dir=tmp_path / "cache")  # fmt: skip
+    assert len([p for p in (tmp_path / "cache" / "datasets").iterdir() if p.is_dir()]) == 2  # the two good builds

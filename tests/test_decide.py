@@ -1,8 +1,10 @@
-"""The research loop's verdicts: decision gates in the loop, run comparison, one-axis ablations."""
+"""The research loop's verdicts: decision gates in the loop, run comparison (an unfinished run, a cut metrics
+line), reports that never collide, one-axis ablations."""
 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,13 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 from accelerate.state import AcceleratorState
-from loop_runs import COMMON, ROOT, fresh_accelerate, records, run, workdir  # noqa: F401 (fixtures)
+from loop_runs import COMMON, ROOT, finished_run, fresh_accelerate, records, run, workdir  # noqa: F401 (fixtures)
 
 import loops.mlm as mlm
-from concept_encoder import ablate
-from concept_encoder.compare import compare
-from concept_encoder.gates import Gate, GateMonitor, parse_gate
+from concept_encoder.decide import ablate
+from concept_encoder.decide.compare import compare
 from concept_encoder.training.args import parse_args
+from concept_encoder.training.gates import Gate, GateMonitor, parse_gate
 
 
 @pytest.mark.parametrize(
@@ -76,6 +78,7 @@ def test_monitor_checks_from_the_gates_step_and_keeps_the_first_failure():
 GATED = ["--max_steps", "6", "--eval_steps", "2", "--save_steps", "2"]
 
 
+@pytest.mark.loop
 def test_warn_logs_and_goes_on_stop_ends_with_checkpoint_final_model_and_exit_3(capsys):
     assert run("--run_name", "warned", *GATED, "--gate", "eval_loss<0@4", "--gate", "eval_loss<100",
                "--gate_action", "warn") == 0  # fmt: skip
@@ -97,6 +100,7 @@ def test_warn_logs_and_goes_on_stop_ends_with_checkpoint_final_model_and_exit_3(
     assert (run_dir / "final/model.safetensors").exists() and (run_dir / "final/README.md").exists()
 
 
+@pytest.mark.loop
 def test_resume_keeps_the_gates(monkeypatch, capsys):
     real = mlm.train_step
     calls = {"n": 0}
@@ -125,6 +129,7 @@ def test_resume_keeps_the_gates(monkeypatch, capsys):
     assert Path("runs/resumed_gates/metrics.jsonl").read_text() == metrics  # nothing trained, nothing written
 
 
+@pytest.mark.loop
 def test_compare_names_exactly_the_varied_argument(tmp_path):
     names = []
     for rate in ("1e-3", "2e-3", "4e-3"):
@@ -147,6 +152,7 @@ def test_compare_names_exactly_the_varied_argument(tmp_path):
         compare([Path("runs") / names[0], tmp_path], report_dir=tmp_path)
 
 
+@pytest.mark.loop
 def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys, monkeypatch):
     commands = []
 
@@ -205,6 +211,7 @@ def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys,
     assert capsys.readouterr().err.strip().startswith("interrupted: rerun the same command to continue")
 
 
+@pytest.mark.loop
 def test_ablate_checks_each_final_model_on_held_out_text_and_decides_by_it(capsys, monkeypatch, tmp_path):
     def in_process(command):
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -268,3 +275,48 @@ def test_ablate_checks_each_final_model_on_held_out_text_and_decides_by_it(capsy
             ablate.main(bad)
         assert refused.value.code == 2
         assert re.search(message, capsys.readouterr().err) and len(checks) == before
+
+
+@pytest.mark.loop
+def test_compare_shows_an_unfinished_run_and_a_cut_metrics_line_is_named_not_fatal(finished_run, tmp_path, monkeypatch):
+    from concept_encoder.decide.compare import compare
+    from concept_encoder.training import metrics_log
+
+    warnings = []
+    monkeypatch.setattr(metrics_log.logger, "warning", lambda text, *args: warnings.append(text % args))
+    going = tmp_path / "going"
+    going.mkdir()
+    shutil.copy(finished_run / "config.json", going / "config.json")
+    lines = (finished_run / "metrics.jsonl").read_text().splitlines()
+    (going / "metrics.jsonl").write_text("\n".join(lines[:-1]) + '\n{"kind": "train", "step": 6, "lo')  # cut short
+    result = compare([finished_run, going], report_dir=tmp_path / "reports")
+    last_step = max(json.loads(line)["step"] for line in lines[:-1])
+    assert f"going (running / unfinished, step {last_step})" in result["text"]
+    assert result["metrics"]["eval_loss"][1] == [json.loads(x) for x in lines[:-1] if '"eval"' in x][-1]["eval_loss"]
+    assert warnings == [f"{going / 'metrics.jsonl'} line {len(lines)} is not a metrics record (cut short?): skipped"]
+    metrics_log.MetricsWriter(going / "metrics.jsonl").drop_after(3)  # what a resume does: the cut line goes too
+    assert [r["step"] for r in metrics_log.read_metrics(going / "metrics.jsonl")] == [
+        json.loads(x)["step"] for x in lines[:-1] if json.loads(x)["step"] <= 3
+    ]
+
+
+@pytest.mark.loop
+def test_reports_of_invocations_started_in_the_same_second_never_collide(finished_run, tmp_path):
+    from concept_encoder.common.report_files import claim_report_folder
+    from concept_encoder.decide.compare import compare
+    from concept_encoder.training.finetune_report import write_report
+
+    first, second = (compare([finished_run], report_dir=tmp_path) for _ in range(2))
+    assert first["markdown"] != second["markdown"]  # e.g. compare_<time>.md and compare_<time>_02.md
+    for result in (first, second):  # each report whole, with its own plot
+        assert (
+            Path(result["png"]).is_file() and f"]({Path(result['png']).name})" in Path(result["markdown"]).read_text()
+        )
+    run_result = {"model": "m", "method": "fine-tune", "task": "t", "seed": 1, "validation": {"accuracy": 0.5},
+                  "seconds": 1, "learning_rate": 1e-3, "best_step": 2}  # fmt: skip
+    reports = [write_report([run_result], {}, tmp_path, "title")["json"] for _ in range(3)]
+    assert len(set(reports)) == 3 and all(json.loads(p.read_text())["runs"] == [run_result] for p in reports)
+    assert sorted(reports) == reports  # claimed order is name order: the newest report sorts last
+    folders = [claim_report_folder(tmp_path, "zero_compare") for _ in range(3)]
+    assert len(set(folders)) == 3 and all(f.is_dir() and not any(f.iterdir()) for f in folders)
+    assert sorted(folders) == folders

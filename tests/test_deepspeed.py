@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from concept_encoder import ConceptEncoderForMaskedLM, process_group
+from concept_encoder import ConceptEncoderForMaskedLM
+from concept_encoder.common import process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOP = [
@@ -71,6 +72,7 @@ def zero0_losses(workdir):
     return losses(workdir, "zero0")
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
 def test_zero_config_matches_zero0(workdir, zero0_losses, ds_config):
     finish(launch(workdir, ds_config, "--run_name", ds_config, "--max_steps", "4"))
@@ -88,6 +90,7 @@ def test_zero_config_matches_zero0(workdir, zero0_losses, ds_config):
         assert all(h["local"] == h["total"] for h in held)
 
 
+@pytest.mark.loop
 def test_zero3_resume_is_exact_and_export_is_a_plain_hf_model(workdir):
     finish(launch(workdir, "zero3", "--run_name", "z3full", "--max_steps", "6", "--save_steps", "3"))
     full = losses(workdir, "z3full")
@@ -120,6 +123,7 @@ def test_zero3_resume_is_exact_and_export_is_a_plain_hf_model(workdir):
         torch.testing.assert_close(plain(ids).logits, resumed(ids).logits)
 
 
+@pytest.mark.loop
 def test_zero3_continues_from_a_saved_model_loaded_partitioned(workdir):
     """`--model_name_or_path` under ZeRO-3: transformers loads the saved weights straight into partitions."""
     final = workdir / "runs/z3full/final"
@@ -138,6 +142,7 @@ def test_zero3_continues_from_a_saved_model_loaded_partitioned(workdir):
     assert first_loss < losses(workdir, "z3full")[0] - 0.01  # it starts from the trained weights, not fresh ones
 
 
+@pytest.mark.loop
 def test_simulated_two_node_zero3_matches_single_node(workdir):
     if not (workdir / "runs/zero3/summary.json").exists():  # the single-node run of the ZeRO-3 comparison above
         finish(launch(workdir, "zero3", "--run_name", "zero3", "--max_steps", "4"))
@@ -152,6 +157,7 @@ def test_simulated_two_node_zero3_matches_single_node(workdir):
     assert losses(workdir, "z3nodes") == pytest.approx(losses(workdir, "zero3"), rel=1e-5)
 
 
+@pytest.mark.loop
 def test_zero_compare_writes_csv_markdown_and_plot(workdir, tmp_path):
     cmd = [
         sys.executable, str(ROOT / "launch/zero_compare.py"), "--configs", "zero0,zero2_offload",

@@ -89,6 +89,7 @@ def write_tasks(folder: Path) -> dict[str, Path]:
     return {"single": single, "pairs": pairs, "regression": regression, "multi": multi}
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize(
     ("kind", "extra", "metric"),
     [("single", [], "accuracy"), ("pairs", ["--text_fields", "first,second", "--label_field", "same"], "accuracy"),
@@ -125,6 +126,7 @@ def test_embedded_task_is_deterministic_real_and_not_trivial():
     assert pairs.pair and set(pairs.train["label"]) == {0, 1}
 
 
+@pytest.mark.loop
 def test_a_pretrained_encoder_loads_into_the_classifier_and_bert_runs_the_same_protocol(
     workdir, concept_model, bert_model
 ):
@@ -143,6 +145,7 @@ def test_a_pretrained_encoder_loads_into_the_classifier_and_bert_runs_the_same_p
     assert [row["model"] for row in report["rows"]] == ["concept", "bert"]
 
 
+@pytest.mark.loop
 def test_the_rate_and_step_are_chosen_on_dev_never_on_the_reported_split(workdir, concept_model, monkeypatch):
     task_file = str(write_tasks(workdir / "tasks")["single"])
     argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "2", *COMMON,
@@ -179,6 +182,7 @@ def test_the_rate_and_step_are_chosen_on_dev_never_on_the_reported_split(workdir
     assert [r["validation"] for r in dirty["runs"]] != [r["validation"] for r in clean["runs"]]
 
 
+@pytest.mark.loop
 def test_baselines_and_probes_see_exactly_the_rows_the_models_see_and_the_report_shows_them(
     workdir, concept_model, bert_model
 ):
@@ -233,6 +237,7 @@ def test_baselines_and_probes_see_exactly_the_rows_the_models_see_and_the_report
     cached.unlink()
 
 
+@pytest.mark.loop
 def test_probe_only_leaves_the_model_untouched_and_trains_nothing(workdir, concept_model):
     from transformers import AutoTokenizer
 
@@ -259,6 +264,7 @@ def test_probe_only_leaves_the_model_untouched_and_trains_nothing(workdir, conce
     assert not list(Path("Cache/finetune").glob("probe-only-*"))  # no fine-tuning run folder
 
 
+@pytest.mark.loop
 def test_the_chosen_step_at_the_end_says_train_longer(workdir, concept_model, capsys):
     task_file = str(write_tasks(workdir / "tasks")["single"])
     argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "1", "--run_name", "short",
@@ -348,8 +354,9 @@ def test_bad_tasks_fail_fast_with_one_clear_message(tmp_path, monkeypatch):
         load_task(TaskArguments(task=str(table)))
 
 
+@pytest.mark.loop
 def test_two_processes_agree_on_every_metric(workdir, concept_model):
-    from concept_encoder import process_group
+    from concept_encoder.common import process_group
 
     task = write_tasks(workdir / "tasks")["single"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -372,6 +379,7 @@ def test_pretraining_flags_and_an_unnamed_resume_are_refused(concept_model):
         finetune.main(["--model_name_or_path", str(concept_model), "--resume_from_checkpoint", "auto", *COMMON])
 
 
+@pytest.mark.loop
 def test_a_model_saved_without_its_tokenizer_is_refused_and_takes_one_from_tokenizer(workdir, bert_model, tmp_path):
     import shutil
 
@@ -402,6 +410,7 @@ def test_a_model_saved_without_its_tokenizer_is_refused_and_takes_one_from_token
         finetune.main([*argv, "--run_name", "bare-bad", "--tokenizer", str(bare)])
 
 
+@pytest.mark.loop
 def test_sigterm_checkpoints_and_auto_resume_continues_exactly(workdir, concept_model, monkeypatch):
     import os
     import signal
@@ -451,6 +460,7 @@ def test_zero3_is_refused_before_any_run_folder_is_written(concept_model, monkey
     assert not Path("Cache/finetune").exists()
 
 
+@pytest.mark.loop
 def test_a_failed_gate_stops_the_seed_keeps_its_best_step_and_exits_3(workdir, concept_model):
     task_file = str(write_tasks(workdir / "tasks")["single"])
     argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "1", *COMMON]

@@ -6,7 +6,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
-from concept_encoder.flops import mlm_training_flops
+from concept_encoder.accounting.flops import mlm_training_flops
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import concept_cases
 import pytest
 import torch
 
-from concept_encoder.health_metrics import (
+from concept_encoder.concepts.health import (
     HEALTH_KEYS,
     batch_mean_effective_rank,
     collapsed_dimensions,
@@ -162,7 +162,7 @@ def test_bad_input_raises():
 @pytest.mark.parametrize("shape", [(3, 8, 16), (2, 16, 8), (1, 5, 5)])
 def test_singular_values_from_the_gram_matrix_equal_svdvals(shape):
     """The metrics take singular values from the smaller Gram matrix (fast on CPU); they must be svdvals'."""
-    from concept_encoder.health_metrics import _singular_values
+    from concept_encoder.concepts.health import _singular_values
 
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     x[0, 1] = x[0, 0]  # a repeated concept: rank C-1 when C <= H

@@ -1,4 +1,5 @@
-"""The MLM loop: learning, exact resume, preemption, accumulation, init order, 2 processes, arguments."""
+"""The MLM loop: learning, exact resume, preemption, accumulation, init order, 2 processes, arguments,
+steps without a masked token, a finite blow-up, a saved model that travels without the package."""
 
 import json
 import math
@@ -12,16 +13,27 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from loop_runs import COMMON, ROOT, fresh_accelerate, records, run, train_losses, workdir  # noqa: F401 (fixtures)
+from loop_runs import (  # noqa: F401 (fixtures)
+    COMMON,
+    ROOT,
+    fresh_accelerate,
+    load_without_the_package,
+    records,
+    run,
+    train_losses,
+    workdir,
+)
 from transformers import AutoModelForMaskedLM
 
 import loops.mlm as mlm
-from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset, process_group
-from concept_encoder.flops import mlm_training_flops
+from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
+from concept_encoder.accounting.flops import mlm_training_flops
+from concept_encoder.common import process_group
 from concept_encoder.training.args import parse_args
-from concept_encoder.training.tracking import read_metrics
+from concept_encoder.training.metrics_log import read_metrics
 
 
+@pytest.mark.loop
 def test_tiny_run_learns_and_saves_a_loadable_model():
     run("--run_name", "learn", "--max_steps", "60", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant")
     losses = train_losses("learn")
@@ -53,6 +65,7 @@ def sigterm_after(monkeypatch, calls: int):
     return real
 
 
+@pytest.mark.loop
 def test_sigterm_checkpoint_and_exact_resume(monkeypatch):
     args = ["--max_steps", "8", "--save_steps", "3", "--eval_steps", "4"]
     run("--run_name", "straight", *args)
@@ -79,6 +92,7 @@ def test_sigterm_checkpoint_and_exact_resume(monkeypatch):
     assert kept == ["step_0000005", "step_0000006"]  # saves at 3, 5 (signal), 6; rotation keeps the newest 2
 
 
+@pytest.mark.loop
 def test_streaming_run_trains_evaluates_and_resumes_exactly(monkeypatch):
     """`--streaming`: no length, no indexing, a shuffle buffer; resume still replays the same batches."""
     args = ["--max_steps", "6", "--save_steps", "3", "--streaming", "true", "--streaming_validation_documents", "30"]
@@ -94,6 +108,7 @@ def test_streaming_run_trains_evaluates_and_resumes_exactly(monkeypatch):
     assert AutoModelForMaskedLM.from_pretrained("runs/stream_split/final") is not None
 
 
+@pytest.mark.loop
 def test_train_records_carry_model_tflops_and_mfu_against_the_given_peak():
     run("--run_name", "mfu", "--max_steps", "2", "--peak_tflops", "0.5")
     config = json.loads(Path("runs/mfu/final/config.json").read_text())
@@ -116,6 +131,7 @@ def test_stream_held_out_whole_is_a_clear_error():
         run("--run_name", "stream_empty", *whole)
 
 
+@pytest.mark.loop
 def test_non_finite_loss_stops_with_the_step(monkeypatch):
     monkeypatch.setattr(
         mlm,
@@ -126,6 +142,7 @@ def test_non_finite_loss_stops_with_the_step(monkeypatch):
         run("--run_name", "nan", "--max_steps", "10", "--max_bad_steps", "3")
 
 
+@pytest.mark.loop
 def test_init_order(monkeypatch):
     calls = []
     names = [
@@ -148,6 +165,7 @@ def test_init_order(monkeypatch):
     assert calls.count("train_step") == 2
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("streaming", [False, True])
 def test_two_process_cpu_run_ranks_agree(workdir, streaming):
     name = "ddp_stream" if streaming else "ddp"
@@ -181,6 +199,7 @@ def test_yaml_config_with_cli_override(tmp_path):
         parse_args(["--preset", "huge"])
 
 
+@pytest.mark.loop
 def test_concept_losses_kendall_gal_resume_exactly_and_health_is_logged():
     args = ["--max_steps", "6", "--save_steps", "3", "--eval_steps", "3"]
     args += ["--concept_losses", "orthogonality,uniformity", "--loss_weighting", "kendall_gal"]
@@ -210,6 +229,7 @@ def test_concept_losses_kendall_gal_resume_exactly_and_health_is_logged():
     assert 1.0 <= evals[-1]["health/effective_rank"] <= 16  # micro preset: C = 16
 
 
+@pytest.mark.loop
 def test_fixed_concept_weight_warms_up_linearly():
     run("--run_name", "warm", "--max_steps", "5", "--concept_losses", "vicreg", "--concept_loss_weight", "0.2",
         "--concept_loss_warmup_steps", "4")  # fmt: skip
@@ -217,6 +237,7 @@ def test_fixed_concept_weight_warms_up_linearly():
     assert weights == pytest.approx([0.0, 0.05, 0.1, 0.15, 0.2])  # step k uses min(1, (k-1)/4) × 0.2
 
 
+@pytest.mark.loop
 def test_the_default_recipe_warms_its_concept_weights_up_in_the_loop():
     run("--run_name", "recipe", "--max_steps", "3")  # nothing about the concept losses given: the default recipe
     train = records("recipe", "train")
@@ -230,11 +251,22 @@ def test_unknown_concept_loss_is_an_error_before_training():
     assert not Path("runs/bad_loss").exists()
 
 
+@pytest.mark.loop
 def test_health_cli_reports_and_rejects_non_finite_weights(tmp_path):
     final = Path("runs/learn/final")
     if not final.exists():
         run("--run_name", "learn", "--max_steps", "3")
-    cmd = [sys.executable, "-m", "concept_encoder.check_health", str(final), "--max_seq_length", "64", "--batches", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "concept_encoder",
+        "check_health",
+        str(final),
+        "--max_seq_length",
+        "64",
+        "--batches",
+        "2",
+    ]
     out = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, cwd=Path.cwd(), env={**os.environ, "PYTHONPATH": str(ROOT)}
     )
@@ -245,18 +277,19 @@ def test_health_cli_reports_and_rejects_non_finite_weights(tmp_path):
     with torch.no_grad():
         model.encoder.concepts[0, 0] = float("nan")
     model.save_pretrained(tmp_path / "broken")
-    cmd[3] = str(tmp_path / "broken")
+    cmd[4] = str(tmp_path / "broken")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 1 and "encoder.concepts" in out.stderr
 
 
+@pytest.mark.loop
 def test_held_out_language_check_scores_the_unigram_baseline_on_the_same_masked_positions(
     tmp_path, capsys, monkeypatch
 ):
     import re
 
-    from concept_encoder import check_health
     from concept_encoder.data import DataArguments, prepare_data
+    from concept_encoder.decide import check_health
     from concept_encoder.training.evaluation import most_frequent_token
 
     final = Path("runs/learn/final")
@@ -331,3 +364,50 @@ def test_without_offload_the_loop_steps_torchs_fused_adamw():
     _, _, args = parse_args([])
     optimizer = build_optimizer(model, args, adamw=adamw_class(Accelerator()))
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
+
+
+@pytest.mark.loop
+def test_steps_without_a_masked_token_are_warned_about_and_never_logged_as_loss_0(workdir, capsys):
+    import math
+
+    os.chdir(workdir)
+    run("--run_name", "sparse", "--max_steps", "4", "--mlm_probability", "0.0005", "--concept_losses", "none")
+    out = capsys.readouterr()
+    assert "about 78.0% of micro-batches will have no masked token" in out.out + out.err  # (1 - 0.0005) ** (8 * 62)
+    losses = train_losses("sparse")
+    summary = json.loads(Path("runs/sparse/summary.json").read_text())
+    empty = summary["steps_without_masked_tokens"]
+    assert empty >= 1 and sum(math.isnan(x) for x in losses) == empty and 0.0 not in losses
+
+
+@pytest.mark.loop
+def test_a_finite_blow_up_is_warned_about_and_recorded(capsys):
+    run("--run_name", "blowup", "--max_steps", "30", "--learning_rate", "1.0", "--lr_scheduler_type", "constant",
+        "--warmup_ratio", "0", "--max_grad_norm", "0")  # fmt: skip
+    losses = train_losses("blowup")
+    summary = json.loads(Path("runs/blowup/summary.json").read_text())
+    assert max(losses) > 2 * min(losses), losses  # the run did blow up
+    assert summary["divergence"]["loss"] > 1.5 * summary["divergence"]["running_min"]
+    assert "the loss diverges" in capsys.readouterr().out
+
+
+@pytest.mark.loop
+def test_final_model_loads_without_the_package_and_carries_a_model_card(tmp_path):
+    import torch
+
+    from concept_encoder import ConceptEncoderForMaskedLM
+
+    run("--run_name", "travel", "--max_steps", "3", "--eval_steps", "3")
+    final = Path("runs/travel/final").resolve()
+    assert {"config.py", "heads.py", "modeling.py", "attention.py", "README.md"} <= {p.name for p in final.iterdir()}
+    _, module, remote_sum = load_without_the_package(final, tmp_path, trust_remote_code=True)
+    local = ConceptEncoderForMaskedLM.from_pretrained(final).eval()
+    with torch.no_grad():
+        local_sum = float(local(input_ids=torch.arange(5, 21)[None]).logits.double().sum())
+    assert module.startswith("transformers_modules") and remote_sum == pytest.approx(local_sum, rel=1e-6)
+    card = (final / "README.md").read_text()
+    summary = json.loads(Path("runs/travel/summary.json").read_text())
+    assert "library_name: transformers" in card and "3 optimizer steps" in card
+    assert f"{summary['eval_loss']:.4f}" in card and "| effective_rank |" in card
+    assert "accelerate launch loops/mlm.py" in card and "--run_name travel" in card
+    assert "| concept losses | orthogonality, uniformity (weight 1.0, warmed up over 100 steps) |" in card  # the recipe

@@ -7,8 +7,7 @@ import concept_cases
 import pytest
 import torch
 
-from concept_encoder.loss_weighting import ConceptRegularizedLoss
-from concept_encoder.losses import (
+from concept_encoder.concepts.losses import (
     CONCEPT_LOSSES,
     covariance_loss,
     nearest_neighbour_spread_loss,
@@ -18,6 +17,7 @@ from concept_encoder.losses import (
     variance_loss,
     vicreg_loss,
 )
+from concept_encoder.concepts.weighting import ConceptRegularizedLoss
 
 B, C, H = 16, 8, 16
 

@@ -9,7 +9,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from concept_encoder import PRESETS, ConceptEncoderConfig, ConceptEncoderForMaskedLM
-from concept_encoder.memory import (
+from concept_encoder.accounting.memory import (
     activation_bytes,
     estimate_training_memory,
     model_state_bytes,

@@ -24,11 +24,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import loops.mlm as mlm
-from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset, vocab_projection
-from concept_encoder.constants import IGNORE_INDEX, LOSS_NORMALIZER
-from concept_encoder.objectives import MaskedDiffusion, TokenDeletion, model_inputs
+from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
+from concept_encoder.constants import LOSS_NORMALIZER
+from concept_encoder.data.objectives import MaskedDiffusion, TokenDeletion, model_inputs
+from concept_encoder.model import vocab_projection
+from concept_encoder.model.constants import IGNORE_INDEX
+from concept_encoder.model.vocab_projection import linear_cross_entropy
 from concept_encoder.training.args import parse_args
-from concept_encoder.vocab_projection import linear_cross_entropy
 
 PAD, CLS, SEP, MASK = 0, 2, 3, 4
 
@@ -95,6 +97,7 @@ def test_diffusion_elbo_weights_are_one_over_t_and_the_loss_uses_them():
     assert "label_weights" not in plain and model_inputs(plain)[1] == masked.sum()
 
 
+@pytest.mark.loop
 def test_diffusion_resumes_exactly():
     args = ["--objective", "diffusion", "--max_steps", "6", "--save_steps", "3", "--eval_steps", "3"]
     run("--run_name", "diff_full", *args)
@@ -143,6 +146,7 @@ def test_tsdae_deleted_tokens_are_invisible_to_the_encoder():
     assert a.num_labelled == batch["attention_mask"].sum()  # every non-pad position decoded
 
 
+@pytest.mark.loop
 def test_tsdae_run_with_concept_losses_logs_terms_health_and_reconstruction():
     run("--run_name", "tsdae_run", "--objective", "tsdae", "--concept_losses", "orthogonality", "--max_steps", "3",
         "--eval_steps", "3")  # fmt: skip
@@ -278,6 +282,7 @@ def recorded_windows(monkeypatch, *args: str) -> list[dict]:
     return seen
 
 
+@pytest.mark.loop
 def test_bert_sees_the_concept_runs_batches_and_masks_and_learns(monkeypatch):
     concept = recorded_windows(monkeypatch, "--run_name", "twin_concept", "--max_steps", "3")
     bert = recorded_windows(
@@ -296,6 +301,7 @@ def test_bert_sees_the_concept_runs_batches_and_masks_and_learns(monkeypatch):
     assert config["hidden_size"] == 64 and config["num_hidden_layers"] == 2 and config["intermediate_size"] == 128
 
 
+@pytest.mark.loop
 def test_bert_final_model_loads_with_transformers_alone(tmp_path):
     from transformers import BertForMaskedLM
 
@@ -345,7 +351,7 @@ def test_decoder_defaults_to_posonly_for_tsdae_only():
 
 
 def test_plan_checker_estimates_bert_and_dense_objectives():
-    from concept_encoder import memory
+    from concept_encoder.accounting import memory
 
     def peak(*argv):
         out = subprocess.run(

@@ -2,6 +2,7 @@
 
 import ast
 import importlib
+import importlib.metadata
 import pkgutil
 import subprocess
 import sys
@@ -22,11 +23,34 @@ def run_python(code: str, cwd=ROOT) -> str:
     return out.stdout
 
 
-def test_memory_presets_and_the_argument_module_import_without_torch():
+# Modules the plan checker, argument parsing, preflight and the run readers import before (or without) torch.
+TORCH_FREE = [
+    "concept_encoder.constants",
+    "concept_encoder.model.constants",
+    "concept_encoder.model.presets",
+    "concept_encoder.accounting.memory",
+    "concept_encoder.accounting.flops",
+    "concept_encoder.common.paths",
+    "concept_encoder.common.report_files",
+    "concept_encoder.common.cli_types",
+    "concept_encoder.common.process_group",
+    "concept_encoder.data.base",
+    "concept_encoder.data.stdlib_sentences",
+    "concept_encoder.training.args",
+    "concept_encoder.training.plan",
+    "concept_encoder.training.gates",
+    "concept_encoder.training.faults",
+    "concept_encoder.training.metrics_log",
+    "concept_encoder.training.extension_locks",
+    "concept_encoder.training.preflight",
+    "concept_encoder.decide.compare",
+]
+
+
+def test_the_torch_free_modules_import_without_torch():
     out = run_python(
         "import sys\n"
-        "import concept_encoder.memory, concept_encoder.presets, concept_encoder.training.args\n"
-        "import concept_encoder.training.plan, concept_encoder.constants\n"
+        f"import {', '.join(TORCH_FREE)}\n"
         "from concept_encoder.training.args import parse_args\n"
         "model, data, train = parse_args(['--preset', 'tiny', '--masking', 'span'])\n"
         "print('LOADED', sorted(m for m in ('torch', 'datasets', 'accelerate', 'transformers.modeling_utils') "
@@ -95,3 +119,131 @@ def test_no_module_outside_loops_imports_a_loop():
         for p in library
         if any(m.split(".")[0] in ("launch", "benchmarks") for m in imported_modules(p))
     }, "the library imports no tool"
+
+
+LIBRARY = ROOT / "concept_encoder"
+LOWER = ("model", "concepts", "accounting", "common", "data")  # folders that know nothing of the ones above them
+UPPER = ("training", "decide", "tasks")
+
+
+def library_imports(path: Path) -> set[str]:
+    """Every `concept_encoder...` module `path` imports, relative imports resolved, in functions too."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+            names |= {target} if node.module else {f"{target}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("concept_encoder"):
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names if a.name.startswith("concept_encoder")}
+    return names
+
+
+def test_imports_run_one_way_lower_folders_never_import_training_decide_or_tasks():
+    offenders = {}
+    for folder in LOWER:
+        for path in sorted((LIBRARY / folder).rglob("*.py")):
+            upward = sorted(
+                name for name in library_imports(path) if name.split(".")[1:2] and name.split(".")[1] in UPPER
+            )
+            if upward:
+                offenders[str(path.relative_to(ROOT))] = upward
+    assert offenders == {}
+    assert len([p for folder in LOWER for p in (LIBRARY / folder).rglob("*.py")]) > 30
+    readers_of_decide = {
+        str(p.relative_to(ROOT))
+        for p in LIBRARY.rglob("*.py")
+        if "decide" not in p.parts and any(n.startswith("concept_encoder.decide") for n in library_imports(p))
+    }
+    assert readers_of_decide == set(), "the tools sit on top: nothing in the library imports decide/"
+
+
+def test_the_files_a_saved_model_carries_import_only_each_other():
+    """transformers copies a model's module and its single-dot imports beside the weights; any other import of
+    the library would make `trust_remote_code` need this package, or break `save_pretrained`."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    carried = {Path(p).name for p in get_relative_import_files(str(LIBRARY / "model" / "heads.py"))}
+    assert {"config.py", "constants.py", "modeling.py", "attention.py", "vocab_projection.py"} <= carried
+    for name in carried | {"heads.py"}:
+        tree = ast.parse((LIBRARY / "model" / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level in (0, 1), f"model/{name}: `from {'.' * node.level}{node.module}` leaves model/"
+                assert node.level == 1 or not (node.module or "").startswith("concept_encoder"), f"model/{name}"
+
+
+def test_every_folder_states_its_concern_and_the_top_level_is_only_the_face():
+    folders = sorted(p.parent for p in LIBRARY.glob("*/__init__.py"))
+    assert {f.name for f in folders} == {*LOWER, *UPPER}
+    for folder in folders:
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+        assert doc and len(doc.split()) >= 12, f"{folder.name}/__init__.py: say in its docstring what the folder is for"
+    assert sorted(p.name for p in LIBRARY.glob("*.py")) == ["__init__.py", "__main__.py", "constants.py"]
+
+
+# A model folder (code files, config, weights, expected logits) as an archive: old code, frozen, not linted.
+FIXTURE = ROOT / "tests" / "fixtures" / "saved_before_subpackages.tar.gz"
+
+
+def test_a_model_saved_before_the_subpackage_move_loads_and_computes_the_same(tmp_path):
+    """The fixture was written by the flat-layout package (all modules at the top, commit 1f2a0ae), with its
+    logits on fixed ids. It must load through this package's Auto registration and through its own copied
+    code (`trust_remote_code`, without this package), and both must compute what it computed then."""
+    import json
+    import tarfile
+
+    import torch
+    from loop_runs import load_without_the_package
+    from transformers import AutoModelForMaskedLM
+
+    from concept_encoder import ConceptEncoderForMaskedLM
+
+    with tarfile.open(FIXTURE) as archive:
+        archive.extractall(tmp_path / "saved", filter="data")
+    folder = tmp_path / "saved" / "saved_before_subpackages"
+    expected = json.loads((folder / "expected.json").read_text())
+    model = AutoModelForMaskedLM.from_pretrained(folder).eval()
+    assert type(model) is ConceptEncoderForMaskedLM
+    ids = torch.tensor(expected["input_ids"])
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0]
+        local_sum = float(model(input_ids=torch.arange(5, 21)[None]).logits.double().sum())
+    torch.testing.assert_close(logits, torch.tensor(expected["logits"]), atol=2e-5, rtol=0)
+    name, module, remote_sum = load_without_the_package(folder, tmp_path, trust_remote_code=True)
+    assert (name, module.split(".")[0]) == ("ConceptEncoderForMaskedLM", "transformers_modules")
+    assert remote_sum == pytest.approx(local_sum, rel=1e-6, abs=1e-6)
+
+
+def run_tool(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "concept_encoder", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_one_way_in_lists_the_tools_runs_each_by_name_and_refuses_an_unknown_one():
+    from concept_encoder.__main__ import TOOLS
+
+    listing = run_tool("--help")
+    assert listing.returncode == 0 and all(name in listing.stdout for name in TOOLS)
+    for name, (module, _) in TOOLS.items():
+        assert callable(importlib.import_module(module).main), f"{name}: {module} has no main(argv)"
+    presets = run_tool("presets", "--vocab_size", "1000")
+    assert presets.returncode == 0 and "vocab_size=1000" in presets.stdout
+    assert run_tool("--vocab_size", "1000").stdout == presets.stdout  # the bare form prints the presets, as before
+    helped = run_tool("compare", "--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: python -m concept_encoder compare")
+    scripts = importlib.metadata.entry_points(group="console_scripts", name="concept-encoder")
+    assert [s.value for s in scripts] == ["concept_encoder.__main__:main"], "pyproject.toml [project.scripts]"
+    unknown = run_tool("comapre")
+    assert unknown.returncode == 2 and "unknown tool 'comapre'" in unknown.stderr and "compare" in unknown.stderr
+
+
+def test_the_project_root_is_the_checkout_wherever_the_paths_module_sits():
+    from concept_encoder.common.paths import PROJECT_ROOT
+
+    assert PROJECT_ROOT == ROOT
+    assert (PROJECT_ROOT / "loops" / "mlm.py").is_file() and (PROJECT_ROOT / "pyproject.toml").is_file()

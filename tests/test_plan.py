@@ -179,7 +179,7 @@ def test_3b_preset_counts_equal_the_model_built_on_the_meta_device():
     import torch
 
     from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
-    from concept_encoder.memory import parameter_count
+    from concept_encoder.accounting.memory import parameter_count
 
     config = config_from_preset("3b", vocab_size=30522)
     with torch.device("meta"):  # shapes only: nothing is allocated
@@ -191,7 +191,7 @@ def test_3b_preset_counts_equal_the_model_built_on_the_meta_device():
 def test_3b_plan_on_a_10gb_card_equals_deepspeeds_estimator_and_goes_to_nvme_when_host_ram_is_short(capsys):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-    from concept_encoder.memory import GIB
+    from concept_encoder.accounting.memory import GIB
 
     capsys.readouterr()  # DeepSpeed's first import prints its accelerator to stdout
     code, out = run(capsys, *PLAN_3B, "--ds_config", "ds_configs/zero3_offload.json", "--suggest", "--json")
@@ -252,9 +252,10 @@ def loop_help_flags() -> set[str]:
 
 
 def test_every_flag_of_the_loop_is_accepted_with_the_loops_default(capsys):
-    from concept_encoder.training.args import build_parser, parse_args
+    from concept_encoder.common.dataclass_args import build_parser
+    from concept_encoder.training.args import ARGUMENT_CLASSES, parse_args
 
-    parser = build_parser()
+    parser = build_parser(ARGUMENT_CLASSES)
     options = {option: action for action in parser._actions for option in action.option_strings}
     flags = loop_help_flags()
     assert flags == {o for o in options if o.startswith("--") and "-" not in o[2:]} - {"--help"}, "--help lists it"
@@ -329,3 +330,30 @@ def test_resuming_into_the_runs_folder_is_sound(tmp_path, capsys):
     )
     assert code == 0, out
     assert "the run continues in" in out
+
+
+def test_impossible_machines_are_errors_and_run_checks_the_machine_it_is_on(monkeypatch, capsys):
+    assert check_plan.main(["--profile", "rtx3080_10gb", "--gpus", "0"]) == 1
+    assert "0 GPUs per machine, but the plan budgets 10 GiB per GPU" in capsys.readouterr().out
+    for bad in (["--nodes", "0"], ["--num_processes", "0"], ["--gpus", "-1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            check_plan.main(["--profile", "cpu", *bad])
+        assert exit_info.value.code == 2 and "is below" in capsys.readouterr().err
+
+    launched = []
+    monkeypatch.setattr(check_plan.os, "execv", lambda *argv: launched.append(argv))
+    monkeypatch.setattr(check_plan.os, "chdir", lambda path: None)
+    monkeypatch.setattr(check_plan, "visible_gpus", lambda: [])
+    assert check_plan.main(["--profile", "rtx3080_10gb", "--run"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "needs 1 GPU with 10 GB per machine; this machine has none" in err
+    assert "on this machine: make train-cpu" in err and launched == []
+    monkeypatch.setattr(
+        check_plan, "visible_gpus", lambda: [{"name": "RTX 3090", "memory_gb": 24.0, "capability": 8.6}]
+    )
+    assert check_plan.main(["--profile", "rtx3080_10gb", "--run"]) == 0  # fits: launched
+    assert launched and "loops/mlm.py" in launched[0][1]
+    launched.clear()
+    monkeypatch.setattr(check_plan, "visible_gpus", lambda: [{"name": "RTX 3070", "memory_gb": 8.0, "capability": 8.6}])
+    assert check_plan.main(["--profile", "rtx3080_10gb", "--run"]) == 1 and not launched
+    assert "this machine has 1 GPU with 8 GB; on this machine: make train-cpu" in capsys.readouterr().err

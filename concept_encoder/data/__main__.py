@@ -1,4 +1,4 @@
-"""`python -m concept_encoder.data [--dataset ...] [--tokenizer ...] [--max_seq_length ...] [--masking ...]`
+"""`python -m concept_encoder data [--dataset ...] [--tokenizer ...] [--max_seq_length ...] [--masking ...]`
 
 Builds (or loads from the cache) the processed dataset and prints a summary: documents,
 tokens, blocks and split sizes, the cache path, and two decoded masked examples.
@@ -11,8 +11,8 @@ import sys
 import torch
 from transformers import HfArgumentParser
 
-from ..cli_types import at_least
-from ..constants import IGNORE_INDEX
+from ..common.cli_types import at_least
+from ..model.constants import IGNORE_INDEX
 from . import DataArguments, DataSourceError, prepare_data
 
 
@@ -27,7 +27,7 @@ def show_masked(tokenizer, batch: dict, row: int, max_tokens: int = 60) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = HfArgumentParser(DataArguments, description=__doc__)
+    parser = HfArgumentParser(DataArguments, prog="python -m concept_encoder data", description=__doc__)
     parser.add_argument("--cache_dir", default="Cache", help="where tokenizers and datasets are cached")
     parser.add_argument("--seed", type=at_least(0), default=0, help="masking seed for the shown examples")
     data_args, extra = parser.parse_args_into_dataclasses(args=argv)

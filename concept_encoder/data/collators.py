@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerBase
 
-from ..constants import IGNORE_INDEX, MASKING_STRATEGIES
+from ..constants import MASKING_STRATEGIES
+from ..model.constants import IGNORE_INDEX
 
 
 class MLMCollator(DataCollatorForLanguageModeling):

@@ -42,9 +42,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..common.paths import cache_path, written_aside
 from ..constants import DOCSTRINGS_DATASET
-from ..paths import cache_path, written_aside
-from .sources import DataSourceError
+from .base import DataSourceError
+from .stdlib_sentences import embedded_sentences, first_paragraph
 
 logger = logging.getLogger(__name__)
 
@@ -184,15 +185,8 @@ def digest(text: str) -> bytes:
     return hashlib.sha1(text.encode("utf-8", "surrogatepass")).digest()
 
 
-def first_paragraph(text: str) -> str:
-    """The first paragraph with whitespace collapsed: how the `embedded` tasks cut their sentences."""
-    return " ".join(text.split("\n\n")[0].split())
-
-
 def task_sentence_keys() -> set[bytes]:
     """Normalised digests of every `embedded` task sentence (stdlib docstrings' first paragraphs)."""
-    from ..tasks.embedded import embedded_sentences
-
     return {digest(normalised(text)) for text in embedded_sentences()[0]}
 
 

@@ -3,7 +3,7 @@
 The pretraining corpora are technical prose about Python (`embedded` is CPython's documentation,
 `docstrings` the packages' docstrings); legal English is a different register and vocabulary, and every
 environment that runs this project has some. It is the held-out language check's default text:
-`python -m concept_encoder.check_health MODEL --text licenses`, `ablate --heldout licenses`.
+`python -m concept_encoder check_health MODEL --text licenses`, `ablate --heldout licenses`.
 
 Every LICENSE / LICENCE / COPYING / NOTICE file an installed distribution lists in its RECORD
 (`licenses:<site-packages folder>` reads another folder), in a fixed order (distributions by name, files
@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..constants import LICENSES_DATASET
+from .base import DataSourceError, group_paragraphs, paragraphs_of
 from .docstrings import digest, installed_files, normalised, site_fingerprint, site_roots
-from .sources import DataSourceError, group_paragraphs, paragraphs_of
 
 MIN_WORDS = 8  # "Copyright (c) 2020 Someone" lines and headings carry little language
 DOCUMENT_WORDS = 120

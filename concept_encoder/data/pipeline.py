@@ -9,7 +9,7 @@ from typing import Any
 
 from datasets import DatasetDict, IterableDataset, concatenate_datasets
 
-from ..paths import cache_path
+from ..common.paths import cache_path
 from .arguments import DataArguments
 from .collators import build_collator
 from .docstrings import docstring_corpus, is_docstrings_spec

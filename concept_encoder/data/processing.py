@@ -29,8 +29,8 @@ from accelerate import PartialState
 from datasets import DatasetDict, Features, IterableDatasetDict, Sequence, Value, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
-from ..paths import written_aside
-from .sources import DataSourceError
+from ..common.paths import written_aside
+from .base import DataSourceError
 from .tokenizer import cache_lock, first_line, slug
 
 logger = logging.getLogger(__name__)

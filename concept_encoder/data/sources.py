@@ -13,28 +13,23 @@ import hashlib
 import json
 import logging
 import math
-import os
-import re
-import socket
 import sys
 from collections import Counter
 from pathlib import Path
-from urllib.parse import urlparse
 
 from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
 from datasets.exceptions import DatasetsError
 
 from ..constants import DOCSTRINGS_DATASET, EMBEDDED_DATASET, LICENSES_DATASET
+from .base import DataSourceError, ensure_hub, group_paragraphs, paragraphs_of, unreachable_message
+from .docstrings import docstring_corpus, is_docstrings_spec, site_fingerprint
+from .licenses import is_licenses_spec, license_documents, licenses_fingerprint
 
 logger = logging.getLogger(__name__)
 
 LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SPLIT_SEED = 1234  # fixed: the held-out split must not move when the training seed changes
 VALIDATION_SPLIT_NAMES = ("validation", "valid", "dev")
-
-
-class DataSourceError(RuntimeError):
-    """A dataset or tokenizer source cannot be used; the message says why and what to do."""
 
 
 def embedded_documents(min_words: int = 120) -> list[str]:
@@ -48,58 +43,9 @@ def embedded_documents(min_words: int = 120) -> list[str]:
     return [doc for name in sorted(topics) for doc in group_paragraphs(paragraphs_of(topics[name]), min_words)]
 
 
-def paragraphs_of(text: str) -> list[str]:
-    """The non-blank paragraphs of `text` (cut at blank lines), stripped."""
-    return [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
-
-
-def group_paragraphs(paragraphs: list[str], min_words: int) -> list[str]:
-    """Consecutive paragraphs joined (blank line between) until a group has `min_words` words; the rest last."""
-    documents, group, words = [], [], 0
-    for paragraph in paragraphs:
-        group.append(paragraph)
-        words += len(paragraph.split())
-        if words >= min_words:
-            documents.append("\n\n".join(group))
-            group, words = [], 0
-    if group:
-        documents.append("\n\n".join(group))
-    return documents
-
-
 def looks_like_path(spec: str) -> bool:
     """A spec meant as a local path (so a missing one is reported as such, not looked up on the Hub)."""
     return spec.startswith((".", "/", "~")) or Path(spec).suffix.lower() in LOCAL_BUILDERS
-
-
-def hub_is_offline() -> bool:
-    return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """One TCP connection to the Hub endpoint, so an unreachable Hub fails in seconds, not after retries."""
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    try:
-        with socket.create_connection((endpoint.hostname, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def unreachable_message(kind: str, name: str, reason: str) -> str:
-    return (
-        f"cannot load {kind} {name!r} from the Hugging Face Hub: {reason}. "
-        f"Use a local path instead (a file or folder of .txt/.jsonl/.json/.parquet for datasets, a folder "
-        f"saved with save_pretrained for tokenizers), `--dataset embedded` for the built-in offline corpus, "
-        f"or `--tokenizer train:wordpiece:8000` to train a tokenizer locally."
-    )
-
-
-def ensure_hub(kind: str, name: str) -> None:
-    """Fail fast, before `datasets`/`huggingface_hub` start their retry loops."""
-    if not hub_is_offline() and not hub_reachable():
-        raise DataSourceError(unreachable_message(kind, name, "the Hub is unreachable from this machine"))
 
 
 def local_files(path: Path) -> tuple[str, list[str]]:
@@ -125,13 +71,9 @@ def source_fingerprint(spec: str) -> str:
     if spec == EMBEDDED_DATASET:
         return f"py{sys.version_info.major}.{sys.version_info.minor}"
     if spec.startswith(DOCSTRINGS_DATASET):
-        from .docstrings import is_docstrings_spec, site_fingerprint
-
         if is_docstrings_spec(spec):
             return site_fingerprint(spec)
     if spec.startswith(LICENSES_DATASET):
-        from .licenses import is_licenses_spec, licenses_fingerprint
-
         if is_licenses_spec(spec):
             return licenses_fingerprint(spec)
     path = Path(spec).expanduser()
@@ -211,9 +153,6 @@ def offline_documents(spec: str, cache_dir: str | Path | None) -> list[str] | No
     None for any other."""
     if spec == EMBEDDED_DATASET:
         return embedded_documents()
-    from .docstrings import docstring_corpus, is_docstrings_spec
-    from .licenses import is_licenses_spec, license_documents
-
     if is_licenses_spec(spec):
         return license_documents(spec)
     return docstring_corpus(spec, cache_dir).documents if is_docstrings_spec(spec) else None

@@ -23,8 +23,8 @@ from pathlib import Path
 from accelerate import PartialState
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from ..paths import cache_path, written_aside
-from .sources import DataSourceError, ensure_hub, unreachable_message
+from ..common.paths import cache_path, written_aside
+from .base import DataSourceError, ensure_hub, unreachable_message
 
 logger = logging.getLogger(__name__)
 

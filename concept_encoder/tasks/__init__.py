@@ -1,6 +1,6 @@
 """Downstream tasks for fine-tuning: the embedded offline task, GLUE, local files; metrics and baselines."""
 
-from ..lazy import lazy_attributes
+from ..common.lazy import lazy_attributes
 
 EXPORTS = {
     "TaskArguments": "arguments",

@@ -11,7 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..paths import written_aside
+from ..common.paths import written_aside
 from .linear import fit_linear, label_arrays
 from .metrics import baseline_predictions, compute_metrics
 

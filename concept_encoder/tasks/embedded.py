@@ -1,11 +1,10 @@
-"""The embedded fine-tuning task: sentences of Python standard-library docstrings, labelled by package.
+"""The embedded fine-tuning tasks: sentences of Python standard-library docstrings, labelled by package.
 
-Offline and deterministic: the docstrings are read from this Python's standard-library source files
-with `ast` (nothing is imported or executed), so the labels are real (where the text comes from) and
-the pretraining corpus (the language reference in `pydoc_data`, see `concept_encoder.data.sources`)
-does not give them away. Each example is the first paragraph of one docstring (a module, class or
-function of the package), 5-60 words; each package contributes at most `PER_PACKAGE` examples, chosen
-by a fixed-seed shuffle, so the classes are nearly balanced.
+Offline and deterministic: the sentences (`concept_encoder/data/stdlib_sentences.py`: first paragraphs of stdlib
+docstrings, read with `ast`, nothing imported or executed) are real text whose label is where it comes from, and
+the pretraining corpora (`pydoc_data`'s language reference; the docstring corpus, which drops every one of these
+sentences) do not give them away. Each package contributes at most `PER_PACKAGE` examples, so the classes are
+nearly balanced.
 
 - `embedded`: single sentences, label = top-level package (9 classes).
 - `embedded_pairs`: two sentences, label 1 when they come from the same package, else 0 (balanced).
@@ -13,49 +12,11 @@ by a fixed-seed shuffle, so the classes are nearly balanced.
 
 from __future__ import annotations
 
-import ast
 import random
-import sysconfig
-from pathlib import Path
 
-# Packages present (as source) in CPython 3.11-3.13 with at least ~160 usable docstrings each.
-PACKAGES = ("asyncio", "email", "idlelib", "importlib", "logging", "multiprocessing", "tkinter", "unittest", "xml")
-PER_PACKAGE = 300
-SEED = 1234  # fixed: the task must not change with the training seed
+from ..data.stdlib_sentences import PACKAGES, SEED, embedded_sentences
 
-
-def docstring_paragraphs(package: str) -> list[str]:
-    """First paragraphs (5-60 words, whitespace collapsed) of every docstring in `package`'s source, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"]) / package
-    found = set()
-    for path in sorted(root.rglob("*.py")):
-        if {"test", "tests", "idle_test"} & set(path.relative_to(root).parts):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-                doc = ast.get_docstring(node)
-                if doc:
-                    first = " ".join(doc.strip().split("\n\n")[0].split())
-                    if 5 <= len(first.split()) <= 60:
-                        found.add(first)
-    return sorted(found)
-
-
-def embedded_sentences() -> tuple[list[str], list[int], list[str]]:
-    """(texts, labels, label names) of the single-sentence task, in a fixed shuffled order."""
-    rng = random.Random(SEED)
-    examples = []
-    for label, package in enumerate(PACKAGES):
-        paragraphs = docstring_paragraphs(package)
-        rng.shuffle(paragraphs)
-        examples += [(text, label) for text in paragraphs[:PER_PACKAGE]]
-    rng.shuffle(examples)
-    texts, labels = zip(*examples, strict=True)
-    return list(texts), list(labels), list(PACKAGES)
+__all__ = ["PACKAGES", "embedded_pairs", "embedded_sentences"]  # the sentences are the task's too
 
 
 def embedded_pairs() -> tuple[list[str], list[str], list[int]]:

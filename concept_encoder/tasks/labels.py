@@ -22,7 +22,7 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from ..data.sources import DataSourceError
+from ..data.base import DataSourceError
 
 logger = logging.getLogger(__name__)
 

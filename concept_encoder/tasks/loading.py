@@ -9,7 +9,8 @@ from pathlib import Path
 from datasets import Dataset, Sequence, Value, load_dataset
 
 from ..constants import check_table_covers
-from ..data.sources import SPLIT_SEED, DataSourceError, ensure_hub  # the data layer's fixed hold-out seed
+from ..data.base import DataSourceError, ensure_hub
+from ..data.sources import SPLIT_SEED  # the data layer's fixed hold-out seed
 from .arguments import EMBEDDED_TASKS, GLUE_TASKS, TaskArguments
 from .embedded import PACKAGES, embedded_pairs, embedded_sentences
 from .labels import check_present, class_name, class_names, infer_task_type, read_delimited, regression_values

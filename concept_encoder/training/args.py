@@ -11,34 +11,31 @@ there too, with the same message. `to_argv` is the inverse: the flags that repro
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
-from dataclasses import MISSING, dataclass, field, fields
-from pathlib import Path
-from typing import get_args, get_origin, get_type_hints
+from dataclasses import dataclass, field, fields
 
-import yaml
-from transformers import HfArgumentParser
-
+from ..common.dataclass_args import (
+    ArgumentSet,
+    field_default,
+    parse_dataclasses,
+    resolve_default,
+)
+from ..common.paths import cache_path
 from ..constants import (
     ARCHITECTURES,
-    CLASSIFIER_POOLINGS,
     CONCEPT_LOSS_NAMES,
-    DECODER_TYPES,
     DIFFUSION_WEIGHTINGS,
     LOSS_WEIGHTING_NAMES,
     OBJECTIVES,
     TASK_METRIC_NAMES,
     check_concept_loss_settings,
     pretraining_metric_names,
-    token_kv_groups,
 )
 from ..data.arguments import DataArguments
-from ..gates import GATE_ACTIONS, GATE_EXIT_CODE, parse_gates
-from ..paths import cache_path
-from ..presets import PRESETS
+from ..model.constants import CLASSIFIER_POOLINGS, DECODER_TYPES, token_kv_groups
+from ..model.presets import PRESETS
 from ..tasks.arguments import TaskArguments
+from .gates import GATE_ACTIONS, GATE_EXIT_CODE, parse_gates
 
 
 @dataclass
@@ -164,7 +161,8 @@ class TrainingArguments:
         default=None, metadata={"help": "cap this process's CUDA memory (e.g. 10 to emulate an RTX 3080)"}
     )
     objective: str = field(
-        default="mlm", metadata={"help": f"pretraining objective: one of {OBJECTIVES} (concept_encoder.objectives)"}
+        default="mlm",
+        metadata={"help": f"pretraining objective: one of {OBJECTIVES} (concept_encoder.data.objectives)"},
     )
     t_min: float = field(default=0.1, metadata={"help": "diffusion: masking rates t ~ U(t_min, 1), 0 < t_min < 1"})
     diffusion_weighting: str = field(
@@ -343,10 +341,10 @@ class FinetuneArguments:
         return [self.model_name_or_path, *[m.strip() for m in (self.compare_to or "").split(",") if m.strip()]]
 
 
-# What a fresh Concept Encoder pretrains with unless told otherwise: the configuration of the README's
-# decision table that kept the concepts healthy (effective rank 0.99 of 64 at 1.3M tokens, where plain
+# What a fresh Concept Encoder pretrains with unless told otherwise: the configuration of the decision table
+# (docs/results.md) that kept the concepts healthy (effective rank 0.99 of 64 at 1.3M tokens, where plain
 # MLM, diffusion and TSDAE collapsed to 0.03-0.06) at the same masked-token loss, with the concept losses
-# warmed up over the first 100 steps: the README's recipe ablation (600 steps, 3 seeds) found it learns
+# warmed up over the first 100 steps: the recipe ablation (600 steps, 3 seeds) found it learns
 # held-out English better (2.50x the unigram baseline against 2.29x without, higher on each seed; held-out
 # loss 8.36 against 8.53) and stays healthy (0.989 of full rank). `--concept_losses none` gives plain MLM.
 DEFAULT_RECIPE = {
@@ -356,10 +354,10 @@ DEFAULT_RECIPE = {
 }
 
 
-def check_pretraining_combination(model_args: ModelArguments, args: TrainingArguments) -> None:
-    """The rules between the model and the objective (ValueError naming the conflict and the fix);
-    resolves the defaults that depend on them: the decoder (`posonly` for tsdae, `perceiver`
-    otherwise), and for a Concept Encoder the concept losses and dropout of `DEFAULT_RECIPE`."""
+def check_pretraining_combination(model_args: ModelArguments, data_args: DataArguments, args: TrainingArguments):
+    """The pretraining set's rules between the model and the objective (ValueError naming the conflict and the
+    fix); resolves the defaults that depend on them: the decoder (`posonly` for tsdae, `perceiver` otherwise), and
+    for a Concept Encoder the concept losses and dropout of `DEFAULT_RECIPE`. (`data_args`: no rule yet.)"""
     if model_args.architecture == "bert":
         parse_gates(args.gate, pretraining_metric_names(args.objective, "bert"), "loops/mlm.py with bert")
         if args.concept_losses is None:
@@ -398,106 +396,36 @@ def check_pretraining_combination(model_args: ModelArguments, args: TrainingArgu
             resolve_default(model_args, "hidden_dropout_prob", DEFAULT_RECIPE["hidden_dropout_prob"])
 
 
-def resolve_default(instance, name: str, value) -> None:
-    """Set a default that depends on other arguments, and remember it was not given (`to_argv` leaves it out)."""
-    setattr(instance, name, value)
-    instance.__dict__.setdefault("_resolved_defaults", set()).add(name)
+def check_finetune_combination(finetune_args: FinetuneArguments, task_args: TaskArguments, args: TrainingArguments):
+    """The fine-tuning set's rules: gates name dev-split metrics, and the learning rate comes from one flag."""
+    parse_gates(args.gate, TASK_METRIC_NAMES, "loops/finetune.py (dev split)")
+    if args.learning_rate != FINETUNE_DEFAULTS["learning_rate"]:  # one flag for the rate, not two
+        raise ValueError(
+            f"loops/finetune.py chooses the learning rate on the dev split from --learning_rates; give "
+            f"--learning_rates {args.learning_rate:g} for one fixed rate instead of --learning_rate"
+        )
 
 
-ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainingArguments)
+REPEATABLE_FLAGS = ("--gate",)  # `--gate a --gate b` means `--gate a b`
+ARGUMENT_CLASSES = ArgumentSet(
+    (ModelArguments, DataArguments, TrainingArguments), check_pretraining_combination, REPEATABLE_FLAGS
+)
 # Fine-tuning shares the optimisation, logging and run settings; its defaults suit a small labelled set.
-FINETUNE_ARGUMENT_CLASSES = (FinetuneArguments, TaskArguments, TrainingArguments)
+FINETUNE_ARGUMENT_CLASSES = ArgumentSet(
+    (FinetuneArguments, TaskArguments, TrainingArguments), check_finetune_combination, REPEATABLE_FLAGS
+)
 FINETUNE_DEFAULTS = {
     "output_dir": "Cache/finetune", "learning_rate": 1e-4, "per_device_train_batch_size": 32, "max_steps": 300, "eval_steps": 25,
     "save_steps": 0, "logging_steps": 10, "lr_scheduler_type": "linear", "warmup_ratio": 0.1,
 }  # fmt: skip
 
 
-def build_parser(classes=ARGUMENT_CLASSES, **kwargs) -> HfArgumentParser:
-    """The loops' parser: one flag per dataclass field (what `loops/mlm.py --help` lists), plus `--config`."""
-    parser = HfArgumentParser(classes, **kwargs)
-    parser.add_argument("--config", default=None, help="YAML file of arguments; command-line flags override it")
-    return parser
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key given twice in one mapping is an error (the plain loader keeps
-    the last value silently: `learning_rate` twice in a config would train with whichever came second)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}: give each setting once", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def read_yaml_mapping(path: str | Path, what: str) -> dict:
-    """A YAML file that must hold a mapping; ValueError naming `what` and the file otherwise."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{what} {path}: no such file")
-    try:
-        values = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}
-    except yaml.YAMLError as error:
-        raise ValueError(f"{what} {path}: not valid YAML ({error})") from error
-    if not isinstance(values, dict):
-        raise ValueError(f"{what} {path}: expected a mapping of names to values")
-    return values
-
-
-def read_argument_file(path: str | Path, classes=ARGUMENT_CLASSES, what: str = "--config") -> dict:
-    """A YAML mapping of argument names to values; unknown names are an error naming the valid ones."""
-    values = read_yaml_mapping(path, what)
-    check_argument_names(values, classes, f"{what} {path}")
-    return values
-
-
-def check_argument_names(values: dict, classes, where: str) -> None:
-    valid = {f.name for cls in classes for f in fields(cls)}
-    unknown = sorted(set(values) - valid)
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}; valid keys are {sorted(valid)}")
-
-
 def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, defaults: dict | None = None) -> tuple:
-    """Parse `argv` (default `sys.argv[1:]`) into one instance of each dataclass in `classes`.
-
-    Precedence, lowest first: the dataclass defaults, `defaults` (e.g. a hardware profile's),
-    the `--config` YAML file, the command-line flags. Unknown flags or keys raise `ValueError`;
-    so does any value a dataclass's `__post_init__` rejects. A malformed value (`--max_steps x`)
-    is argparse's usage error (exit code 2).
-    """
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, rest = pre.parse_known_args(merge_repeated_lists(list(sys.argv[1:] if argv is None else argv)))
-    parser = build_parser(classes)
-    if defaults:
-        check_argument_names(defaults, classes, "defaults")
-        parser.set_defaults(**defaults)
-    if known.config:
-        parser.set_defaults(**read_argument_file(known.config, classes))
-    namespace, unknown = parser.parse_known_args(rest)
-    if unknown:
-        raise ValueError(f"unknown argument(s) {unknown}; run with --help for the valid flags")
-    values = vars(namespace)
-    parsed = tuple(
-        cls(**{f.name: typed_value(cls, f.name, values[f.name]) for f in fields(cls) if f.init}) for cls in classes
-    )
-    if ModelArguments in classes and TrainingArguments in classes:
-        check_pretraining_combination(parsed[classes.index(ModelArguments)], parsed[classes.index(TrainingArguments)])
-    if FinetuneArguments in classes and TrainingArguments in classes:
-        training = parsed[classes.index(TrainingArguments)]
-        parse_gates(training.gate, TASK_METRIC_NAMES, "loops/finetune.py (dev split)")
-        if training.learning_rate != FINETUNE_DEFAULTS["learning_rate"]:  # one flag for the rate, not two
-            raise ValueError(
-                f"loops/finetune.py chooses the learning rate on the dev split from --learning_rates; give "
-                f"--learning_rates {training.learning_rate:g} for one fixed rate instead of --learning_rate"
-            )
+    """Parse `argv` (default `sys.argv[1:]`) into one instance of each dataclass in `classes` (`ARGUMENT_CLASSES`
+    for pretraining, `FINETUNE_ARGUMENT_CLASSES` for fine-tuning; each set checks its own rules): see
+    `parse_dataclasses` for the precedence of defaults, `defaults` (e.g. a hardware profile's), `--config` and
+    flags. `Cache/...` output folders then mean the project's `Cache/`, wherever the command starts."""
+    parsed = parse_dataclasses(argv, classes, defaults)
     for instance in parsed:  # `Cache/...` means the project's Cache/, wherever the command starts (paths.py)
         for name in ("output_dir", "report_dir"):
             value = getattr(instance, name, None)
@@ -505,69 +433,3 @@ def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, defaults
                 default = field_default(next(f for f in fields(instance) if f.name == name))
                 (resolve_default if value == default else setattr)(instance, name, resolved)
     return parsed
-
-
-LIST_FLAGS = ("--gate",)  # flags that may be repeated: `--gate a --gate b` means `--gate a b`
-
-
-def merge_repeated_lists(argv: list[str]) -> list[str]:
-    """`argv` with each repeatable list flag's occurrences merged into one (argparse would keep the last)."""
-    merged: dict[str, list[str]] = {}
-    rest: list[str] = []
-    flag = None
-    for token in argv:
-        if token in LIST_FLAGS:
-            flag = token
-            merged.setdefault(token, [])
-        elif flag is not None and not token.startswith("--"):
-            merged[flag].append(token)
-        else:
-            flag = None
-            rest.append(token)
-    return rest + [item for name, values in merged.items() for item in (name, *values)]
-
-
-def typed_value(cls, name: str, value):
-    """`value` as the type `cls.name` declares, or ValueError: YAML and profile values reach the
-    dataclasses without argparse's conversion, and `max_steps: 3.7` must not become 3 silently."""
-    declared = get_type_hints(cls)[name]
-    if get_origin(declared) is list:  # a list of strings: a YAML list, one YAML string, or the CLI's list
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list | tuple) or not all(isinstance(item, str) for item in items):
-            raise ValueError(f"{name}={value!r} must be a string or a list of strings")
-        return list(items)
-    allowed = [t for t in get_args(declared) if t is not type(None)] or [declared]
-    if value is None and type(None) in get_args(declared):
-        return None
-    for kind in allowed:
-        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if kind is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if kind in (str, bool) and isinstance(value, kind):
-            return value
-    wanted = " or ".join(getattr(kind, "__name__", str(kind)) for kind in allowed)
-    raise ValueError(f"{name}={value!r} must be {'an' if wanted[0] in 'aeiou' else 'a'} {wanted}")
-
-
-def field_default(f):
-    return f.default_factory() if f.default_factory is not MISSING else f.default
-
-
-def to_argv(*instances) -> list[str]:
-    """The command-line flags that make `parse_args` rebuild `instances`: one per non-default field.
-
-    `parse_args(to_argv(*parse_args(argv)))` equals `parse_args(argv)` (tested).
-    """
-    argv: list[str] = []
-    for instance in instances:
-        resolved = instance.__dict__.get("_resolved_defaults", set())
-        for f in fields(instance):
-            value = getattr(instance, f.name)
-            if not f.init or value == field_default(f) or f.name in resolved:
-                continue
-            if isinstance(value, list):
-                argv += [f"--{f.name}", *value]
-            else:
-                argv += [f"--{f.name}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return argv

@@ -12,21 +12,19 @@ an explicit path to it is refused with the file named.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .faults import DiskFullError, is_disk_full, raise_run_folder_gone
+from .metrics_log import read_metrics
+
 logger = logging.getLogger("concept_encoder")
 TRAIN_STATE = "train_state.json"
 MANIFEST = "manifest.json"
 RESUME_SETTINGS = "resume_settings.json"
-
-
-class DiskFullError(RuntimeError):
-    """No space left while saving: the message names the last intact checkpoint."""
 
 
 class CheckpointError(ValueError):
@@ -101,8 +99,6 @@ def save_checkpoint(
     import torch
 
     if not Path(run_dir).is_dir():  # saving would silently create a new, empty run folder in its place
-        from .tracking import raise_run_folder_gone
-
         raise_run_folder_gone(Path(run_dir))
     final = Path(run_dir) / "checkpoints" / f"step_{state.step:07d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -134,19 +130,6 @@ def save_checkpoint(
         logger.info("checkpoint saved: %s", final)
     accelerator.wait_for_everyone()
     return final
-
-
-# How a full disk shows: ENOSPC, or torch's zip writer failing mid-file ("unexpected pos", "file write failed").
-DISK_FULL_TEXTS = ("No space left on device", "unexpected pos", "file write failed")
-
-
-def is_disk_full(error: BaseException) -> bool:
-    """ENOSPC, raised directly or wrapped (torch.save's writer reports it inside a RuntimeError)."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno == errno.ENOSPC or any(t in str(error) for t in DISK_FULL_TEXTS):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
 
 
 def disk_full(run_dir: Path, what: str) -> DiskFullError:
@@ -209,7 +192,7 @@ def resume_settings(model_config, data_args, training_args, world_size: int, tok
     accumulation (they fix the data position), the data (source, tokenizer spec and its vocabulary's
     content, blocks, masking), the objective (its corruption's generator state is in the checkpoint)
     and `--torch_compile`."""
-    from ..data.tokenizer import vocab_digest
+    from ..data.tokenizer import vocab_digest  # deferred: keeps the preflight (which finds checkpoints) torch-free
 
     config = model_config.to_dict()
     vocabulary = {} if tokenizer is None else {"data.vocab_sha256": vocab_digest(tokenizer)}
@@ -273,8 +256,6 @@ def set_aside_later_history(run_dir: Path, step: int) -> Path | None:
     in `checkpoints/` only) and nothing overwrites it. Returns that folder, or None when nothing lies beyond
     `step`. Main process only, before the resumed run writes anything."""
     import datetime as dt
-
-    from .tracking import read_metrics
 
     run_dir = Path(run_dir)
     later = [c for c in checkpoint_dirs(run_dir) if step_of(c) > step]

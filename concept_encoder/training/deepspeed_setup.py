@@ -14,7 +14,7 @@ import os
 import torch
 from accelerate.utils import DistributedType
 
-from ..memory import zero_settings
+from ..accounting.memory import zero_settings
 from .plan import deepspeed_batch_values, launched_ds_config
 
 

@@ -1,6 +1,6 @@
 """Evaluation of a masked-LM Concept Encoder: masked-token loss, accuracy and concept health.
 
-Shared by the loop (every `--eval_steps`) and `python -m concept_encoder.check_health`, so a model
+Shared by the loop (every `--eval_steps`) and `python -m concept_encoder check_health`, so a model
 checked after training is measured exactly as the loop measured it.
 """
 
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import send_to_device
 
-from ..constants import IGNORE_INDEX
-from ..health_metrics import HEALTH_KEYS, concept_health
-from ..objectives import model_inputs
+from ..concepts.health import HEALTH_KEYS, concept_health
+from ..data.objectives import model_inputs
+from ..model.constants import IGNORE_INDEX
 
 
 @torch.no_grad()
@@ -52,9 +52,9 @@ def evaluate(
 ) -> dict:
     """Loss, perplexity and masked-token accuracy over `loader`, weighted by masked-token count and
     gathered across ranks (duplicate samples that even out the last batch are dropped), plus the
-    concept-health metrics (`concept_encoder.health_metrics`) averaged over batches and ranks (when
+    concept-health metrics (`concept_encoder.concepts.health`) averaged over batches and ranks (when
     `health` and the model has concepts). `eval_collator` may be any corruption of
-    `concept_encoder.objectives` (e.g. diffusion at a fixed rate): the loss is then the plain
+    `concept_encoder.data.objectives` (e.g. diffusion at a fixed rate): the loss is then the plain
     cross-entropy at its labelled positions.
     `eval_collator` masks each padded batch, restarting from `collator_state`, so every evaluation
     sees the same masks. With `unigram_id` (`most_frequent_token`), the unigram baseline is scored on the

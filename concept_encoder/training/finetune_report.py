@@ -8,7 +8,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ..report_files import claim_report_stem
+from ..common.report_files import claim_report_stem
 
 STILL_IMPROVING = "still improving: train longer"
 
@@ -178,10 +178,12 @@ def merge_reports(paths: list[Path]) -> tuple[list[dict], dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m concept_encoder.training.finetune_report A.json B.json ...`: one report of several."""
+    """`python -m concept_encoder finetune_report A.json B.json ...`: one report of several."""
     import argparse
 
-    parser = argparse.ArgumentParser(description="Merge fine-tuning reports into one md/json/png.")
+    parser = argparse.ArgumentParser(
+        prog="python -m concept_encoder finetune_report", description="Merge fine-tuning reports into one md/json/png."
+    )
     parser.add_argument("reports", nargs="+", help="finetune_<time>.json files written by loops/finetune.py")
     parser.add_argument("--out_dir", default="Cache/reports")
     parser.add_argument("--title", default="Fine-tuning and probes, merged")

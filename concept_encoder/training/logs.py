@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
-from ..paths import cache_path
-from ..summary import parameter_counts
+from ..common.paths import PROJECT_ROOT, cache_path
+from ..model.summary import parameter_counts
 
 logger = logging.getLogger("concept_encoder")
 
@@ -80,7 +80,7 @@ class LogFileHandler(logging.FileHandler):
 
 
 def git_state() -> str:
-    root = Path(__file__).resolve().parents[2]
+    root = PROJECT_ROOT
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from ..bert_baseline import BertForSparseMaskedLM, bert_config
-from ..config import ConceptEncoderConfig
-from ..constants import CLASSIFIER_POOLINGS
 from ..data.tokenizer import check_tokenizer
-from ..heads import ConceptEncoderForMaskedLM
-from ..summary import parameter_counts
+from ..model.bert_baseline import BertForSparseMaskedLM, bert_config
+from ..model.config import ConceptEncoderConfig
+from ..model.constants import CLASSIFIER_POOLINGS
+from ..model.heads import ConceptEncoderForMaskedLM
+from ..model.summary import parameter_counts
 from .plan import fresh_model_fields
 
 

@@ -7,7 +7,7 @@ import json
 import shlex
 from pathlib import Path
 
-from ..health_metrics import format_health_table
+from ..concepts.health import format_health_table
 from .evaluation import health_of
 
 OBJECTIVE_TEXT = {

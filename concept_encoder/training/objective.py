@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from ..loss_weighting import ConceptRegularizedLoss
+from ..concepts.weighting import ConceptRegularizedLoss
 
 logger = logging.getLogger("concept_encoder")
 

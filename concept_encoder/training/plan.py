@@ -17,8 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..presets import PRESETS
-from .args import to_argv
+from ..common.dataclass_args import to_argv
+from ..model.presets import PRESETS
 
 LOOP_SCRIPT = "loops/mlm.py"
 PYTHON_ACCELERATE_LAUNCH = (sys.executable, "-m", "accelerate.commands.launch")  # this interpreter's accelerate

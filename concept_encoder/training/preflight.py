@@ -15,10 +15,13 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..extension_locks import StaleLockError, stale_lock_message, stale_op_locks
-from ..memory import zero_settings
-from ..paths import cache_path
+from ..accounting.memory import zero_settings
+from ..common.paths import cache_path
+from ..data.base import DataSourceError
 from .args import ARGUMENT_CLASSES, parse_args
+from .checkpoint import resolve_resume
+from .extension_locks import StaleLockError, stale_lock_message, stale_op_locks
+from .faults import DiskFullError
 from .plan import ds_config_problems, folder_problem, launched_ds_config, output_dir_problem
 
 
@@ -70,10 +73,6 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Failures that are the input's or the environment's, not the code's: reported in one line."""
-    from ..data.sources import DataSourceError
-    from ..extension_locks import StaleLockError
-    from .checkpoint import DiskFullError
-
     return ValueError, DataSourceError, StaleLockError, DiskFullError
 
 
@@ -93,8 +92,6 @@ def one_line_errors(*more: type[BaseException]):
 def fail_fast(argv: list[str], classes=ARGUMENT_CLASSES, defaults: dict | None = None) -> None:
     """Parse and preflight `argv` (and find the checkpoint to resume); on a bad argument print one
     line and exit 1, as the loop would, seconds earlier."""
-    from .checkpoint import resolve_resume
-
     with one_line_errors():
         model_args, data_args, training_args = parse_args(argv, classes=classes, defaults=defaults)
         preflight(model_args, data_args, training_args, cuda=cuda_present())

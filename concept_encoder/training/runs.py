@@ -12,13 +12,11 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from filelock import FileLock, Timeout
 
-from ..paths import written_aside
+from ..common.paths import written_aside
+from .checkpoint import disk_full
+from .faults import RunFolderError, is_disk_full
 
 logger = logging.getLogger("concept_encoder")
-
-
-class RunFolderError(ValueError):
-    """The run folder cannot be used: another process holds it, or it holds another run's results."""
 
 
 def setup_run_dirs(
@@ -120,8 +118,6 @@ def stopped_by_gate(run_dir: Path) -> bool:
 
 def save_run_config(run_dir: Path, config: dict) -> None:
     """Step 11a: the resolved configuration, written to the run dir and logged."""
-    from .checkpoint import disk_full, is_disk_full
-
     logger.info("resolved config: %s", json.dumps(config, default=str))
     try:
         with written_aside(run_dir / "config.json") as partial:  # a full disk leaves no half-written config

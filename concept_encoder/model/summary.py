@@ -6,10 +6,13 @@ cost), so they can never drift from the code.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 from torch import nn
 
 from .config import PRESETS, ConceptEncoderConfig, config_from_preset
+from .heads import ConceptEncoderForMaskedLM
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
@@ -37,8 +40,6 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
 def preset_parameter_counts(vocab_size: int = 30522, **overrides) -> dict[str, dict[str, int]]:
     """`{preset: parameter_counts(ConceptEncoderForMaskedLM(preset))}` at the given vocabulary size
     (and config `overrides`, e.g. `token_kv_sharing="all"`)."""
-    from .heads import ConceptEncoderForMaskedLM
-
     out = {}
     for name in PRESETS:
         with torch.device("meta"):
@@ -69,3 +70,11 @@ def format_preset_table(vocab_size: int = 30522) -> str:
             f"| {shared[name]['total']:,} |"
         )
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m concept_encoder presets [--vocab_size V]`: the preset table."""
+    parser = argparse.ArgumentParser(prog="python -m concept_encoder presets", description=main.__doc__)
+    parser.add_argument("--vocab_size", type=int, default=30522, help="vocabulary size to count embeddings with")
+    print(format_preset_table(parser.parse_args(argv).vocab_size))
+    return 0

@@ -1,6 +1,6 @@
 """Lazy package attributes (PEP 562): a package names its public objects, their modules load on first use.
 
-This keeps `import concept_encoder.memory` (the plan checker's import) free of torch and
+This keeps `import concept_encoder.accounting.memory` (the plan checker's import) free of torch and
 transformers' model code, while `from concept_encoder import ConceptEncoderForMaskedLM` still works.
 """
 

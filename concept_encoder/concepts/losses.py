@@ -1,5 +1,5 @@
 """Concept regularisation losses, by name in `CONCEPT_LOSSES` (weighted into the training loss by
-`concept_encoder.loss_weighting`).
+`concept_encoder.concepts.weighting`).
 
 Every loss takes the final concepts `concepts [B,C,H]` (B samples, C = concept_num, H = hidden_size)
 and returns a scalar `[]` float32 tensor: lower means more spread-out concepts. Inputs in bf16/fp16
@@ -10,7 +10,7 @@ Pairwise losses (orthogonality, soft_orthogonality, uniformity, nn_spread) act w
 its C×C concept pairs, then average over the batch. VICReg terms (variance, covariance) act across the
 flattened concept vectors `[B*C,H]`, i.e. they look at how each hidden dimension is used batch-wide.
 
-Combining with the MLM loss: `concept_encoder.loss_weighting.ConceptRegularizedLoss`.
+Combining with the MLM loss: `concept_encoder.concepts.weighting.ConceptRegularizedLoss`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .constants import CONCEPT_LOSS_NAMES, check_table_covers
+from ..constants import CONCEPT_LOSS_NAMES, check_table_covers
 
 __all__ = [
     "CONCEPT_LOSSES",

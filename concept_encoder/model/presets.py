@@ -60,7 +60,7 @@ PRESETS = {
         max_position_embeddings=2048,
     ),
     # About 3.1B parameters (vocabulary 30,522): a model for one 10 GB card under ZeRO-3 with parameters and
-    # optimizer offloaded to the CPU (README: "A 3B model on a 10 GB card", estimates until measured).
+    # optimizer offloaded to the CPU (docs/scaling.md: "A 3B model on a 10 GB card", estimates until measured).
     "3b": dict(
         hidden_size=2560,
         num_hidden_layers=28,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .constants import VOCAB_CHUNK_ELEMENTS, token_kv_groups
+from ..model.constants import VOCAB_CHUNK_ELEMENTS, token_kv_groups
 
 GIB = 2**30
 ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default for host-side buffers

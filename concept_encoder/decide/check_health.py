@@ -1,4 +1,4 @@
-"""`python -m concept_encoder.check_health <model folder> [--dataset ... | --text FILE]`: is a saved model healthy?
+"""`python -m concept_encoder check_health <model folder> [--dataset ... | --text FILE]`: is a saved model healthy?
 
 Loads a `save_pretrained` folder (e.g. `Cache/runs/<run>/final`), fails with exit code 1 if any
 parameter is NaN/Inf, then evaluates a few masked validation batches with the loop's own evaluation
@@ -9,7 +9,7 @@ the text's most frequent token, scored on the same masked positions) and the acc
 domain than the pretraining corpus; `--text licenses` takes the installed packages' license texts, legal
 English, from `concept_encoder.data.licenses`) is evaluated; a ratio below 1x means the model has not yet learned
 even the unigram distribution of that text. The metric functions themselves live in
-`concept_encoder.health_metrics`.
+`concept_encoder.concepts.health`.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from .cli_types import at_least
-from .config import ConceptEncoderConfig
-from .data import DataArguments, DataSourceError, prepare_data
-from .data.sources import source_fingerprint
-from .heads import ConceptEncoderForMaskedLM
-from .health_metrics import format_health_table
-from .training.evaluation import evaluate, health_of, most_frequent_token
+from ..common.cli_types import at_least
+from ..concepts.health import format_health_table
+from ..data import DataArguments, DataSourceError, prepare_data
+from ..data.sources import source_fingerprint
+from ..model.config import ConceptEncoderConfig
+from ..model.heads import ConceptEncoderForMaskedLM
+from ..training.evaluation import evaluate, health_of, most_frequent_token
 
 
 def not_a_model_folder(path: Path) -> str | None:
@@ -59,7 +59,7 @@ def non_finite_parameters(model: torch.nn.Module) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m concept_encoder.check_health", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m concept_encoder check_health", description=__doc__)
     parser.add_argument("model", help="a save_pretrained folder, e.g. Cache/runs/<run>/final")
     parser.add_argument("--dataset", default="embedded", help="text to probe with (as for the loop)")
     parser.add_argument("--tokenizer", default=None, help="default: the model folder's own tokenizer")

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from .constants import LOSS_WEIGHTING_NAMES, check_concept_loss_settings, check_table_covers
+from ..constants import LOSS_WEIGHTING_NAMES, check_concept_loss_settings, check_table_covers
 from .losses import CONCEPT_LOSSES
 
 # Losses whose optimum needs C mutually orthogonal vectors in H dimensions: unreachable for C > H.

@@ -21,14 +21,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .constants import (
-    DIFFUSION_WEIGHTINGS,
-    EVAL_MASK_RATES,
-    IGNORE_INDEX,
-    LOSS_NORMALIZER,
-    OBJECTIVES,
-    eval_suffixes,
-)
+from ..constants import DIFFUSION_WEIGHTINGS, EVAL_MASK_RATES, LOSS_NORMALIZER, OBJECTIVES, eval_suffixes
+from ..model.constants import IGNORE_INDEX
 
 SOURCE_TOKENS = "source_tokens"
 

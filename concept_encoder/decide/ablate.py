@@ -1,9 +1,9 @@
 """One-axis ablations: run the pretraining loop once per value of one setting, then compare and decide.
 
-    python -m concept_encoder.ablate --vary concept_loss_weight=0,0.1,1.0 --decide eval_loss -- \\
+    python -m concept_encoder ablate --vary concept_loss_weight=0,0.1,1.0 --decide eval_loss -- \\
         --preset small --max_steps 300 --gate "health/effective_rank_fraction>=0.25@200"
     make ablate VARY=concept_loss_weight=0,0.1,1.0 DECIDE=eval_loss ARGS="--max_steps 300"
-    python -m concept_encoder.ablate --vary concept_loss_warmup_steps=0,150,300 --heldout licenses \
+    python -m concept_encoder ablate --vary concept_loss_warmup_steps=0,150,300 --heldout licenses \
         --decide heldout/licenses/accuracy_over_unigram -- --preset small --max_steps 300
 
 Each value runs sequentially as its own run (`<name>-<setting><value>` under the loop's
@@ -11,7 +11,7 @@ Each value runs sequentially as its own run (`<name>-<setting><value>` under the
 `summary.json` says so: `accelerate launch` reports the loop's exit code 3 as 1) is kept in the
 comparison as rejected; rerunning the same command skips the values
 whose runs finished, and resumes an interrupted one from its checkpoint. The comparison
-(`concept_encoder.compare`) follows, and the winner is named by the deciding metric (lower is better
+(`concept_encoder.decide.compare`) follows, and the winner is named by the deciding metric (lower is better
 for losses, perplexity and cosines, higher otherwise; `--direction` overrides) among the runs no
 gate rejected. Varying two settings at once is refused: one thing at a time.
 
@@ -30,13 +30,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .cli_types import at_least
-from .constants import LICENSES_DATASET, pretraining_metric_names
-from .training.args import parse_args
-from .training.plan import launch_command, local_launcher
-from .training.runs import ended_on_its_own, stopped_by_gate
-
-ROOT = Path(__file__).resolve().parents[1]
+from ..common.cli_types import at_least
+from ..common.paths import PROJECT_ROOT
+from ..constants import LICENSES_DATASET, pretraining_metric_names
+from ..training.args import parse_args
+from ..training.plan import launch_command, local_launcher
+from ..training.runs import ended_on_its_own, stopped_by_gate
+from .compare import compare, lower_is_better
 
 
 def parse_vary(texts: list[str]) -> tuple[str, list[str]]:
@@ -72,7 +72,7 @@ def run_loop(command: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m concept_encoder.ablate",
+        prog="python -m concept_encoder ablate",
         description="Run loops/mlm.py once per value of ONE setting, compare the runs, name the winner.",
         epilog="Everything after `--` is passed to loops/mlm.py unchanged (except the varied setting and --run_name).",
     )
@@ -168,8 +168,8 @@ def heldout_problem(spec: str) -> str | None:
 def heldout_check(run_dir: Path, spec: str) -> int:
     """`check_health <run>/final --text spec --json <run>/heldout-<name>.json`, unless that file already holds
     the check of this very text (same fingerprint); the check's exit code."""
+    from ..data.sources import source_fingerprint  # deferred: datasets and torch load only when a check runs
     from . import check_health
-    from .data.sources import source_fingerprint
 
     out = run_dir / f"heldout-{heldout_name(spec)}.json"
     if out.is_file() and json.loads(out.read_text()).get("fingerprint") == source_fingerprint(spec):
@@ -178,8 +178,6 @@ def heldout_check(run_dir: Path, spec: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .compare import compare, lower_is_better
-
     argv = list(sys.argv[1:] if argv is None else argv)
     own, loop_argv = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = build_parser()
@@ -201,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"usage error: {error}\n")
     output_dir = Path(train_args.output_dir)
     direction = args.direction or ("lower" if lower_is_better(args.decide) else "higher")
-    launcher = local_launcher(ROOT / "loops" / "mlm.py", args.num_processes)
+    launcher = local_launcher(PROJECT_ROOT / "loops" / "mlm.py", args.num_processes)
     stale = {name: changed for name, _, settings in plans
              if (output_dir / name / "config.json").is_file() and (changed := changed_settings(output_dir / name, settings))}  # fmt: skip
     if stale:  # a finished (or started) value is reused only under the settings this invocation asks for

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .constants import token_kv_groups
+from ..model.constants import token_kv_groups
 
 
 def mlm_forward_flops(config: Mapping, seq_len: int, mlm_probability: float = 0.15) -> float:

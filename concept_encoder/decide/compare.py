@@ -1,6 +1,6 @@
 """Compare runs: what differs between them, their final metrics side by side, their curves.
 
-    python -m concept_encoder.compare Cache/runs/a Cache/runs/b Cache/runs/c
+    python -m concept_encoder compare Cache/runs/a Cache/runs/b Cache/runs/c
     make compare RUNS="Cache/runs/a Cache/runs/b"
 
 Reads each run's `config.json`, `metrics.jsonl` and `summary.json` (pretraining runs of `loops/mlm.py`
@@ -19,8 +19,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .paths import cache_path
-from .report_files import claim_report_stem
+from ..common.paths import cache_path
+from ..common.report_files import claim_report_stem
+from ..training.metrics_log import read_metrics
 
 # Settings that name or place a run, or describe the machine, rather than define the experiment.
 NOT_SETTINGS = (
@@ -90,8 +91,6 @@ def load_run(path: str | Path) -> Run:
             f"{path} is not a run folder ({what}); pass folders written by loops/mlm.py or loops/finetune.py, "
             "e.g. Cache/runs/<run>"
         )
-    from .training.tracking import read_metrics
-
     records = read_metrics(path / "metrics.jsonl")  # a line cut short is named and skipped
     summary_path = path / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else latest_metrics(records)
@@ -238,7 +237,7 @@ def compare(paths: list[str | Path], report_dir: str | Path = "Cache/reports") -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m concept_encoder.compare",
+        prog="python -m concept_encoder compare",
         description="What differs between runs, their final metrics side by side (Δ against the first), their curves.",
     )
     parser.add_argument("runs", nargs="+", help="run folders (Cache/runs/<run> or Cache/finetune/<run>)")

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .constants import HEALTH_KEYS
+from ..constants import HEALTH_KEYS
 from .losses import check_concepts, full_precision, pairwise_cosine
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Learning curves: downstream score against pretraining tokens, beside the lines pretraining must cross.
 
-    python -m concept_encoder.curve --tokens 0.5M,2M,8M --task embedded -- --dataset docstrings --preset small
+    python -m concept_encoder curve --tokens 0.5M,2M,8M --task embedded -- --dataset docstrings --preset small
     make curve TOKENS=0.5M,2M,8M ARGS="--dataset docstrings" FT_ARGS="--seeds 3"
 
 For each architecture (`--architectures concept,bert`: the Concept Encoder and BERT of the same shape,
@@ -32,17 +32,16 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cli_types import at_least
-from .constants import ARCHITECTURES
-from .paths import cache_path
-from .training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
-from .training.plan import local_launcher
-from .training.runs import ended_on_its_own, stopped_by_gate
-from .training.tracking import read_metrics
+from ..common.cli_types import at_least
+from ..common.paths import PROJECT_ROOT, cache_path
+from ..constants import ARCHITECTURES
+from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
+from ..training.metrics_log import read_metrics
+from ..training.plan import local_launcher
+from ..training.runs import ended_on_its_own, stopped_by_gate
 
-ROOT = Path(__file__).resolve().parents[1]
-MLM_SCRIPT = ROOT / "loops" / "mlm.py"
-FINETUNE_SCRIPT = ROOT / "loops" / "finetune.py"
+MLM_SCRIPT = PROJECT_ROOT / "loops" / "mlm.py"
+FINETUNE_SCRIPT = PROJECT_ROOT / "loops" / "finetune.py"
 SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
 DRIVER_FLAGS = ("--max_steps", "--run_name", "--architecture", "--snapshot_steps", "--resume_from_checkpoint")
 FINETUNE_DRIVER_FLAGS = ("--model_name_or_path", "--task", "--run_name", "--report_dir", "--from_scratch",
@@ -279,7 +278,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m concept_encoder.curve",
+        prog="python -m concept_encoder curve",
         description="Pretrain once per architecture to the largest token budget; at each budget fine-tune and probe "
                     "on --task under the fair protocol; plot score against tokens beside twins, TF-IDF, a reference.",
         epilog="Everything after `--` goes to loops/mlm.py (the driver sets --architecture, --run_name, --max_steps, "

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 CACHE_ENV = "CONCEPT_ENCODER_CACHE"
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # concept_encoder/common/paths.py → the checkout
 
 
 def cache_root() -> Path:

@@ -1,0 +1,35 @@
+"""Names and numbers of the model itself, torch-free.
+
+This file is copied beside the weights of every saved model (with the modeling files that import it), so a
+checkpoint loads with `trust_remote_code=True` without this package: it imports nothing, and the model files
+import it, and each other, with single-dot imports only (transformers copies those, and only those).
+"""
+
+IGNORE_INDEX = -100  # label of positions that are not predicted (transformers' and torch's convention)
+
+# Rows of the vocabulary projection are processed in chunks whose float32 working copy stays under
+# this many elements (16-bit compute only); the memory model counts the same chunk.
+VOCAB_CHUNK_ELEMENTS = 2**24
+
+DECODER_TYPES = ("perceiver", "posonly", "weighted")
+CLASSIFIER_POOLINGS = ("weighted", "mean")
+
+
+def token_kv_groups(sharing: str, num_layers: int) -> int:
+    """How many token key/value projections an encoder of `num_layers` layers has under `token_kv_sharing`:
+    one per layer (`none`), one for all (`all`), or K (`groups:K`, contiguous groups of layers); ValueError otherwise."""
+    if sharing == "none":
+        return num_layers
+    if sharing == "all":
+        return 1
+    count = sharing[len("groups:") :] if isinstance(sharing, str) and sharing.startswith("groups:") else ""
+    if count.isdigit() and 1 <= int(count) <= num_layers:
+        return int(count)
+    raise ValueError(
+        f"token_kv_sharing={sharing!r}: use none, all, or groups:K with 1 <= K <= num_hidden_layers={num_layers}"
+    )
+
+
+def token_kv_group(layer: int, groups: int, num_layers: int) -> int:
+    """The key/value group of encoder layer `layer` (0-based): contiguous, as even as the division allows."""
+    return layer * groups // num_layers

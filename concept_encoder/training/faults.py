@@ -1,0 +1,38 @@
+"""The faults a run's folder can meet, as errors with one-line messages: the folder unusable or gone, the disk full.
+
+Plain exceptions and the full-disk check (no torch), shared by checkpoints, run folders, the metrics log and the
+loops' preflight. Building the disk-full message needs the newest intact checkpoint: `checkpoint.disk_full`.
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+
+class RunFolderError(ValueError):
+    """The run folder cannot be used: another process holds it, or it holds another run's results."""
+
+
+class DiskFullError(RuntimeError):
+    """No space left while saving: the message names the last intact checkpoint."""
+
+
+# How a full disk shows: ENOSPC, or torch's zip writer failing mid-file ("unexpected pos", "file write failed").
+DISK_FULL_TEXTS = ("No space left on device", "unexpected pos", "file write failed")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """ENOSPC, raised directly or wrapped (torch.save's writer reports it inside a RuntimeError)."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC or any(t in str(error) for t in DISK_FULL_TEXTS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def raise_run_folder_gone(run_dir: Path) -> None:
+    raise RunFolderError(
+        f"run folder {run_dir} disappeared while training (deleted, moved or unmounted): nothing more can be saved "
+        "there; this run stops. Start it again, or resume from a copy of its checkpoints"
+    )

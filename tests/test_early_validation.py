@@ -1,0 +1,107 @@
+"""Bad arguments are refused in one line before any expensive work: every tool's numbers range-checked,
+a DeepSpeed config out of range (plan checker and loop alike), arguments the loop checks before building data or
+a model, and the script before it imports torch. (A YAML key given twice: test_args.py; plans this machine cannot
+run: test_plan.py.)"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from loop_runs import ROOT, fresh_accelerate, run, workdir  # noqa: F401 (fixtures)
+
+
+@pytest.mark.parametrize(
+    ("tool", "argv", "message"),
+    [
+        ("check_health", ["some/model", "--batches", "0"], "argument --batches: 0 is below 1"),
+        ("check_health", ["some/model", "--batch_size", "two"], "argument --batch_size: 'two' is not a whole number"),
+        ("data", ["--seed", "-1"], "argument --seed: -1 is below 0"),
+        ("ablate", ["--vary", "a=1,2", "--decide", "eval_loss", "--num_processes", "0"], "--num_processes: 0 is below"),
+        ("zero_compare", ["--steps", "0"], "argument --steps: 0 is below 1"),
+        ("check_plan", ["--num_processes", "0"], "argument --num_processes: 0 is below 1"),
+    ],
+)
+def test_every_tool_range_checks_its_numbers_in_one_line(tool, argv, message, capsys):
+    import importlib
+
+    modules = {"check_health": "concept_encoder.decide.check_health", "data": "concept_encoder.data.__main__",
+               "ablate": "concept_encoder.decide.ablate", "zero_compare": "launch.zero_compare", "check_plan": "launch.check_plan"}  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        importlib.import_module(modules[tool]).main(argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_ds_config_out_of_range_is_one_line_for_the_plan_checker_and_the_loop(tmp_path, monkeypatch, capsys):
+    from launch import check_plan
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 4, "offload_param": {"device": "gpu"}},
+                               "train_micro_batch_size_per_gpu": 0}))  # fmt: skip
+    assert check_plan.main(["--profile", "cpu", "--ds_config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "zero_optimization.stage=4 must be 0, 1, 2 or 3" in err and "offload_param.device='gpu'" in err
+    assert "train_micro_batch_size_per_gpu=0 must be a number >= 1" in err
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch --deepspeed_config_file` sets
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(bad))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ValueError, match="the DeepSpeed config of this launch is out of range: zero_optimization.stage=4"
+    ):
+        run("--run_name", "bad-ds")
+    assert not Path("runs/bad-ds").exists()
+
+
+@pytest.mark.parametrize(
+    ("make_args", "message"),
+    [
+        (lambda t: ["--config", str(yaml_file(t, "max_steps: 3.7\n"))], "max_steps=3.7 must be an int"),
+        (lambda t: ["--pad_to_multiple_of", "0"], "pad_to_multiple_of=0 must be >= 1"),
+        (lambda t: ["--output_dir", str(yaml_file(t, "")) + "/runs"], "is a file, not a folder"),
+        (lambda t: ["--mixed_precision", "fp16"], "fp16 needs a CUDA GPU and this run is on the CPU"),
+        (
+            lambda t: ["--model_name_or_path", str(t), "--max_seq_length", "64"],
+            "exceeds the model's max_position_embeddings=32",
+        ),
+        (lambda t: ["--resume_from_checkpoint", str(t / "nothing")], "not a checkpoint folder"),
+        (lambda t: ["--run_name", "../escaped"], "cannot be a run folder: a run name is one folder name under"),
+        (lambda t: ["--run_name", str(t / "abs")], "cannot be a run folder"),
+    ],
+    ids=[
+        "yaml-float-steps",
+        "pad-multiple",
+        "output-dir",
+        "fp16-on-cpu",
+        "positions",
+        "resume-path",
+        "run-name-up",
+        "run-name-absolute",
+    ],  # fmt: skip
+)
+def test_bad_arguments_fail_before_data_and_model_are_built(tmp_path, monkeypatch, make_args, message):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "concept_encoder", "max_position_embeddings": 32}))
+    argv = make_args(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        run("--run_name", "bad", *argv)
+    assert not Path("Cache/datasets").exists() and not Path("Cache/tokenizers").exists()
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "abs").exists()
+
+
+def yaml_file(folder: Path, text: str) -> Path:
+    path = folder / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_script_rejects_a_bad_argument_before_importing_torch(tmp_path):
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = [{str(ROOT / 'loops/mlm.py')!r}, '--pad_to_multiple_of', '0']\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit as e:\n    print('EXIT', e.code, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "EXIT 1 False" in out.stdout
+    assert out.stderr.startswith("error: pad_to_multiple_of=0 must be >= 1") and "Traceback" not in out.stderr

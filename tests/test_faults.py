@@ -1,0 +1,319 @@
+"""Faults met while training, each one line that names what to do: a full disk (simulated and real), a
+read-only output or cache folder, a run folder deleted while training, a run folder already used or held by
+another process, hostile or incomplete checkpoint state files, a log file that cannot be written,
+unreadable data files, another kind of model, a stale DeepSpeed op lock."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from loop_runs import (  # noqa: F401 (fixtures)
+    COMMON,
+    ROOT,
+    finished_run,
+    fresh_accelerate,
+    run,
+    workdir,
+)
+
+from concept_encoder.training.checkpoint import CheckpointError
+from concept_encoder.training.faults import RunFolderError
+
+
+@pytest.mark.loop
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 960 vs 888")])  # fmt: skip
+def test_a_full_disk_at_the_final_save_removes_the_partial_model_and_names_the_last_checkpoint(workdir, monkeypatch,
+                                                                                                error):  # fmt: skip
+    import transformers.modeling_utils
+
+    from concept_encoder.training.faults import DiskFullError
+
+    os.chdir(workdir)
+
+    def full(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    name = f"full-{type(error).__name__}"
+    with pytest.raises(DiskFullError, match=f"while saving the model runs/{name}/final .* the last intact checkpoint "
+                                            f"is runs/{name}/checkpoints/step_0000002"):  # fmt: skip
+        run("--run_name", name, "--max_steps", "2", "--save_steps", "2")
+    assert not Path(f"runs/{name}/final").exists() and not list(Path(f"runs/{name}").glob("final.partial*"))
+
+
+def test_written_aside_moves_a_whole_file_or_folder_into_place_and_removes_a_failed_one(tmp_path):
+    from concept_encoder.common.paths import written_aside
+
+    target = tmp_path / "config.json"
+    target.write_text("old")
+    with pytest.raises(OSError, match="no space"), written_aside(target) as partial:
+        partial.write_text("half")
+        raise OSError(28, "no space left on device")
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    with written_aside(target) as partial:
+        partial.write_text("new")
+        assert target.read_text() == "old"  # readers see the old file until the block completes
+    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+    folder = tmp_path / "final"
+    folder.mkdir()
+    (folder / "old.bin").write_bytes(b"1")
+    with pytest.raises(OSError), written_aside(folder) as partial:  # an existing folder is kept unless asked
+        partial.mkdir()
+    assert (folder / "old.bin").exists() and not list(tmp_path.glob("final.partial*"))
+    with pytest.raises(KeyboardInterrupt), written_aside(folder, replace_existing=True) as partial:
+        partial.mkdir()
+        raise KeyboardInterrupt
+    assert (folder / "old.bin").exists() and not list(tmp_path.glob("final.partial*"))
+    with written_aside(folder, replace_existing=True) as partial:
+        partial.mkdir()
+        (partial / "model.safetensors").write_bytes(b"2")
+    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors"]
+    assert not list(tmp_path.glob("final.partial*"))
+
+
+def mount_tmpfs(folder: Path, options: str) -> str | None:
+    """Mount a tmpfs at `folder`; None when mounted, else why not (not root, no mount command, no permission)."""
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
+                              text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as error:
+        return str(error)
+    return None if done.returncode == 0 else (done.stderr.strip() or f"mount exited {done.returncode}")
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A read-only tmpfs mounted at a fresh folder (root on Linux); the test is skipped, saying why, elsewhere."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    if problem := mount_tmpfs(folder, "ro,size=1m"):
+        pytest.skip(f"cannot mount a read-only tmpfs here ({problem})")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=False)
+
+
+@pytest.mark.loop
+def test_a_real_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_partial_files(tmp_path, monkeypatch):
+    from concept_encoder.training.faults import DiskFullError
+
+    disk = tmp_path / "small-disk"  # 3 MB: the run folder fits, a micro model's checkpoint (~4 MB) does not
+    disk.mkdir()
+    if problem := mount_tmpfs(disk, "size=3m"):
+        pytest.skip(f"cannot mount a small tmpfs here ({problem})")
+    try:
+        monkeypatch.chdir(tmp_path)
+        with pytest.raises(DiskFullError, match="no space left on the disk of .*small-disk/runs/full while saving the "
+                                                "checkpoint of step 2 .* the last intact checkpoint is none"):  # fmt: skip
+            run("--run_name", "full", "--output_dir", str(disk / "runs"), "--max_steps", "4", "--save_steps", "2")
+        assert not list((disk / "runs" / "full" / "checkpoints").iterdir())  # the partial checkpoint is gone
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_read_only_output_and_cache_folders_are_one_line_before_any_model(tmp_path, read_only_folder, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ValueError, match=f"--output_dir {read_only_folder}/runs is not writable .*Read-only file system"
+    ):
+        run("--run_name", "ro", "--output_dir", str(read_only_folder / "runs"))
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "Cache").symlink_to(read_only_folder)
+    monkeypatch.chdir(project)
+    with pytest.raises(ValueError, match="the cache folder .* Cache is not writable .*run from a folder whose Cache"):
+        run("--run_name", "ro")
+    assert not Path("runs").exists()
+
+
+@pytest.mark.loop
+def test_a_run_folder_deleted_while_training_ends_the_run_in_one_line(workdir, monkeypatch):
+    import loops.mlm as mlm
+
+    os.chdir(workdir)
+    original, calls = mlm.train_step, []
+
+    def delete_then_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            shutil.rmtree("runs/gone")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mlm, "train_step", delete_then_step)
+    with pytest.raises(RunFolderError, match="run folder runs/gone disappeared while training"):
+        run("--run_name", "gone", "--max_steps", "4")
+    assert not Path("runs/gone").exists()  # not silently recreated
+
+
+@pytest.mark.loop
+def test_a_fresh_start_into_a_used_folder_and_a_second_process_are_refused(finished_run):
+    with pytest.raises(RunFolderError, match="already holds a run"):
+        run("--run_name", "a", "--max_steps", "2")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from filelock import FileLock; lock = FileLock(sys.argv[1]); lock.acquire(); "
+         "print('held', flush=True); time.sleep(120)", str(finished_run / ".lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunFolderError, match="in use by another training process"):
+            run("--run_name", "a", "--max_steps", "8", "--resume_from_checkpoint", "auto")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+class CreatesAFile:
+    """Pickled, it names `Path.touch` as the function to call on loading: code run from a checkpoint."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
+
+
+@pytest.mark.loop
+@pytest.mark.parametrize(
+    ("state_file", "content", "message"),
+    [
+        ("collator_rank0.pt", "pickle", "is not a state file this project writes .* nothing from it ran"),
+        ("scheduler.pt", "pickle", "is not a state file this project writes .* nothing from it ran"),
+        ("collator_rank0.pt", "no generator", "lacks \\['generator'\\]: resuming without them would not continue"),
+    ],
+)
+def test_a_checkpoint_runs_no_code_and_lacks_no_state(finished_run, tmp_path, state_file, content, message):
+    import torch
+
+    from concept_encoder.training.checkpoint import write_manifest
+
+    crafted = tmp_path / "crafted" / "checkpoints" / "step_0000004"
+    shutil.copytree(finished_run / "checkpoints/step_0000004", crafted)
+    marker = tmp_path / "code-ran"
+    torch.save({"generator": CreatesAFile(marker)} if content == "pickle" else {}, crafted / state_file)
+    write_manifest(crafted)  # the sizes agree: only the content is hostile
+    with pytest.raises(CheckpointError, match=message):
+        run("--run_name", f"crafted-{len(content)}", "--max_steps", "6", "--save_steps", "2",
+            "--resume_from_checkpoint", str(crafted))  # fmt: skip
+    assert not marker.exists()
+
+
+def test_deepspeed_state_files_are_checked_before_deepspeed_unpickles_them(tmp_path):
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from concept_encoder.training.checkpoint import verify_deepspeed_states
+
+    sound = tmp_path / "sound" / "pytorch_model"
+    sound.mkdir(parents=True)  # what a ZeRO-3 checkpoint's optimizer file holds besides tensors
+    torch.save({"zero_stage": ZeroStageEnum(3), "loss_scaler": LossScaler(1.0), "flat": torch.ones(4)},
+               sound / "zero_pp_rank_0_mp_rank_00_optim_states.pt")  # fmt: skip
+    verify_deepspeed_states(sound.parent)
+    crafted = tmp_path / "crafted" / "pytorch_model"
+    crafted.mkdir(parents=True)
+    marker = tmp_path / "code-ran"
+    torch.save({"optimizer_state_dict": CreatesAFile(marker)}, crafted / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match="optim_states.pt is not a state file this project writes"):
+        verify_deepspeed_states(crafted.parent)
+    assert not marker.exists()
+
+
+def test_a_log_file_that_cannot_be_written_is_one_line_not_a_traceback_per_record(tmp_path, capsys):
+    import logging
+
+    from concept_encoder.training.logs import LogFileHandler
+
+    handler = LogFileHandler(tmp_path / "run.log")
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+    handler.stream = FullDisk()
+    log = logging.getLogger("full-disk-test")
+    log.addHandler(handler)
+    for i in range(3):
+        log.warning("record %d", i)
+    err = capsys.readouterr().err
+    assert err.count("cannot be written") == 1 and "No space left on device" in err and "Traceback" not in err
+    log.removeHandler(handler)
+
+
+@pytest.mark.loop
+def test_unreadable_files_other_models_and_a_full_disk_are_named(tmp_path, monkeypatch, capsys):
+    from accelerate import Accelerator
+
+    from concept_encoder.data import DataSourceError, load_raw_dataset
+    from concept_encoder.decide.check_health import main as check_health
+    from concept_encoder.training.faults import DiskFullError
+
+    undecodable = tmp_path / "latin1.txt"
+    undecodable.write_bytes("first paragraph\n\ncaf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(DataSourceError, match=r"latin1.txt is not UTF-8 text \(byte 20, line 3\)"):
+        load_raw_dataset(str(undecodable))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "one"}\n{"text": "two"}\n{"text": three}\n')
+    with pytest.raises(DataSourceError, match=r"broken.jsonl line 3 is not valid JSON"):
+        load_raw_dataset(str(broken))
+
+    other = tmp_path / "bert"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert check_health([str(other)]) == 2
+    assert "holds a 'bert' model, not a Concept Encoder" in capsys.readouterr().err
+
+    real_save = Accelerator.save_state
+    saves = {"n": 0}
+
+    def save_until_the_disk_is_full(self, *args, **kwargs):
+        saves["n"] += 1
+        if saves["n"] == 2:
+            raise OSError(28, "No space left on device")
+        return real_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", save_until_the_disk_is_full)
+    with pytest.raises(
+        DiskFullError,
+        match=r"step 4 \(the partial files were removed\); the last intact checkpoint is runs/full/checkpoints/step_0000002",
+    ):
+        run("--run_name", "full", "--max_steps", "6", "--save_steps", "2")
+    assert [p.name for p in Path("runs/full/checkpoints").iterdir()] == ["step_0000002"]  # no half checkpoint
+
+
+@pytest.mark.loop
+def test_a_stale_cpu_adam_lock_is_named_not_waited_on(workdir, tmp_path, monkeypatch, capsys):
+    from concept_encoder.common import process_group
+    from concept_encoder.training.extension_locks import stale_op_locks
+
+    lock = tmp_path / "extensions" / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    with lock.open() as held:  # a live owner (a build in progress) is not stale
+        assert held and stale_op_locks("cpu_adam", settle_s=0) == []
+    assert stale_op_locks("cpu_adam", settle_s=0) == [lock]
+
+    import launch.check_plan as check_plan
+
+    assert check_plan.main(["--profile", "rtx3080_10gb"]) == 1
+    assert f"rm {lock}" in capsys.readouterr().out
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "launch/cpu.yaml"),
+           "--num_processes", "1", "--main_process_port", "29651",
+           "--deepspeed_config_file", str(ROOT / "ds_configs/zero2_offload.json"),
+           str(ROOT / "loops/mlm.py"), *COMMON, "--output_dir", "runs", "--run_name", "stale_lock", "--max_steps", "2"]  # fmt: skip
+    out = process_group.run(
+        cmd, 240, cwd=workdir, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    )
+    assert out.returncode != 0
+    assert "no process holds (left by a run interrupted" in out.stderr and f"rm {lock}" in out.stderr
+    assert 'mlm.py", line' not in out.stderr  # one line from the loop (the launcher adds its own traceback)

@@ -1,0 +1,163 @@
+"""Resuming a run: exact continuation from its own or another run's checkpoint, a rollback that sets the
+later history aside, the run's own tokenizer kept, the checkpoint `auto` picks (the highest intact step),
+and resumes that cannot continue refused before anything is written."""
+
+import hashlib
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from loop_runs import (  # noqa: F401 (fixtures)
+    finished_run,
+    fresh_accelerate,
+    records,
+    run,
+    train_losses,
+    workdir,
+)
+
+from concept_encoder.training.checkpoint import CheckpointError, resolve_resume
+
+pytestmark = pytest.mark.loop
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+def test_resuming_another_runs_checkpoint_continues_in_the_new_run_and_leaves_it_untouched(finished_run):
+    before = tree_digest(finished_run)
+    run("--run_name", "b", "--max_steps", "6", "--save_steps", "2", "--save_total_limit", "1",
+        "--resume_from_checkpoint", str(finished_run / "checkpoints/step_0000004"))  # fmt: skip
+    assert tree_digest(finished_run) == before
+    assert [r["step"] for r in records("b", "train")] == [5, 6]
+    assert train_losses("b") == train_losses("a")[4:]  # exact continuation
+    assert (Path("runs/b/final/model.safetensors")).exists()
+    assert [p.name for p in Path("runs/b/checkpoints").iterdir()] == ["step_0000006"]
+
+
+def test_a_rollback_sets_the_later_history_aside_and_the_run_keeps_one_history(workdir, capsys):
+    os.chdir(workdir)
+    common = [
+        "--run_name",
+        "h",
+        "--max_steps",
+        "6",
+        "--save_steps",
+        "2",
+        "--save_total_limit",
+        "3",
+        "--eval_steps",
+        "3",
+    ]
+    run(*common)
+    before = tree_digest(Path("runs/h"))
+    first_losses = train_losses("h")
+    run(*common, "--resume_from_checkpoint", "runs/h/checkpoints/step_0000002")  # back to step 2
+    [aside] = Path("runs/h/abandoned").iterdir()
+    out = capsys.readouterr()
+    assert aside.name.startswith("from-step-2-") and f"moved to runs/h/abandoned/{aside.name}" in out.out + out.err
+    kept = tree_digest(aside)  # the abandoned branch, whole: later checkpoints, final model, summary, metrics
+    for name in ("checkpoints/step_0000004/model.safetensors", "checkpoints/step_0000006/model.safetensors",
+                 "final/model.safetensors", "summary.json", "metrics.jsonl"):  # fmt: skip
+        assert kept[name] == before[name], name
+    steps = [r["step"] for r in records("h", "train")]
+    assert steps == sorted(set(steps)) == [1, 2, 3, 4, 5, 6]  # one history: no step logged twice
+    assert train_losses("h") == first_losses  # the new branch (exact resume) retraced the old one
+    assert sorted(p.name for p in Path("runs/h/checkpoints").iterdir()) == ["step_0000002", "step_0000004",
+                                                                           "step_0000006"]  # fmt: skip
+    assert resolve_resume("auto", "runs", "h").name == "step_0000006"  # auto never looks in abandoned/
+    run(*common, "--resume_from_checkpoint", "auto")  # finished: nothing set aside, nothing changed
+    assert len(list(Path("runs/h/abandoned").iterdir())) == 1
+
+
+def test_a_resume_keeps_the_runs_tokenizer_whatever_happens_to_the_cache(workdir, capsys):
+    from concept_encoder.data import load_tokenizer
+    from concept_encoder.data.tokenizer import vocab_digest
+
+    os.chdir(workdir)
+    common = ["--run_name", "tok", "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "2"]
+    run(*common)
+    first_losses = train_losses("tok")
+    own = load_tokenizer("runs/tok/tokenizer")
+    [cache] = [p for p in Path("Cache/tokenizers").glob("wordpiece-2000-*") if p.is_dir()]
+    assert vocab_digest(load_tokenizer(str(cache))) == vocab_digest(own)
+    try:
+        swap_the_cache_and_resume(workdir, cache, common, first_losses)
+    finally:  # the module's later runs share this cache: give them the original back
+        shutil.rmtree(cache, ignore_errors=True)
+        own.save_pretrained(cache)
+
+
+def swap_the_cache_and_resume(workdir, cache: Path, common: list[str], first_losses: list[float]) -> None:
+    from concept_encoder.data import load_tokenizer
+
+    # another training of the same spec lands in the cache (trainings differ): the resume must not notice it
+    other = load_tokenizer("train:wordpiece:2000", texts=iter(["entirely different words here"] * 50),
+                           corpus_id="other", cache_dir=workdir / "elsewhere")  # fmt: skip
+    shutil.rmtree(cache)
+    other.save_pretrained(cache)
+    run(*common, "--max_steps", "4", "--resume_from_checkpoint", "runs/tok/checkpoints/step_0000002")
+    assert train_losses("tok") == first_losses  # continued with its own ids, exactly
+    shutil.rmtree("runs/tok/tokenizer")  # a run without its own copy (older runs): the digest refuses the cache's
+    with pytest.raises(CheckpointError, match="data.vocab_sha256: checkpoint .* the tokenizer cache holds a different"):
+        run(*common, "--resume_from_checkpoint", "runs/tok/checkpoints/step_0000002")
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (["--preset", "tiny"], "model.hidden_size: checkpoint 64, this run 128"),
+        (["--per_device_train_batch_size", "4"], "per_device_train_batch_size: checkpoint 8, this run 4"),
+        (["--max_seq_length", "32"], "data.max_seq_length: checkpoint 64, this run 32"),
+        (["--torch_compile"], "torch_compile: checkpoint False, this run True"),  # compiled weights are renamed
+    ],
+)
+def test_a_resume_that_cannot_continue_is_refused_before_anything_is_written(finished_run, change, named):
+    before = tree_digest(finished_run)
+    with pytest.raises(CheckpointError, match="cannot resume") as error:
+        run("--run_name", "a", "--max_steps", "8", "--resume_from_checkpoint", "auto", *change)
+    assert named in str(error.value)
+    assert tree_digest(finished_run) == before
+
+
+def test_auto_on_a_finished_run_says_so_and_changes_nothing(finished_run, capsys):
+    before = tree_digest(finished_run)
+    assert run("--run_name", "a", "--max_steps", "6", "--resume_from_checkpoint", "auto") == 0
+    assert "already finished at step 6" in capsys.readouterr().out
+    assert tree_digest(finished_run) == before
+
+
+def copy_run(source: Path, name: str) -> Path:
+    target = source.parent / name
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target)
+    (target / "summary.json").unlink()
+    return target
+
+
+def test_auto_picks_the_highest_intact_step_and_names_damage(finished_run, caplog):
+    copy_run(finished_run, "damaged")
+    checkpoints = Path("runs/damaged/checkpoints")
+    time.sleep(0.01)
+    os.utime(checkpoints / "step_0000002")  # the newest folder time: `auto` must still go by step
+    assert resolve_resume("auto", "runs", "damaged") == checkpoints / "step_0000006"
+    model = checkpoints / "step_0000006" / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:100])
+    assert resolve_resume("auto", "runs", "damaged") == checkpoints / "step_0000004"
+    assert "model.safetensors is truncated or changed (100 of" in caplog.text
+    with pytest.raises(CheckpointError, match="model.safetensors is truncated.*newest intact checkpoint"):
+        resolve_resume(str(checkpoints / "step_0000006"), "runs", None)
+    (checkpoints / "step_0000004" / "random_states_0.pkl").unlink()
+    with pytest.raises(CheckpointError, match="random_states_0.pkl is missing"):
+        resolve_resume(str(checkpoints / "step_0000004"), "runs", None)
+    assert resolve_resume("auto", "runs", "damaged") == checkpoints / "step_0000002"
+    run("--run_name", "damaged", "--max_steps", "6", "--resume_from_checkpoint", "auto")
+    assert [r["step"] for r in records("damaged", "train")] == [1, 2, 3, 4, 5, 6]  # each step once
+    assert train_losses("damaged") == train_losses("a")
