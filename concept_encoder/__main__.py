@@ -2,7 +2,8 @@
 
 The same dispatcher is installed as the `concept-encoder` command. Without a tool name (or with options
 only, e.g. `--vocab_size 8000`) it prints the size presets, as it always has. `<tool> --help` shows a
-tool's options. The tools' modules may move inside the package; these names do not.
+tool's options. The tools' modules may move inside the package; these names do not. Ctrl-C ends a tool with one
+line and exit code 130.
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     if name not in TOOLS:
         print(f"python -m concept_encoder: unknown tool {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    return importlib.import_module(TOOLS[name][0]).main(argv)
+    try:
+        return importlib.import_module(TOOLS[name][0]).main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; what is finished stays (runs resume, points reuse)
+        print(f"python -m concept_encoder {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

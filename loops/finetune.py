@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
+from concept_encoder.common.paths import holds_only_saved_model_files, written_aside
 from concept_encoder.data.tokenizer import TOKENIZER_FILES, check_vocab_covers, require_tokenizer_files
 from concept_encoder.tasks.baselines import split_rows, task_baselines
 from concept_encoder.tasks.loading import encode_splits, load_task
@@ -55,11 +56,13 @@ from concept_encoder.tasks.metrics import compute_metrics, metric_sign, predicti
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from concept_encoder.training.batches import accumulation_windows
 from concept_encoder.training.checkpoint import (
+    CheckpointError,
     TrainState,
     check_resume_settings,
     load_checkpoint,
     resolve_resume,
     save_checkpoint,
+    settings_differences,
 )
 from concept_encoder.training.deepspeed_setup import adamw_class, fill_deepspeed_auto_values, launched_zero_stage
 from concept_encoder.training.evaluation import predict
@@ -143,10 +146,25 @@ def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, toke
     run_args = dataclasses.replace(
         args, run_name=f"{run_base}-{tag}-lr{rate:g}-seed{seed}", seed=seed, learning_rate=rate
     )
+    # what decides this run's result: a finished run or a checkpoint is reused only under the same settings
+    settings = {"model": model_path, "from_scratch": fargs.from_scratch, "task": task.name,
+                "task_sha256": task.content_digest(), "seed": seed, "learning_rate": rate, "pooling": fargs.pooling,
+                "max_steps": args.max_steps, "world_size": state.num_processes,
+                "per_device_train_batch_size": args.per_device_train_batch_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "torch_compile": args.torch_compile}  # fmt: skip
     finished = Path(args.output_dir) / run_args.run_name / "summary.json"
     if args.resume_from_checkpoint and finished.exists():  # resuming an invocation: this run is done
+        done = json.loads(finished.read_text())
+        if "settings" not in done:
+            logger.warning("%s finished before and recorded no settings: reusing it unchecked", finished.parent)
+        elif differences := settings_differences(done["settings"], settings, "finished run"):
+            raise CheckpointError(
+                f"{finished.parent} finished before under other settings ({'; '.join(differences)}): its result is "
+                "not this run's. Choose another --run_name, or run again without --resume_from_checkpoint"
+            )
         logger.info("%s finished before: reusing its result", finished.parent)
-        return json.loads(finished.read_text())
+        return done
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, run_args.run_name)
     set_seed(seed)
     # 7. model: the checkpoint's encoder with a fresh task head (or fresh weights with --from_scratch)
@@ -160,11 +178,6 @@ def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, toke
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
     # 10. run dir: one per model, seed and rate; a resume must continue the same settings
-    settings = {"model": model_path, "from_scratch": fargs.from_scratch, "task": task.name, "seed": seed,
-                "learning_rate": rate, "pooling": fargs.pooling, "world_size": state.num_processes,
-                "per_device_train_batch_size": args.per_device_train_batch_size,
-                "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                "torch_compile": args.torch_compile}  # fmt: skip
     if resume is not None:
         check_resume_settings(resume, settings)
     run_dir, run_lock = setup_run_dirs(run_args, "finetune", counts["total"], state)
@@ -247,14 +260,16 @@ def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, toke
         result = {"model": tag, "method": "fine-tune", "task": task.name, "seed": seed, "learning_rate": rate,
                   "pooling": pooling, "best_step": best.step, "steps": progress.step,
                   "still_improving": still_improving, "dev": best.dev,
-                  "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir),
+                  "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir), "settings": settings,
                   **({"gates": gates.summary(), "stopped_by_gate": gate_stopped} if args.gate else {})}  # fmt: skip
         if accelerator.is_main_process:
             losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
             ends = max(1, len(losses) // 10)  # mean of the first and the last tenth of the logged losses
             result["train_loss"] = [sum(losses[:ends]) / ends, sum(losses[-ends:]) / ends] if losses else None
-            plain_model(accelerator, model).save_pretrained(run_dir / "final", state_dict=best.weights)
-            tokenizer.save_pretrained(run_dir / "final")
+            final = run_dir / "final"  # written aside: never half a model; replaces only a model folder ours
+            with written_aside(final, replace_existing=True, legacy=holds_only_saved_model_files) as partial:
+                plain_model(accelerator, model).save_pretrained(partial, state_dict=best.weights)
+                tokenizer.save_pretrained(partial)
             (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
             logger.info("%s lr %g seed %d: step %d chosen on dev (%s %.4f)", tag, rate, seed, best.step, main_metric,
                         best.dev[main_metric])  # fmt: skip

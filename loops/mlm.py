@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from concept_encoder.accounting.flops import training_flops_per_token
-from concept_encoder.common.paths import written_aside
+from concept_encoder.common.paths import holds_only_saved_model_files, written_aside
 from concept_encoder.concepts.health import format_health_table
 from concept_encoder.data import collator_for, prepare_data
 from concept_encoder.data.objectives import build_corruption, evaluation_corruptions, model_inputs
@@ -210,7 +210,7 @@ def save_model_folder(accelerator, model, tokenizer, folder: Path, run_dir: Path
     state_dict = model_state_dict(accelerator, model)
     if accelerator.is_main_process:
         try:
-            with written_aside(folder, replace_existing=True) as partial:
+            with written_aside(folder, replace_existing=True, legacy=holds_only_saved_model_files) as partial:
                 plain_model(accelerator, model).save_pretrained(partial, state_dict=state_dict)
                 tokenizer.save_pretrained(partial)
         except (OSError, RuntimeError) as error:

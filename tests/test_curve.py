@@ -59,6 +59,8 @@ def test_budget_parsing_and_labels():
         curve.parse_budgets("1M,2 tokens")
     with pytest.raises(ValueError, match="a budget is given twice"):
         curve.parse_budgets("1M,1000k")
+    with pytest.raises(ValueError, match=r"'1e30' is beyond 1e\+14 tokens, a run that cannot finish"):
+        curve.parse_budgets("1M,1e30")
 
 
 @pytest.mark.loop

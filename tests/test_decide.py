@@ -320,3 +320,20 @@ def test_reports_of_invocations_started_in_the_same_second_never_collide(finishe
     folders = [claim_report_folder(tmp_path, "zero_compare") for _ in range(3)]
     assert len(set(folders)) == 3 and all(f.is_dir() and not any(f.iterdir()) for f in folders)
     assert sorted(folders) == folders
+
+
+def test_a_run_whose_deciding_metric_is_not_finite_never_wins():
+    runs = [("a", Path("a")), ("b", Path("b")), ("c", Path("c"))]
+    result = {"metrics": {"eval_loss": [float("nan"), 5.0, float("-inf")], "health/x": [0.9, None, 0.5]}}
+    assert ablate.choose_winner(result, runs, "eval_loss", "lower", rejected=set()) == ("b", 5.0)
+    assert ablate.choose_winner(result, runs, "eval_loss", "higher", rejected=set()) == ("b", 5.0)
+    assert ablate.choose_winner(result, runs, "health/x", "higher", rejected={"a"}) == ("c", 0.5)
+    assert ablate.choose_winner(result, runs, "eval_loss", "lower", rejected={"b"}) is None
+
+
+def test_distinct_values_always_get_distinct_run_names():
+    values = ["orthogonality,uniformity", "orthogonality;uniformity", "orthogonality uniformity", "0.1", "1e-3"]
+    names = [ablate.run_name_for("abl", "concept_losses", v) for v in values]
+    assert len(set(names)) == len(values)
+    assert names[3:] == ["abl-concept_losses0.1", "abl-concept_losses1e-3"]  # nothing folded: the value itself
+    assert all(re.fullmatch(r"[\w.-]+", name) for name in names)

@@ -184,3 +184,41 @@ def test_no_license_text_is_one_clear_error(tmp_path):
         load_raw_dataset(f"licenses:{root}")
     with pytest.raises(DataSourceError, match="is not a folder"):
         load_raw_dataset(f"licenses:{tmp_path / 'missing'}")
+
+
+def test_links_out_of_the_folder_are_not_followed_and_huge_or_too_deep_files_are_skipped_and_named(
+    tmp_path, monkeypatch
+):
+    from concept_encoder.data import docstrings
+    from concept_encoder.data.licenses import license_documents
+
+    outside = tmp_path / "outside"
+    (outside / "private").mkdir(parents=True)
+    secret = "Secret text outside the folder that must never reach the corpus, kept private here."
+    (outside / "secret.py").write_text(f'"""{secret}"""\n')
+    (outside / "private" / "inner.py").write_text(f'"""{secret} Inner."""\n')
+    (outside / "LICENSE").write_text(f"{secret}\n")
+    root = tmp_path / "site-packages"
+    root.mkdir()
+    deep = "x = " + "(" * 200 + "1" + ")" * 200 + "\n" + "y = " + "-" * 100_000 + "1\n"
+    write_distribution(root, "kept", "1.0", {"kept/__init__.py": module(prose(5), {}), "kept/deep.py": deep.encode(),
+                                             "kept/huge.py": module(prose(6), {}) + b"#" * 300_000})  # fmt: skip
+    write_distribution(root, "links", "1.0", {"links/__init__.py": module(prose(7), {})})
+    (root / "links" / "secret.py").symlink_to(outside / "secret.py")  # a linked file
+    (root / "links" / "private").symlink_to(outside / "private", target_is_directory=True)  # a linked folder
+    (root / "links" / "LICENSE").symlink_to(outside / "LICENSE")
+    record = root / "links-1.0.dist-info" / "RECORD"
+    record.write_text(record.read_text() + "links/secret.py,,\nlinks/private/inner.py,,\nlinks/LICENSE,,\n")
+    monkeypatch.setattr(docstrings, "MAX_FILE_BYTES", 200_000)  # huge.py is over it, deep.py (100 kB) under
+    monkeypatch.setattr(docstrings, "_listings", {})
+
+    corpus = docstring_corpus(f"docstrings:{root}", cache_dir=None)
+    assert not any("Secret text" in d for d in corpus.documents)
+    assert corpus.documents == [prose(5), prose(7)]  # deep.py (RecursionError in ast) ended no more than itself
+    notes = "\n".join(corpus.manifest["notes"])
+    assert "links/secret.py: a link to" in notes and "links/private/inner.py: a link to" in notes
+    assert f"huge.py: {len(module(prose(6), {})) + 300_000:,} bytes, over the 200,000-byte bound" in notes
+    [deep_skipped] = corpus.manifest["skipped_files"]
+    assert "deep.py: too deeply nested to parse" in deep_skipped
+    with pytest.raises(DataSourceError, match="no installed distribution .* lists a license text"):
+        license_documents(f"licenses:{root}")  # the only license text is a link out of the folder

@@ -105,3 +105,17 @@ def test_the_script_rejects_a_bad_argument_before_importing_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert "EXIT 1 False" in out.stdout
     assert out.stderr.startswith("error: pad_to_multiple_of=0 must be >= 1") and "Traceback" not in out.stderr
+
+
+def test_check_health_refuses_a_json_path_it_cannot_write_before_loading_anything(tmp_path, capsys):
+    from concept_encoder.decide import check_health
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "concept_encoder"}))
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")  # never read: the --json check comes first
+    assert check_health.main([str(tmp_path / "model"), "--json", str(tmp_path)]) == 2  # a folder, not a file
+    err = capsys.readouterr().err
+    assert f"--json {tmp_path} is a folder; give a file name" in err and err.count("\n") == 1
+    (tmp_path / "a-file").write_text("x")
+    assert check_health.main([str(tmp_path / "model"), "--json", str(tmp_path / "a-file" / "out.json")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err

@@ -46,6 +46,17 @@ def test_a_full_disk_at_the_final_save_removes_the_partial_model_and_names_the_l
     assert not Path(f"runs/{name}/final").exists() and not list(Path(f"runs/{name}").glob("final.partial*"))
 
 
+def test_a_final_folder_the_run_did_not_write_is_refused_before_training_and_left_alone(workdir):
+    os.chdir(workdir)
+    final = Path("runs/someone-elses/final")
+    final.mkdir(parents=True)
+    (final / "results.csv").write_text("mine")
+    with pytest.raises(RunFolderError, match="final holds files this project did not write"):
+        run("--run_name", "someone-elses", "--max_steps", "2")
+    assert (final / "results.csv").read_text() == "mine" and sorted(p.name for p in final.iterdir()) == ["results.csv"]
+    assert not Path("runs/someone-elses/config.json").exists()  # refused before the run wrote anything
+
+
 def test_written_aside_moves_a_whole_file_or_folder_into_place_and_removes_a_failed_one(tmp_path):
     from concept_encoder.common.paths import written_aside
 
@@ -61,8 +72,10 @@ def test_written_aside_moves_a_whole_file_or_folder_into_place_and_removes_a_fai
     assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
 
     folder = tmp_path / "final"
-    folder.mkdir()
-    (folder / "old.bin").write_bytes(b"1")
+    with written_aside(folder) as partial:  # a folder written aside carries the project's marker
+        partial.mkdir()
+        (partial / "old.bin").write_bytes(b"1")
+    assert sorted(p.name for p in folder.iterdir()) == [".concept-encoder", "old.bin"]
     with pytest.raises(OSError), written_aside(folder) as partial:  # an existing folder is kept unless asked
         partial.mkdir()
     assert (folder / "old.bin").exists() and not list(tmp_path.glob("final.partial*"))
@@ -73,8 +86,46 @@ def test_written_aside_moves_a_whole_file_or_folder_into_place_and_removes_a_fai
     with written_aside(folder, replace_existing=True) as partial:
         partial.mkdir()
         (partial / "model.safetensors").write_bytes(b"2")
-    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == [".concept-encoder", "model.safetensors"]
     assert not list(tmp_path.glob("final.partial*"))
+
+
+def test_a_folder_is_replaced_only_if_this_project_wrote_it_never_through_a_link_or_over_a_file(tmp_path):
+    from concept_encoder.common.paths import NotOursError, holds_only_saved_model_files, written_aside
+
+    def write_model(target, legacy=None):
+        with written_aside(target, replace_existing=True, legacy=legacy) as partial:
+            partial.mkdir()
+            (partial / "config.json").write_text("{}")
+
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "thesis.tex").write_text("mine")
+    (users / "models").mkdir()
+    linked = tmp_path / "linked"
+    linked.symlink_to(users, target_is_directory=True)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    refusals = {
+        users: r"holds files this project did not write \(no .concept-encoder marker\): refusing to replace it",
+        linked: "is a symbolic link: refusing to replace it",
+        a_file: "is a file, not a folder this project wrote",
+    }
+    for target, message in refusals.items():
+        with pytest.raises(NotOursError, match=message):
+            write_model(target, legacy=holds_only_saved_model_files)
+    assert (users / "thesis.tex").read_text() == "mine" and (users / "models").is_dir() and linked.is_symlink()
+    assert a_file.read_text() == "mine" and not list(tmp_path.glob("*.partial*"))
+    with pytest.raises(NotOursError):  # a user's folder that also holds a save_pretrained file is still theirs
+        (users / "config.json").write_text("{}")
+        write_model(users, legacy=holds_only_saved_model_files)
+    older = tmp_path / "older"  # a model folder this project wrote before it marked folders: recognised
+    older.mkdir()
+    (older / "config.json").write_text("{}")
+    (older / "model.safetensors").write_bytes(b"0")
+    write_model(older, legacy=holds_only_saved_model_files)
+    assert sorted(p.name for p in older.iterdir()) == [".concept-encoder", "config.json"]
+    write_model(older)  # now marked: replaced without any legacy rule
 
 
 def mount_tmpfs(folder: Path, options: str) -> str | None:

@@ -354,6 +354,35 @@ def test_bad_tasks_fail_fast_with_one_clear_message(tmp_path, monkeypatch):
         load_task(TaskArguments(task=str(table)))
 
 
+def test_task_files_as_spreadsheets_and_people_write_them(tmp_path, caplog):
+    table = tmp_path / "t.csv"
+    rows = [f"words number {i},{'ab'[i % 2]}" for i in range(60)]
+    table.write_bytes(("\ufefftext,label\n" + "\n".join(rows) + "\n").encode("utf-8"))  # "CSV UTF-8": a BOM
+    assert load_task(TaskArguments(task=str(table))).label_names == ["a", "b"]
+    refusals = {
+        "text,label\n": "has a header row and no examples",
+        "text,label,label\nwords,a,b\nmore,b,a\n": r"column\(s\) \['label'\] are named twice",
+        "text,label\n" + "\n".join(f"words {i},{i / 7:.3f}" for i in range(40)) + "\nmore,n/a\n":
+            r"scores such as 0.143 beside cells that are not numbers \(rows \[40\], e.g. 'n/a'\)",
+    }  # fmt: skip
+    for text, message in refusals.items():
+        table.write_text(text)
+        with pytest.raises(DataSourceError, match=message):
+            load_task(TaskArguments(task=str(table)))
+    ragged = tmp_path / "tags.jsonl"
+    ragged.write_text("".join(json.dumps({"text": f"w {i}", "label": [1, 0] if i != 7 else [1, 0, 1]}) + "\n"
+                              for i in range(30)))  # fmt: skip
+    with pytest.raises(DataSourceError, match="row 7 has 3 labels where the first row has 2"):
+        load_task(TaskArguments(task=str(ragged)))
+    folder = tmp_path / "split"
+    folder.mkdir()
+    (folder / "train.csv").write_text("text,label\n" + "\n".join(rows) + "\n")
+    (folder / "validation.csv").write_text("text,label\n" + "\n".join(rows[:5] + ["unseen words,a"]) + "\n")
+    with caplog.at_level("WARNING"):
+        load_task(TaskArguments(task=str(folder)))
+    assert "5 of 6 validation row(s) repeat a training row's text" in caplog.text
+
+
 @pytest.mark.loop
 def test_two_processes_agree_on_every_metric(workdir, concept_model):
     from concept_encoder.common import process_group
@@ -449,6 +478,21 @@ def test_sigterm_checkpoints_and_auto_resume_continues_exactly(workdir, concept_
 
     [uninterrupted] = Path("Cache/finetune").glob("whole-*-seed43")
     assert train_losses(interrupted) == train_losses(uninterrupted)  # bitwise: same batches, dropout, optimizer
+
+    # a finished run is reused only for the same task content and settings, never for another task of that name
+    relabelled = workdir / "relabelled" / Path(task).name
+    relabelled.parent.mkdir(exist_ok=True)
+    lines = Path(task).read_text().splitlines()
+    rotate = {"red": "green", "green": "blue", "blue": "red"}  # the same texts and classes, other labels
+    relabelled.write_text("\n".join([lines[0], *(f"{row.rsplit(',', 1)[0]},{rotate[row.rsplit(',', 1)[1]]}"
+                                                  for row in lines[1:])]) + "\n")  # fmt: skip
+    for other, differs in (
+        ([*argv[:3], str(relabelled), *argv[4:]], "task_sha256"),
+        ([*argv, "--max_steps", "45"], "max_steps"),
+    ):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        with pytest.raises(ValueError, match=f"finished before under other settings \\({differs}: finished run"):
+            finetune.main([*other, "--run_name", "split", "--resume_from_checkpoint", "auto"])
 
 
 def test_zero3_is_refused_before_any_run_folder_is_written(concept_model, monkeypatch, tmp_path):

@@ -73,8 +73,10 @@ def test_activations_grow_linearly_in_sequence_length():
 
 def test_size_parsing_and_zero_settings_of_the_shipped_configs():
     assert parse_size_gb("10GB") == 10 and parse_size_gb("512MB") == 0.5 and parse_size_gb(24) == 24
-    with pytest.raises(ValueError, match="memory size 'ten'"):
-        parse_size_gb("ten")
+    assert parse_size_gb(".5GB") == 0.5
+    for bad in ("ten", "0GB", "0", "0.0MB", "1.2.3GB", "-4GB", ""):  # no size, or none: every use divides by it
+        with pytest.raises(ValueError, match=f"memory size {bad!r}: use a size above 0"):
+            parse_size_gb(bad)
     configs = {p.stem: json.loads(p.read_text()) for p in (ROOT / "ds_configs").glob("*.json")}
     assert zero_settings(configs["zero0"]) == (0, False, False)
     assert zero_settings(configs["zero2_offload"]) == (2, True, False)

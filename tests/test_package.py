@@ -247,3 +247,15 @@ def test_the_project_root_is_the_checkout_wherever_the_paths_module_sits():
 
     assert PROJECT_ROOT == ROOT
     assert (PROJECT_ROOT / "loops" / "mlm.py").is_file() and (PROJECT_ROOT / "pyproject.toml").is_file()
+
+
+def test_ctrl_c_in_a_tool_is_one_line_and_exit_code_130(monkeypatch, capsys):
+    from concept_encoder import __main__ as one_way_in
+    from concept_encoder.decide import compare
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compare, "main", interrupted)
+    assert one_way_in.main(["compare", "Cache/runs/a"]) == 130
+    assert capsys.readouterr().err == "python -m concept_encoder compare: interrupted\n"

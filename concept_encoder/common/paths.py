@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 CACHE_ENV = "CONCEPT_ENCODER_CACHE"
@@ -34,27 +34,82 @@ def cache_path(path: str | Path) -> Path:
     return cache_root().joinpath(*path.parts[1:])
 
 
+# Written into every folder `written_aside` writes: what marks a folder as this project's, so that replacing it
+# (a model folder, a cache entry, the reference model) never deletes a folder a user filled.
+OWNER_MARKER = ".concept-encoder"
+
+
+class NotOursError(ValueError):
+    """A folder this project would replace was not written by it (or is a link or a file): refused, untouched."""
+
+
+def replace_problem(target: str | Path, legacy: Callable[[Path], bool] | None = None) -> str | None:
+    """Why writing a folder at `target` must not replace what is there, else None: nothing there, or a folder
+    holding `OWNER_MARKER`, or one `legacy` recognises (a layout this project wrote before it marked folders)."""
+    target = Path(target)
+    if target.is_symlink():
+        return f"{target} is a symbolic link: refusing to replace it (or what it points to); choose another path"
+    if not target.exists():
+        return None
+    if not target.is_dir():
+        return f"{target} is a file, not a folder this project wrote: refusing to replace it; choose another path"
+    if (target / OWNER_MARKER).is_file() or (legacy is not None and legacy(target)):
+        return None
+    return (
+        f"{target} holds files this project did not write (no {OWNER_MARKER} marker): refusing to replace it; "
+        "choose another path, or move that folder away first"
+    )
+
+
+def check_replaceable(target: str | Path, legacy: Callable[[Path], bool] | None = None) -> None:
+    """Raise `NotOursError` with `replace_problem`'s line; call it before expensive work writes `target`."""
+    problem = replace_problem(target, legacy)
+    if problem:
+        raise NotOursError(problem)
+
+
 @contextlib.contextmanager
-def written_aside(target: str | Path, replace_existing: bool = False) -> Iterator[Path]:
+def written_aside(
+    target: str | Path, replace_existing: bool = False, legacy: Callable[[Path], bool] | None = None
+) -> Iterator[Path]:
     """Yield `<target>.partial-<pid>`, a sibling path to write the file or folder `target` under; when the
     `with` block completes it is moved onto `target`, so no reader ever sees half of it, and when the block
     raises (a full disk, Ctrl-C) it is removed and the error propagates. A file replaces an existing one
-    atomically; an existing folder is replaced only with `replace_existing` (else the move fails on it)::
+    atomically. A folder gets `OWNER_MARKER`; an existing folder is replaced only with `replace_existing`, and
+    only if this project wrote it (`replace_problem`, checked before the block and again before the move:
+    otherwise `NotOursError` and nothing is touched)::
 
         with written_aside(run_dir / "config.json") as partial:
             partial.write_text(text)
     """
     target = Path(target)
+    if replace_existing:
+        check_replaceable(target, legacy)
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")  # per process: ranks may write at once
     remove_path(partial)
     try:
         yield partial
-        if replace_existing and target.is_dir():
+        if partial.is_dir() and not partial.is_symlink():
+            (partial / OWNER_MARKER).write_text('{"written_by": "concept-encoder"}\n')
+        if replace_existing and (target.is_dir() or target.is_symlink()):
+            check_replaceable(target, legacy)
             shutil.rmtree(target)
         os.replace(partial, target)
     except BaseException:  # the block or the move failed: no partial copy is left behind
         remove_path(partial)
         raise
+
+
+SAVED_MODEL_SUFFIXES = (".json", ".safetensors", ".py", ".txt", ".model", ".md")
+
+
+def holds_only_saved_model_files(folder: Path) -> bool:
+    """A folder of plain files `save_pretrained` (model, tokenizer, code, card) writes, nothing else: how a model
+    folder this project wrote before it marked its folders is recognised."""
+    entries = list(folder.iterdir())
+    return bool(entries) and all(
+        e.is_file() and not e.is_symlink() and e.suffix in SAVED_MODEL_SUFFIXES for e in entries
+    )
 
 
 def remove_path(path: Path) -> None:

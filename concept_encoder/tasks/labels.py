@@ -28,12 +28,20 @@ logger = logging.getLogger(__name__)
 
 
 def read_delimited(path: Path, delimiter: str) -> Dataset:
-    """A CSV/TSV file as a Dataset of strings exactly as written (header row = column names)."""
-    with open(path, newline="", encoding="utf-8") as handle:
+    """A CSV/TSV file as a Dataset of strings exactly as written (header row = column names); a byte-order mark
+    (what spreadsheet programs write as "CSV UTF-8") is dropped."""
+    with open(path, newline="", encoding="utf-8-sig") as handle:
         rows = list(csv.reader(handle, delimiter=delimiter))
     if not rows:
         raise DataSourceError(f"{path} is empty; a task file needs a header row and examples")
     header, body = rows[0], rows[1:]
+    if not body:
+        raise DataSourceError(f"{path} has a header row and no examples; add one row per example")
+    twice = sorted(name for name, count in Counter(header).items() if count > 1)
+    if twice:
+        raise DataSourceError(
+            f"{path}: column(s) {twice} are named twice in the header; give every column its own name"
+        )
     short = [i + 2 for i, row in enumerate(body) if len(row) != len(header)]
     if short:
         raise DataSourceError(
@@ -68,13 +76,22 @@ def check_present(labels: list, where: str) -> None:
         )
 
 
-def infer_task_type(labels: list) -> str:
-    """Lists: multi-label; numbers of which one is not integral: regression; else single-label classes."""
+def infer_task_type(labels: list, where: str = "the task's labels") -> str:
+    """Lists: multi-label; numbers of which one is not integral: regression; else single-label classes. Numbers
+    with a fraction beside cells that are not numbers are a regression column with bad cells: an error naming them
+    (read as classes they would make one class per score)."""
     if any(isinstance(x, list) for x in labels):
         return "multi_label_classification"
     numbers = [as_number(x) for x in labels]
-    if all(n is not None for n in numbers) and any(not math.isfinite(n) or not n.is_integer() for n in numbers):
+    fractional = [n for n in numbers if n is not None and (not math.isfinite(n) or not n.is_integer())]
+    if fractional and all(n is not None for n in numbers):
         return "regression"
+    if fractional:
+        rows = [row for row, n in enumerate(numbers) if n is None]
+        raise DataSourceError(
+            f"{where}: scores such as {fractional[0]:g} beside cells that are not numbers (rows {rows[:10]}, e.g. "
+            f"{labels[rows[0]]!r}); fix those cells, or pass --task_type single_label_classification"
+        )
     return "single_label_classification"
 
 

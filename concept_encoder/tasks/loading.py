@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +17,8 @@ from ..data.sources import SPLIT_SEED  # the data layer's fixed hold-out seed
 from .arguments import EMBEDDED_TASKS, GLUE_TASKS, TaskArguments
 from .embedded import PACKAGES, embedded_pairs, embedded_sentences
 from .labels import check_present, class_name, class_names, infer_task_type, read_delimited, regression_values
+
+logger = logging.getLogger(__name__)
 
 LOCAL_BUILDERS = {
     ".csv": ("csv", {}),
@@ -58,6 +63,15 @@ class TaskData:
 
     def sizes(self) -> dict[str, int]:
         return {"train": len(self.train), "dev": len(self.dev), "validation": len(self.validation)}
+
+    def content_digest(self) -> str:
+        """sha256 (16 hex digits) of the task's type, label names and every split's texts and labels: what a
+        result on this task was computed on, so a result is reused only for the same task content."""
+        digest = hashlib.sha256(json.dumps([self.task_type, self.num_labels, self.label_names]).encode())
+        for split in (self.train, self.dev, self.validation):
+            for column in sorted(c for c in split.column_names if c != "id"):
+                digest.update(json.dumps([column, split[column]], default=str).encode())
+        return digest.hexdigest()[:16]
 
 
 def load_task(args: TaskArguments) -> TaskData:
@@ -110,18 +124,51 @@ def load_local(args: TaskArguments) -> TaskData:
     splits = {k: standard_columns(tables[k], args.text_field_names, args.label_field, str(files[k])) for k in tables}
     for k, split in splits.items():  # row numbers in these messages are the file's rows
         check_present(split["label"], f"{files[k]} column {args.label_field!r}")
-    task_type = args.task_type if args.task_type != "auto" else infer_task_type(splits["train"]["label"])
+    labels = f"{files['train']} column {args.label_field!r}"
+    task_type = args.task_type if args.task_type != "auto" else infer_task_type(splits["train"]["label"], labels)
+    if task_type == "multi_label_classification":
+        check_label_lists(splits, files, args.label_field)
     if task_type == "regression":
         splits = {k: relabel(split, regression_values(split["label"], str(files[k]))) for k, split in splits.items()}
     train, validation = splits["train"], splits.get("validation")
     if validation is None:
         train, validation = carve(train, args.validation_fraction)
+    warn_overlap(train, validation, path.name)
     names = None
     if task_type == "single_label_classification":
         names = class_names(train["label"], validation["label"], path.name)
         index = {name: i for i, name in enumerate(names)}
         train, validation = (relabel(s, [index[class_name(x)] for x in s["label"]]) for s in (train, validation))
     return finish(args, path.name, task_type, names, None, train, validation)
+
+
+def check_label_lists(splits: dict[str, Dataset], files: dict[str, Path], label_field: str) -> None:
+    """Multi-label rows must all be lists of one length (a multi-hot vector per row): rows named otherwise."""
+    width = None
+    for name, split in splits.items():
+        for row, value in enumerate(split["label"]):
+            if not isinstance(value, list):
+                raise DataSourceError(
+                    f"{files[name]} column {label_field!r}: row {row} is {value!r}, not a list of 0/1"
+                )
+            width = len(value) if width is None else width
+            if len(value) != width:
+                raise DataSourceError(
+                    f"{files[name]} column {label_field!r}: row {row} has {len(value)} labels where the first row has "
+                    f"{width}; every row needs one 0/1 per class"
+                )
+
+
+def warn_overlap(train: Dataset, validation: Dataset, where: str) -> None:
+    """Warn, with the count, when validation rows repeat training rows (the same texts): their score is memory."""
+    columns = [c for c in ("text_a", "text_b") if c in train.column_names]
+    seen = set(zip(*(train[c] for c in columns), strict=True))
+    repeated = sum(key in seen for key in zip(*(validation[c] for c in columns), strict=True))
+    if repeated:
+        logger.warning(
+            "%s: %d of %d validation row(s) repeat a training row's text: their score measures memory, not "
+            "generalisation; drop them from one split", where, repeated, len(validation),
+        )  # fmt: skip
 
 
 def relabel(split: Dataset, labels: list) -> Dataset:

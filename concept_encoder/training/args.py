@@ -4,9 +4,13 @@
 defaults, command-line flags replace the YAML. Unknown keys, in the YAML or on the command
 line, are an error. Every value is validated in `__post_init__`, before anything heavy runs.
 
+Each loop's argument set checks its own rules between classes (`check_pretraining_combination`,
+`check_finetune_combination`); the generic parsing (YAML, typed values, repeated flags, `to_argv`, the flags
+that reproduce a parse) is `concept_encoder/common/dataclass_args.py`.
+
 This module imports neither torch nor transformers' model code: the launch plan checker parses
 the loop's flags with this very parser (`parse_args`), so a flag the loop rejects is rejected
-there too, with the same message. `to_argv` is the inverse: the flags that reproduce a parse.
+there too, with the same message.
 """
 
 from __future__ import annotations

@@ -214,7 +214,20 @@ def resume_settings(model_config, data_args, training_args, world_size: int, tok
 # Settings added after the first release, with the value every earlier checkpoint was written with.
 RESUME_DEFAULTS = {"objective": "mlm", "model.model_type": "concept_encoder", "torch_compile": False}
 # Settings earlier checkpoints did not record and that have no such value: compared only when recorded.
-RECORDED_SINCE = ("data.vocab_sha256",)
+RECORDED_SINCE = ("data.vocab_sha256", "task_sha256", "max_steps")
+
+
+def settings_differences(saved: dict, current: dict, what: str) -> list[str]:
+    """`key: <what> <saved>, this run <current>` for every setting that differs (keys recorded only since
+    `RECORDED_SINCE` are not held against what was saved before them; `RESUME_DEFAULTS` fill older records)."""
+    normalise = json.loads(json.dumps(current, default=str))  # the saved file's types
+    saved = {**{key: value for key, value in RESUME_DEFAULTS.items() if key in normalise}, **saved}
+    normalise = {key: value for key, value in normalise.items() if key in saved or key not in RECORDED_SINCE}
+    return [
+        f"{key}: {what} {saved.get(key)!r}, this run {normalise.get(key)!r}"
+        for key in sorted(set(saved) | set(normalise))
+        if saved.get(key) != normalise.get(key)
+    ]
 
 
 def check_resume_settings(checkpoint: Path, current: dict) -> None:
@@ -223,15 +236,7 @@ def check_resume_settings(checkpoint: Path, current: dict) -> None:
     if not path.exists():
         logger.warning("%s has no %s: resuming without checking the settings", checkpoint, RESUME_SETTINGS)
         return
-    saved = json.loads(path.read_text())
-    normalise = json.loads(json.dumps(current, default=str))  # the saved file's types
-    saved = {**{key: value for key, value in RESUME_DEFAULTS.items() if key in normalise}, **saved}
-    normalise = {key: value for key, value in normalise.items() if key in saved or key not in RECORDED_SINCE}
-    differences = [
-        f"{key}: checkpoint {saved.get(key)!r}, this run {normalise.get(key)!r}"
-        for key in sorted(set(saved) | set(normalise))
-        if saved.get(key) != normalise.get(key)
-    ]
+    differences = settings_differences(json.loads(path.read_text()), current, "checkpoint")
     if differences:
         vocabulary = (
             " (data.vocab_sha256 is the tokenizer's vocabulary: the run's own copy, <run>/tokenizer, is missing, and "

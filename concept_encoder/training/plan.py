@@ -135,6 +135,15 @@ def folder_problem(folder: str | Path, what: str) -> str | None:
     return None
 
 
+def output_file_problem(path: str | Path, what: str) -> str | None:
+    """Why the file `path` cannot be written (a folder in its place, its folder not writable), else None:
+    checked before the work whose result it is to hold."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        return f"{what} {path} is a folder; give a file name, e.g. {path / 'result.json'}"
+    return folder_problem(path.parent, what)
+
+
 def local_launcher(script: str | Path, num_processes: int = 1) -> list[str]:
     """This interpreter's `accelerate launch` of `script` on one machine (dynamo off: the loops compile
     themselves with --torch_compile), for tools that run the loops one after another."""

@@ -12,7 +12,7 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from filelock import FileLock, Timeout
 
-from ..common.paths import written_aside
+from ..common.paths import NotOursError, check_replaceable, holds_only_saved_model_files, written_aside
 from .checkpoint import disk_full
 from .faults import RunFolderError, is_disk_full
 
@@ -28,7 +28,8 @@ def setup_run_dirs(
     The id is `--run_name` if given (also when resuming another run's checkpoint: that run is only
     read), else the resumed run's id, else `<preset>-<params>M-<timestamp>`. A second process on the
     same folder fails on the lock; a fresh start (no `--resume_from_checkpoint`) into a folder that
-    already holds a run is refused, so no run's results are overwritten.
+    already holds a run is refused, so no run's results are overwritten, and so is a `final/` this project did
+    not write (the run would replace it at its end).
     """
     if training_args.run_name:
         run_dir = Path(training_args.output_dir) / training_args.run_name
@@ -50,7 +51,10 @@ def setup_run_dirs(
                     f"{run_dir} already holds a run; choose another --run_name, or continue it with "
                     "--resume_from_checkpoint auto"
                 )
-        except (OSError, RunFolderError) as error:
+            check_replaceable(run_dir / "final", holds_only_saved_model_files)  # what the run replaces at its end
+        except (OSError, RunFolderError, NotOursError) as error:
+            if lock is not None and lock.is_locked:
+                lock.release()
             problem = [str(error)]
     if state.num_processes > 1:
         broadcast_object_list(problem, from_process=0)
