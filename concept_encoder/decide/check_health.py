@@ -20,7 +20,6 @@ import math
 import sys
 from pathlib import Path
 
-import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
@@ -31,6 +30,7 @@ from ..data.sources import source_fingerprint
 from ..model.config import ConceptEncoderConfig
 from ..model.heads import ConceptEncoderForMaskedLM
 from ..training.evaluation import evaluate, health_of, most_frequent_token
+from ..training.model_folder import ModelFolderError, load_checked
 from ..training.plan import output_file_problem
 
 
@@ -55,10 +55,6 @@ def not_a_model_folder(path: Path) -> str | None:
     return None
 
 
-def non_finite_parameters(model: torch.nn.Module) -> list[str]:
-    return [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m concept_encoder check_health", description=__doc__)
     parser.add_argument("model", help="a save_pretrained folder, e.g. Cache/runs/<run>/final")
@@ -79,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    model = ConceptEncoderForMaskedLM.from_pretrained(path).eval()
-    bad = non_finite_parameters(model)
-    if bad:
-        print(f"error: {len(bad)} parameter tensor(s) hold NaN/Inf: {', '.join(bad[:10])}", file=sys.stderr)
+    try:
+        model = load_checked(ConceptEncoderForMaskedLM, path)[0].eval()
+    except ModelFolderError as error:  # missing or misshapen tensors, NaN/Inf, a weights file cut short
+        print(f"error: {error}", file=sys.stderr)
         return 1
     tokenizer = args.tokenizer or str(path)
     seq_len = min(args.max_seq_length, model.config.max_position_embeddings)

@@ -8,6 +8,7 @@ from ..model.config import ConceptEncoderConfig
 from ..model.constants import CLASSIFIER_POOLINGS
 from ..model.heads import ConceptEncoderForMaskedLM
 from ..model.summary import parameter_counts
+from .model_folder import check_model_folder, load_checked
 from .plan import fresh_model_fields
 
 
@@ -104,7 +105,8 @@ def from_pretrained(model_class, path: str, zero3_config: dict | None):
     """`model_class.from_pretrained(path)`; under `zero3_config` loaded partitioned (transformers' ZeRO-3
     loading, which reads the ds config through `HfDeepSpeedConfig`, kept alive only while loading)."""
     if zero3_config is None:
-        return model_class.from_pretrained(path)
+        return load_checked(model_class, path)[0]
+    check_model_folder(path)  # partitioned loading: the files are checked, the tensors not gathered to check
     from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
     keep_alive = HfDeepSpeedConfig(zero3_config)  # noqa: F841 (transformers holds only a weak reference)
@@ -149,14 +151,13 @@ def build_classifier(model_path: str, task, from_scratch: bool = False, pooling:
             "id2label": dict(enumerate(task.label_names)),
             "label2id": {n: i for i, n in enumerate(task.label_names)},
         }
+    check_model_folder(model_path, weights=not from_scratch)  # one line for a folder that is not what it claims
     config = AutoConfig.from_pretrained(model_path, num_labels=task.num_labels, problem_type=task.task_type, **labels)
     for key, value in check_pooling(config, pooling, model_path).items():
         setattr(config, key, value)
     if from_scratch:
         return AutoModelForSequenceClassification.from_config(config), "fresh weights (--from_scratch)"
-    model, info = AutoModelForSequenceClassification.from_pretrained(
-        model_path, config=config, output_loading_info=True
-    )
+    model, info = load_checked(AutoModelForSequenceClassification, model_path, config=config)
     dropped = sorted({key.split(".")[0] for key in info["unexpected_keys"]})
     note = (
         f"pretrained weights; dropped {len(info['unexpected_keys'])} tensors of {dropped}"

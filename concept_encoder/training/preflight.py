@@ -22,6 +22,7 @@ from .args import ARGUMENT_CLASSES, parse_args
 from .checkpoint import resolve_resume
 from .extension_locks import StaleLockError, stale_lock_message, stale_op_locks
 from .faults import DiskFullError
+from .model_folder import model_folder_problem
 from .plan import ds_config_problems, folder_problem, launched_ds_config, output_dir_problem
 
 
@@ -58,11 +59,9 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
         raise StaleLockError(stale_lock_message("cpu_adam", stale))  # the optimizer would wait on it forever
     if model_args.model_name_or_path:
         config_path = Path(model_args.model_name_or_path) / "config.json"
-        if not config_path.is_file():
-            raise ValueError(
-                f"--model_name_or_path {model_args.model_name_or_path} holds no config.json; "
-                "pass a folder written by save_pretrained (e.g. Cache/runs/<run>/final)"
-            )
+        weights = not getattr(model_args, "from_scratch", False)  # a random twin needs the config only
+        if problem := model_folder_problem(model_args.model_name_or_path, weights):
+            raise ValueError(f"--model_name_or_path: {problem}")
         positions = json.loads(config_path.read_text()).get("max_position_embeddings")
         if positions is not None and data_args.max_seq_length > positions:
             raise ValueError(

@@ -1,0 +1,122 @@
+"""A saved model folder is what it claims, checked before it is trained or judged.
+
+Its `config.json` is a JSON object; its weights are safetensors (a pickle is never loaded: it can run code) whose
+header and size agree; once loaded, every tensor of the pretrained backbone was in the file with its shape, only
+the new task head is initialised at random, and every parameter is finite. Each fault ends in one line naming the
+file and what to do (`ModelFolderError`), before any training; without these checks transformers loads a folder
+with no encoder tensors as a random encoder (an INFO line) and a NaN weight trains to NaN everywhere.
+
+`model_folder_problem` reads files only (torch-free: the loops' preflight runs it); `load_checked` loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
+SAVED_BY = "pass a folder written by save_pretrained (e.g. Cache/runs/<run>/final)"
+
+
+class ModelFolderError(ValueError):
+    """A model folder does not hold what it claims; the message names the file and what to do."""
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a whole safetensors file (empty, cut short, header not JSON), from its header alone: an
+    8-byte little-endian header length, the JSON header, then the tensors, whose byte ranges end at the file's end.
+    (Read by hand, not with `safetensors`, to stay torch-free and to name the fault instead of a Rust error.)"""
+    size = path.stat().st_size
+    again = "save the model again, or copy the folder whole"
+    if size < 8:
+        return f"{path} is {size} bytes, not a safetensors file (empty or cut short); {again}"
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        if length > size - 8:
+            return f"{path}: its header claims {length:,} bytes and the file holds {size - 8:,}: cut short; {again}"
+        try:
+            header = json.loads(handle.read(length))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, IndexError):
+            return f"{path}: its header is not a safetensors header; {again}"
+    if 8 + length + end != size:
+        return f"{path}: its tensors need {8 + length + end:,} bytes and the file holds {size:,}: cut short; {again}"
+    return None
+
+
+def model_folder_problem(path: str | Path, weights: bool = True) -> str | None:
+    """Why the folder `path` is not a saved model to load (no folder, config not a JSON object; with `weights`:
+    no safetensors weights, pickled weights only, a weights file cut short), else None. Reads files only."""
+    folder = Path(path)
+    config = folder / "config.json"
+    if not folder.is_dir():
+        return f"{folder} is not a folder; {SAVED_BY}"
+    if not config.is_file():
+        return f"{folder} holds no config.json; {SAVED_BY}"
+    try:
+        settings = json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        return f"{config} is not JSON ({getattr(error, 'msg', error)}); {SAVED_BY}"
+    if not isinstance(settings, dict):
+        return f"{config} holds a JSON {type(settings).__name__}, not an object of settings; {SAVED_BY}"
+    if not weights:
+        return None
+    if (folder / SAFE_WEIGHTS[1]).is_file():
+        try:
+            shards = sorted(set(json.loads((folder / SAFE_WEIGHTS[1]).read_text())["weight_map"].values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            return f"{folder / SAFE_WEIGHTS[1]} is not a safetensors index (no weight_map); {SAVED_BY}"
+        files = [folder / Path(shard).name for shard in shards]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            return f"{folder / SAFE_WEIGHTS[1]} names shard(s) {missing[:3]} that the folder lacks; copy it whole"
+    elif (folder / SAFE_WEIGHTS[0]).is_file():
+        files = [folder / SAFE_WEIGHTS[0]]
+    elif pickled := [name for name in PICKLED_WEIGHTS if (folder / name).is_file()]:
+        return (
+            f"{folder} holds its weights only as {pickled[0]}, which this project does not load (a pickle can run "
+            "code); save them as safetensors (`save_pretrained`, the default of transformers 5) where you trust them"
+        )
+    else:
+        return f"{folder} holds no model.safetensors; {SAVED_BY}"
+    return next((problem for f in files if (problem := safetensors_problem(f))), None)
+
+
+def check_model_folder(path: str | Path, weights: bool = True) -> None:
+    """Raise `ModelFolderError` with `model_folder_problem`'s line."""
+    if problem := model_folder_problem(path, weights):
+        raise ModelFolderError(problem)
+
+
+def non_finite_parameters(model) -> list[str]:
+    """Names of the parameters holding NaN or infinity."""
+    import torch
+
+    return [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+
+
+def load_checked(model_class, path: str | Path, **kwargs):
+    """`model_class.from_pretrained(path, **kwargs)` after `check_model_folder`, then refused (`ModelFolderError`)
+    when a tensor of the backbone (`base_model_prefix`; a BERT pooler excepted: MLM checkpoints have none) was not
+    in the file, when shapes do not match, or when a parameter is not finite. Returns (model, loading info)."""
+    check_model_folder(path)
+    try:
+        model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    except (RuntimeError, ValueError, OSError) as error:  # size mismatches, unreadable files
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelFolderError(f"{path}: the weights do not load into its config's model ({first})") from error
+    prefix = f"{model.base_model_prefix}."
+    absent = sorted(k for k in info["missing_keys"] if k.startswith(prefix) and ".pooler." not in k)
+    if absent:
+        raise ModelFolderError(
+            f"{path}: {len(absent)} tensor(s) of the pretrained {model.base_model_prefix} are not in its weights "
+            f"(e.g. {', '.join(absent[:3])}): they would start random. The folder does not hold the model its config "
+            "describes; save it again, or pass --from_scratch to train a random model on purpose"
+        )
+    if bad := non_finite_parameters(model):
+        raise ModelFolderError(
+            f"{path}: {len(bad)} parameter tensor(s) hold NaN/Inf (e.g. {', '.join(bad[:3])}); a model with them "
+            "trains and predicts NaN. Use an earlier checkpoint of it"
+        )
+    return model, info
