@@ -50,7 +50,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
 from concept_encoder.common.paths import holds_only_saved_model_files, written_aside
 from concept_encoder.data.tokenizer import TOKENIZER_FILES, check_vocab_covers, require_tokenizer_files
-from concept_encoder.tasks.baselines import split_rows, task_baselines
+from concept_encoder.tasks.baselines import split_rows, task_baselines, task_digest
 from concept_encoder.tasks.loading import encode_splits, load_task
 from concept_encoder.tasks.metrics import compute_metrics, metric_sign, predictions_from_logits
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
@@ -66,6 +66,7 @@ from concept_encoder.training.checkpoint import (
 )
 from concept_encoder.training.deepspeed_setup import adamw_class, fill_deepspeed_auto_values, launched_zero_stage
 from concept_encoder.training.evaluation import predict
+from concept_encoder.training.faults import NonFiniteLossError
 from concept_encoder.training.finetune_report import write_report
 from concept_encoder.training.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, GateMonitor, describe_outcome, parse_gates
 from concept_encoder.training.logs import log_model_info, log_system_info, setup_logging
@@ -109,10 +110,20 @@ def tokenizer_folder(model_path: str, tokenizer: str | None) -> str:
 
 
 def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm: float) -> float:
-    """One optimizer step over the micro-batches of `window`; returns the last micro-batch's loss."""
+    """One optimizer step over the micro-batches of `window`; returns the last micro-batch's loss. A loss that is
+    not finite on any rank (agreed across ranks, so all stop together) ends the run before the optimizer applies
+    it: `NonFiniteLossError`, no NaN weights saved or reported."""
     for batch in window:
         with accelerator.accumulate(model):
             out = model(**batch)
+            finite = torch.isfinite(out.loss.detach()).float().reshape(1)
+            if accelerator.num_processes > 1:
+                finite = accelerator.reduce(finite, reduction="min")
+            if finite.item() < 1:
+                raise NonFiniteLossError(
+                    "the fine-tuning loss is not finite (NaN/Inf); the step was not applied. Lower --learning_rates, "
+                    "or check the task's labels and the model"
+                )
             accelerator.backward(out.loss)
             if accelerator.sync_gradients and max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -148,7 +159,7 @@ def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, toke
     )
     # what decides this run's result: a finished run or a checkpoint is reused only under the same settings
     settings = {"model": model_path, "from_scratch": fargs.from_scratch, "task": task.name,
-                "task_sha256": task.content_digest(), "seed": seed, "learning_rate": rate, "pooling": fargs.pooling,
+                "task_sha256": task_digest(task), "seed": seed, "learning_rate": rate, "pooling": fargs.pooling,
                 "max_steps": args.max_steps, "world_size": state.num_processes,
                 "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps,
@@ -407,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         args = dataclasses.replace(args, max_steps=max(1, math.ceil(fargs.epochs * len(task.train) / per_step)))
         logger.info("--epochs %g: %d optimizer steps of %d examples", fargs.epochs, args.max_steps, per_step)
     baselines = task_baselines(task, cache_dir=Path(args.output_dir).parent)  # Cache/baselines by default
+    baselines["task_sha256"] = task_digest(task)  # merged reports pool only runs of one task content
     logger.info("baselines on validation: majority %s; %s (%s=%g chosen on dev) %s", baselines["majority"],
                 baselines["tfidf"]["name"], baselines["tfidf"]["parameter"], baselines["tfidf"]["chosen"],
                 baselines["tfidf"]["validation"])  # fmt: skip
@@ -443,5 +455,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    with one_line_errors():
+    with one_line_errors(NonFiniteLossError):
         sys.exit(main())

@@ -69,7 +69,7 @@ from concept_encoder.training.deepspeed_setup import (
     zero3_construction_config,
 )
 from concept_encoder.training.evaluation import evaluate, health_of, most_frequent_token
-from concept_encoder.training.faults import is_disk_full
+from concept_encoder.training.faults import NonFiniteLossError, is_disk_full
 from concept_encoder.training.gates import (
     GATE_ACTION_TEXT,
     GATE_EXIT_CODE,
@@ -115,10 +115,6 @@ from concept_encoder.training.tracking import (
 
 logger = logging.getLogger("concept_encoder")
 STREAM_SHUFFLE_BUFFER = 10_000  # examples held by a streamed dataset's shuffle buffer (`--streaming`)
-
-
-class NonFiniteLossError(RuntimeError):
-    pass
 
 
 def peak_memory_over_ranks(accelerator) -> dict:

@@ -541,3 +541,47 @@ def test_reports_of_several_invocations_merge_into_one_table(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SystemExit):
         finetune_report.main([str(first), str(tmp_path / "bad.json")])
+    other = tmp_path / "other.json"  # a task of the same name with other content: never pooled with the first
+    other.write_text(json.dumps({"runs": [run("m", "fine-tune", 3, 0.9, **tuned)],
+                                 "baselines": {"t": {**baselines["t"], "task_sha256": "feedc0de"}}}))  # fmt: skip
+    first.write_text(
+        json.dumps({**json.loads(first.read_text()), "baselines": {"t": {**baselines["t"], "task_sha256": "0ddba11"}}})
+    )
+    with pytest.raises(ValueError, match="task 't' is not one task across these reports"):
+        finetune_report.merge_reports([first, other])
+
+
+@pytest.mark.loop
+def test_a_non_finite_loss_stops_fine_tuning_before_the_step_is_applied(workdir, concept_model, monkeypatch):
+    from concept_encoder.training.faults import NonFiniteLossError
+
+    task_file = str(write_tasks(workdir / "tasks")["single"])
+    real = finetune.build_classifier
+
+    def poisoned(*args, **kwargs):  # a head that makes the loss NaN from the first step
+        model, note = real(*args, **kwargs)
+        with torch.no_grad():
+            model.classifier.weight.fill_(float("nan"))
+        return model, note
+
+    monkeypatch.setattr(finetune, "build_classifier", poisoned)
+    argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "1", "--run_name", "nan"]
+    with pytest.raises(NonFiniteLossError, match="the fine-tuning loss is not finite"):
+        finetune.main([*argv, *COMMON])
+    [run_dir] = Path("Cache/finetune").glob("nan-*")
+    assert not (run_dir / "final").exists() and not (run_dir / "summary.json").exists()
+
+
+def test_a_full_disk_while_writing_a_report_leaves_no_empty_or_half_report(tmp_path, monkeypatch):
+    from concept_encoder.training import finetune_report
+    from concept_encoder.training.faults import DiskFullError
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(finetune_report, "plot", full)
+    run = {"model": "m", "method": "probe: mean", "task": "t", "seed": 1, "pooling": "p", "seconds": 1.0,
+           "validation": {"accuracy": 0.5}, "probe_C": 1.0}  # fmt: skip
+    with pytest.raises(DiskFullError, match="no space left on the disk of .* while writing the report finetune_"):
+        finetune_report.write_report([run], {}, tmp_path / "reports", "title")
+    assert list((tmp_path / "reports").iterdir()) == []

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,15 +61,6 @@ class TaskData:
 
     def sizes(self) -> dict[str, int]:
         return {"train": len(self.train), "dev": len(self.dev), "validation": len(self.validation)}
-
-    def content_digest(self) -> str:
-        """sha256 (16 hex digits) of the task's type, label names and every split's texts and labels: what a
-        result on this task was computed on, so a result is reused only for the same task content."""
-        digest = hashlib.sha256(json.dumps([self.task_type, self.num_labels, self.label_names]).encode())
-        for split in (self.train, self.dev, self.validation):
-            for column in sorted(c for c in split.column_names if c != "id"):
-                digest.update(json.dumps([column, split[column]], default=str).encode())
-        return digest.hexdigest()[:16]
 
 
 def load_task(args: TaskArguments) -> TaskData:

@@ -14,6 +14,10 @@ class RunFolderError(ValueError):
     """The run folder cannot be used: another process holds it, or it holds another run's results."""
 
 
+class NonFiniteLossError(RuntimeError):
+    """The training loss stayed NaN/Inf: the run stops (one line) instead of training on, or reporting, NaN."""
+
+
 class DiskFullError(RuntimeError):
     """No space left while saving: the message names the last intact checkpoint."""
 

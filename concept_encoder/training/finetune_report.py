@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 from ..common.report_files import claim_report_stem
+from .faults import DiskFullError, is_disk_full
 
 STILL_IMPROVING = "still improving: train longer"
 
@@ -151,29 +152,48 @@ def write_report(
     results: list[dict], baselines: dict, out_dir: Path, title: str, prefix: str = "finetune"
 ) -> dict[str, Path]:
     """`<prefix>_<time>[_NN].{md,json,png}` under `out_dir` (names no other invocation holds); returns their
-    paths. `baselines`: task → its baselines."""
+    paths. `baselines`: task → its baselines. A failure while writing (a full disk) removes all three, so no empty
+    or half report is left: a full disk is one line (`DiskFullError`), and the runs it reports are kept."""
     rows = report_rows(results)
     stem = claim_report_stem(out_dir, prefix)
     paths = {ext: Path(f"{stem}.{ext}") for ext in ("md", "json", "png")}
-    paths["md"].write_text(format_markdown(rows, baselines, title) + "\n")
-    paths["json"].write_text(
-        json.dumps({"title": title, "rows": rows, "baselines": baselines, "runs": results}, indent=2, default=str)
-    )
-    plot(rows, baselines, paths["png"])
+    try:
+        paths["md"].write_text(format_markdown(rows, baselines, title) + "\n")
+        paths["json"].write_text(
+            json.dumps({"title": title, "rows": rows, "baselines": baselines, "runs": results}, indent=2, default=str)
+        )
+        plot(rows, baselines, paths["png"])
+    except (OSError, RuntimeError) as error:
+        for path in paths.values():
+            path.unlink(missing_ok=True)
+        if is_disk_full(error):
+            raise DiskFullError(
+                f"no space left on the disk of {stem.parent} while writing the report {stem.name}.* (nothing of it "
+                "was kept); free space, then run again (finished runs are reused with --resume_from_checkpoint auto)"
+            ) from error
+        raise
     return paths
 
 
 def merge_reports(paths: list[Path]) -> tuple[list[dict], dict]:
     """The runs and baselines of several `finetune_<time>.json` reports (e.g. one invocation per model, a
     pretrained model and its `--from_scratch` twin), for one table; a task's baselines are the same in each."""
-    runs, baselines = [], {}
+    runs, baselines, digests = [], {}, {}
     for path in paths:
         try:
             report = json.loads(Path(path).read_text())
             runs += report["runs"]
-            baselines.update(report.get("baselines", {}))
-        except (OSError, json.JSONDecodeError, KeyError) as error:
+            for task, base in report.get("baselines", {}).items():
+                digests.setdefault(task, {}).setdefault(base.get("task_sha256"), path)
+                baselines[task] = base
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as error:
             raise ValueError(f"{path}: not a fine-tuning report ({type(error).__name__}: {error})") from error
+    for task, seen in digests.items():
+        if len({digest for digest in seen if digest is not None}) > 1:
+            raise ValueError(
+                f"task {task!r} is not one task across these reports (contents {', '.join(map(str, seen))} in "
+                f"{', '.join(map(str, seen.values()))}): merge reports of the same task, or rename one task file"
+            )
     return runs, baselines
 
 
