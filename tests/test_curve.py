@@ -117,6 +117,17 @@ def test_curve_pretrains_once_measures_each_point_and_reuses_finished_ones(launc
     resumed = load_file(run / "snapshots/step-4/model.safetensors")
     assert all(torch.equal(resumed[k], last[k]) for k in last)  # exact resume: the same step-4 weights
 
+    # reused only for the same request: other pretraining arguments, or a budget past the finished run, are refused
+    launches.clear()
+    capsys.readouterr()
+    longer = [*argv[:1], "1024,2048,4096", *argv[2:]]
+    for changed, message in (([*argv, "--learning_rate", "1e-3"], r"was measured under other settings \(pretrain_args"),
+                             (longer, "needs step 8, but pretraining run .*c-concept finished at step 4")):  # fmt: skip
+        with pytest.raises(SystemExit) as refused:
+            curve.main(changed)
+        assert refused.value.code == 2 and re.search(message, capsys.readouterr().err)
+    assert launches == []
+
 
 @pytest.mark.loop
 def test_a_gate_that_stops_pretraining_ends_the_curve_there(launches, capsys):

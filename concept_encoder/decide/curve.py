@@ -35,6 +35,7 @@ from pathlib import Path
 from ..common.cli_types import at_least
 from ..common.paths import PROJECT_ROOT, cache_path
 from ..constants import ARCHITECTURES
+from ..data.sources import source_fingerprint
 from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from ..training.metrics_log import read_metrics
 from ..training.plan import local_launcher
@@ -115,6 +116,45 @@ def plan_architecture(architecture: str, budgets: list[int], loop_argv: list[str
             "--snapshot_steps", ",".join(map(str, steps)), "--resume_from_checkpoint", "auto"]  # fmt: skip
     parse_args(argv)  # the exact command, checked before anything runs
     return ArchitecturePlan(architecture, run_name, per_step, steps, argv), Path(train_args.output_dir) / run_name
+
+
+REQUEST = "request.json"  # in the curve's folder: what its points and pretraining runs were measured under
+
+
+def curve_request(args, loop_argv: list[str], finetune_argv: list[str]) -> dict:
+    """Everything that decides a point's result, budgets aside: the task (and a local task file's content
+    fingerprint), the fine-tuning and pretraining arguments, the processes, the reference."""
+    local = Path(args.task).expanduser().exists()
+    return {"task": args.task, "task_files": source_fingerprint(args.task) if local else None,
+            "finetune_args": finetune_argv, "pretrain_args": loop_argv, "num_processes": args.num_processes,
+            "reference": args.reference}  # fmt: skip
+
+
+def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan, Path]]) -> None:
+    """ValueError when the curve at `folder` was measured under another request (its points and runs would be
+    reused as this one's), or when a budget needs more steps than a finished pretraining run took (its schedule
+    ended there: the points would be missing, not measured); records the request for the next invocation."""
+    path = folder / REQUEST
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        differences = [f"{key}: the curve's {saved.get(key)!r}, this invocation's {request.get(key)!r}"
+                       for key in sorted(set(saved) | set(request)) if saved.get(key) != request.get(key)]  # fmt: skip
+        if differences:
+            raise ValueError(
+                f"curve {folder.name} ({folder}) was measured under other settings ({'; '.join(differences)}): its "
+                "points and pretraining runs are not this request's; choose another --name"
+            )
+    for plan, run_dir in plans:
+        if ended_on_its_own(run_dir) and not stopped_by_gate(run_dir):
+            steps = json.loads((run_dir / "summary.json").read_text()).get("steps", 0)
+            if plan.steps[-1] > steps:
+                raise ValueError(
+                    f"--tokens: {token_label(plan.tokens(plan.steps[-1]))} needs step {plan.steps[-1]}, but pretraining "
+                    f"run {run_dir} finished at step {steps} (its learning-rate schedule ended there, so it cannot "
+                    "simply go on); measure a curve with larger budgets under another --name"
+                )
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(request, indent=2))
 
 
 def run_command(command: list[str]) -> int:
@@ -332,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.reference and not Path(args.reference).is_dir():
             raise ValueError(f"--reference {args.reference}: no such model folder (make reference fetches one)")
         plans = [plan_architecture(a, budgets, loop_argv, args.name, args.num_processes) for a in architectures]
+        check_reuse(cache_path(args.curves_dir) / args.name, curve_request(args, loop_argv, finetune_argv), plans)
     except ValueError as error:
         parser.exit(2, f"usage error: {error}\n")
     curve = Curve(cache_path(args.curves_dir) / args.name, args.task, finetune_argv, args.num_processes)
