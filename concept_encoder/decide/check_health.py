@@ -34,6 +34,12 @@ from ..training.model_folder import ModelFolderError, load_checked
 from ..training.plan import output_file_problem
 
 
+def heldout_fingerprint(spec: str) -> str:
+    """What a held-out check's result depends on besides the model: the text's content and how it is read (whole,
+    in document order); `ablate --heldout` reuses a check only when it is equal."""
+    return f"{source_fingerprint(spec)}:whole"
+
+
 def not_a_model_folder(path: Path) -> str | None:
     """Why `path` is not a saved Concept Encoder (no folder, no or unreadable config.json, another model type)."""
     config = path / "config.json"
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {
             "model": str(path),
             "text": source,
-            "fingerprint": source_fingerprint(source),  # what was read: a changed text is rechecked
+            "fingerprint": heldout_fingerprint(source),  # what was read, and how: a changed text is rechecked
             "examples": n,
             "masked_tokens": result["eval_masked_tokens"],
             "unigram_token": data.tokenizer.convert_ids_to_tokens(unigram),
