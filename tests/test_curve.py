@@ -156,3 +156,20 @@ def test_bad_plans_are_refused_before_anything_runs(launches, capsys, extra, loo
     assert refused.value.code == 2
     assert re.search(message, capsys.readouterr().err)
     assert launches == [] and not Path("runs/bad-concept").exists()
+
+
+def test_a_busy_curve_and_a_failed_run_end_in_one_line(monkeypatch, capsys):
+    from filelock import FileLock
+
+    argv = ["--tokens", "1024,2048", "--name", "busy", "--task", "colors.csv", "--finetune_args", FINETUNE,
+            "--", *PRETRAIN]  # fmt: skip
+    folder = Path("Cache/curves/busy")
+    folder.mkdir(parents=True)
+    with FileLock(folder / ".lock"):  # another invocation measures it
+        assert curve.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: curve busy is being measured by another process" in err
+    monkeypatch.setattr(curve, "run_command", lambda command: 1)  # the pretraining run fails
+    assert curve.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: pretraining busy-concept failed (exit code 1)") and err.count("\n") == 1

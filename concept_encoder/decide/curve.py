@@ -32,6 +32,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from ..common.cli_types import at_least
 from ..common.paths import PROJECT_ROOT, cache_path
 from ..constants import ARCHITECTURES
@@ -383,42 +385,59 @@ def main(argv: list[str] | None = None) -> int:
     def announce(key: str, what: str) -> None:
         print(f"[{next(progress)}/{total}] {key}: {what}", flush=True)
 
-    for plan, run_dir in plans:
-        keys = [f"{plan.architecture}-{token_label(plan.tokens(step))}" for step in plan.steps]
-        pending = [k for k in keys if not curve.done(k)]
-        ended = pretrain(plan, run_dir, args.num_processes) if pending else None
-        if ended and ended["stopped_by_gate"]:
-            failed = "; ".join(g.get("gate", str(g)) for g in ended["gates"] if g.get("passed") is False)
-            gate_notes[plan.architecture] = f"pretraining stopped by a gate at step {ended['steps']} ({failed})"
-        for key, step in zip(keys, plan.steps, strict=True):
-            snapshot = run_dir / "snapshots" / f"step-{step}"
+    lock = FileLock(curve.folder / ".lock")  # one invocation per curve: a second would train the same runs
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"error: curve {args.name} is being measured by another process ({curve.folder / '.lock'}); wait for "
+              "it to finish, or choose another --name", file=sys.stderr)  # fmt: skip
+        return 1
+    try:
+        for plan, run_dir in plans:
+            keys = [f"{plan.architecture}-{token_label(plan.tokens(step))}" for step in plan.steps]
+            pending = [k for k in keys if not curve.done(k)]
+            ended = pretrain(plan, run_dir, args.num_processes) if pending else None
+            if ended and ended["stopped_by_gate"]:
+                failed = "; ".join(g.get("gate", str(g)) for g in ended["gates"] if g.get("passed") is False)
+                gate_notes[plan.architecture] = f"pretraining stopped by a gate at step {ended['steps']} ({failed})"
+            for key, step in zip(keys, plan.steps, strict=True):
+                snapshot = run_dir / "snapshots" / f"step-{step}"
+                if curve.done(key):
+                    announce(key, "finished earlier, reused")
+                elif not snapshot.is_dir():
+                    announce(
+                        key, f"no snapshot at step {step}: {gate_notes.get(plan.architecture, 'run ended before it')}"
+                    )
+                else:
+                    announce(key, f"{plan.tokens(step):,} tokens (step {step}): fine-tuning and probes on {args.task}")
+                    info = {"kind": "snapshot", "architecture": plan.architecture, "tokens": plan.tokens(step),
+                            "step": step, **evaluation_at(run_dir, step)}  # fmt: skip
+                    curve.measure(key, str(snapshot), [], info)
+            if args.twins:
+                key = f"{plan.architecture}-twin"
+                first = next((run_dir / "snapshots" / f"step-{s}" for s in plan.steps
+                              if (run_dir / "snapshots" / f"step-{s}").is_dir()), run_dir / "final")  # fmt: skip
+                if curve.done(key):
+                    announce(key, "finished earlier, reused")
+                else:
+                    announce(key, "from-scratch twin (same architecture, random weights)")
+                    curve.measure(
+                        key, str(first), ["--from_scratch"], {"kind": "line", "label": f"{plan.architecture} twin"}
+                    )
+        if args.reference:
+            key = "reference"
             if curve.done(key):
                 announce(key, "finished earlier, reused")
-            elif not snapshot.is_dir():
-                announce(key, f"no snapshot at step {step}: {gate_notes.get(plan.architecture, 'run ended before it')}")
             else:
-                announce(key, f"{plan.tokens(step):,} tokens (step {step}): fine-tuning and probes on {args.task}")
-                info = {"kind": "snapshot", "architecture": plan.architecture, "tokens": plan.tokens(step),
-                        "step": step, **evaluation_at(run_dir, step)}  # fmt: skip
-                curve.measure(key, str(snapshot), [], info)
-        if args.twins:
-            key = f"{plan.architecture}-twin"
-            first = next((run_dir / "snapshots" / f"step-{s}" for s in plan.steps
-                          if (run_dir / "snapshots" / f"step-{s}").is_dir()), run_dir / "final")  # fmt: skip
-            if curve.done(key):
-                announce(key, "finished earlier, reused")
-            else:
-                announce(key, "from-scratch twin (same architecture, random weights)")
+                announce(key, f"reference encoder {args.reference}")
                 curve.measure(
-                    key, str(first), ["--from_scratch"], {"kind": "line", "label": f"{plan.architecture} twin"}
+                    key, args.reference, [], {"kind": "line", "label": f"reference {Path(args.reference).name}"}
                 )
-    if args.reference:
-        key = "reference"
-        if curve.done(key):
-            announce(key, "finished earlier, reused")
-        else:
-            announce(key, f"reference encoder {args.reference}")
-            curve.measure(key, args.reference, [], {"kind": "line", "label": f"reference {Path(args.reference).name}"})
+    except RuntimeError as error:  # a run failed: finished points and runs stay, the same command continues
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        lock.release()
     summary = summarise(curve.points(), gate_notes)
     title = f"{args.name}: validation {summary['metric']} on {args.task} against pretraining tokens"
     (curve.folder / "curve.md").write_text(format_markdown(summary, args.task, args.name))
