@@ -119,3 +119,17 @@ def test_check_health_refuses_a_json_path_it_cannot_write_before_loading_anythin
     (tmp_path / "a-file").write_text("x")
     assert check_health.main([str(tmp_path / "model"), "--json", str(tmp_path / "a-file" / "out.json")]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_check_health_refuses_a_tokenizer_larger_than_the_models_vocabulary(tmp_path, capsys, monkeypatch):
+    from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
+    from concept_encoder.decide import check_health
+
+    monkeypatch.chdir(tmp_path)
+    ConceptEncoderForMaskedLM(config_from_preset("micro", vocab_size=64)).save_pretrained(tmp_path / "small-vocab")
+    capsys.readouterr()
+    argv = [str(tmp_path / "small-vocab"), "--tokenizer", "train:wordpiece:2000", "--max_seq_length", "32"]
+    assert check_health.main(argv) == 2
+    err = capsys.readouterr().err
+    [error] = [line for line in err.splitlines() if line.startswith("error:")]  # beside progress bars and logs
+    assert "model vocab_size=64 is smaller than the tokenizer" in error and "Traceback" not in err

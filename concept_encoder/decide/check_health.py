@@ -27,6 +27,7 @@ from ..common.cli_types import at_least
 from ..concepts.health import format_health_table
 from ..data import DataArguments, DataSourceError, prepare_data
 from ..data.sources import source_fingerprint
+from ..data.tokenizer import check_tokenizer
 from ..model.config import ConceptEncoderConfig
 from ..model.heads import ConceptEncoderForMaskedLM
 from ..training.evaluation import evaluate, health_of, most_frequent_token
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=0,
             held_out=bool(args.text),  # the whole file is held out: one split, packed in order
         )
+        check_tokenizer(data.tokenizer, vocab_size=model.config.vocab_size)  # every id has an embedding row
     except (DataSourceError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
