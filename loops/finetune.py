@@ -72,7 +72,9 @@ from concept_encoder.training.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, Gat
 from concept_encoder.training.logs import log_model_info, log_system_info, setup_logging
 from concept_encoder.training.metrics_log import MetricsWriter, read_metrics
 from concept_encoder.training.model import build_classifier, check_pooling
+from concept_encoder.training.model_folder import check_model_folder
 from concept_encoder.training.optim import build_optimizer, build_scheduler
+from concept_encoder.training.plan import folder_problem
 from concept_encoder.training.probe import describe_pooling, linear_probe
 from concept_encoder.training.runs import init_wandb, save_run_config, setup_run_dirs
 from concept_encoder.training.runtime import (
@@ -404,7 +406,10 @@ def main(argv: list[str] | None = None) -> int:
             "fine-tuning resumes with --resume_from_checkpoint auto and the --run_name of the interrupted "
             "invocation (finished seeds are reused, the interrupted one continues from its checkpoint)"
         )
-    for path in fargs.models:  # --pooling must be one this model's head has, a tokenizer must exist: before training
+    if problem := folder_problem(fargs.report_dir, "--report_dir"):  # where the result goes, before the work
+        raise ValueError(problem)
+    for path in fargs.models:  # each folder what it claims, --pooling one its head has, a tokenizer: before training
+        check_model_folder(path, weights=not fargs.from_scratch)
         check_pooling(AutoConfig.from_pretrained(path), fargs.pooling, path)
         tokenizer_folder(path, fargs.tokenizer)
     set_seed(args.seed)

@@ -280,7 +280,7 @@ def test_the_chosen_step_at_the_end_says_train_longer(workdir, concept_model, ca
     assert first > 0 and last > 0
 
 
-def test_fine_tuning_flags_are_checked_before_any_work(concept_model, bert_model):
+def test_fine_tuning_flags_are_checked_before_any_work(concept_model, bert_model, tmp_path):
     base = ["--model_name_or_path", str(concept_model), *COMMON]
     with pytest.raises(ValueError, match="--learning_rates 0.001 for one fixed rate instead of --learning_rate"):
         finetune.main([*base, "--learning_rate", "1e-3"])
@@ -294,6 +294,15 @@ def test_fine_tuning_flags_are_checked_before_any_work(concept_model, bert_model
         finetune.main(["--model_name_or_path", str(bert_model), *COMMON, "--pooling", "mean"])
     with pytest.raises(ValueError, match="--finetune false leaves nothing to do"):
         finetune.main([*base, "--finetune", "false"])
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="--report_dir .*a-file/reports: .*a-file is a file, not a folder"):
+        finetune.main([*base, "--report_dir", str(a_file / "reports")])
+    broken = tmp_path / "broken-model"
+    broken.mkdir(exist_ok=True)
+    (broken / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match="broken-model/config.json holds a JSON list"):
+        finetune.main([*base, "--compare_to", str(broken)])  # every model is checked before the first trains
 
 
 def test_pooling_choice_and_new_weights_are_named_in_full(workdir, concept_model, bert_model):
