@@ -59,6 +59,7 @@ from concept_encoder.training.checkpoint import (
     CheckpointError,
     TrainState,
     check_resume_settings,
+    disk_full,
     load_checkpoint,
     resolve_resume,
     save_checkpoint,
@@ -66,7 +67,7 @@ from concept_encoder.training.checkpoint import (
 )
 from concept_encoder.training.deepspeed_setup import adamw_class, fill_deepspeed_auto_values, launched_zero_stage
 from concept_encoder.training.evaluation import predict
-from concept_encoder.training.faults import NonFiniteLossError
+from concept_encoder.training.faults import NonFiniteLossError, is_disk_full
 from concept_encoder.training.finetune_report import write_report
 from concept_encoder.training.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, GateMonitor, describe_outcome, parse_gates
 from concept_encoder.training.logs import log_model_info, log_system_info, setup_logging
@@ -280,10 +281,16 @@ def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, toke
             ends = max(1, len(losses) // 10)  # mean of the first and the last tenth of the logged losses
             result["train_loss"] = [sum(losses[:ends]) / ends, sum(losses[-ends:]) / ends] if losses else None
             final = run_dir / "final"  # written aside: never half a model; replaces only a model folder ours
-            with written_aside(final, replace_existing=True, legacy=holds_only_saved_model_files) as partial:
-                plain_model(accelerator, model).save_pretrained(partial, state_dict=best.weights)
-                tokenizer.save_pretrained(partial)
-            (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+            try:
+                with written_aside(final, replace_existing=True, legacy=holds_only_saved_model_files) as partial:
+                    plain_model(accelerator, model).save_pretrained(partial, state_dict=best.weights)
+                    tokenizer.save_pretrained(partial)
+                with written_aside(run_dir / "summary.json") as partial:  # a seed is finished when this is whole
+                    partial.write_text(json.dumps(result, indent=2))
+            except (OSError, RuntimeError) as error:  # a full disk: one line naming the last intact checkpoint
+                if is_disk_full(error):
+                    raise disk_full(run_dir, f"the model {final}") from error
+                raise
             logger.info("%s lr %g seed %d: step %d chosen on dev (%s %.4f)", tag, rate, seed, best.step, main_metric,
                         best.dev[main_metric])  # fmt: skip
             if wandb_run is not None:

@@ -594,3 +594,22 @@ def test_a_full_disk_while_writing_a_report_leaves_no_empty_or_half_report(tmp_p
     with pytest.raises(DiskFullError, match="no space left on the disk of .* while writing the report finetune_"):
         finetune_report.write_report([run], {}, tmp_path / "reports", "title")
     assert list((tmp_path / "reports").iterdir()) == []
+
+
+@pytest.mark.loop
+def test_a_full_disk_at_a_seeds_final_save_is_one_line_and_leaves_no_half_model(workdir, concept_model, monkeypatch):
+    import transformers.modeling_utils
+
+    from concept_encoder.training.faults import DiskFullError
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    task_file = str(write_tasks(workdir / "tasks")["single"])
+    argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "1", "--run_name", "full"]
+    with pytest.raises(DiskFullError, match="no space left on the disk of .* while saving the model .*final"):
+        finetune.main([*argv, *COMMON])
+    [run_dir] = Path("Cache/finetune").glob("full-*")
+    assert not (run_dir / "final").exists() and not list(run_dir.glob("*.partial-*"))
+    assert not (run_dir / "summary.json").exists()
