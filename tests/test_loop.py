@@ -13,16 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from loop_runs import (  # noqa: F401 (fixtures)
-    COMMON,
-    ROOT,
-    fresh_accelerate,
-    load_without_the_package,
-    records,
-    run,
-    train_losses,
-    workdir,
-)
+from loop_runs import COMMON, ROOT, fresh_accelerate, load_without_the_package, records, run, train_losses, workdir  # noqa: F401 (fixtures)
 from transformers import AutoModelForMaskedLM
 
 import loops.mlm as mlm
