@@ -173,3 +173,13 @@ def test_a_busy_curve_and_a_failed_run_end_in_one_line(monkeypatch, capsys):
     assert curve.main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: pretraining busy-concept failed (exit code 1)") and err.count("\n") == 1
+
+
+def test_a_folder_that_is_not_a_curve_is_refused_before_anything_runs(launches, capsys):
+    folder = Path("Cache/curves/mine")
+    folder.mkdir(parents=True)
+    (folder / "thesis.tex").write_text("mine")
+    with pytest.raises(SystemExit) as refused:
+        curve.main(["--tokens", "1024,2048", "--name", "mine", "--", *PRETRAIN])
+    assert refused.value.code == 2 and "holds files a curve does not write (thesis.tex)" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == ["thesis.tex"] and launches == []

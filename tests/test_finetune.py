@@ -613,3 +613,15 @@ def test_a_full_disk_at_a_seeds_final_save_is_one_line_and_leaves_no_half_model(
     [run_dir] = Path("Cache/finetune").glob("full-*")
     assert not (run_dir / "final").exists() and not list(run_dir.glob("*.partial-*"))
     assert not (run_dir / "summary.json").exists()
+
+
+def test_a_seeds_final_folder_it_did_not_write_is_refused_and_left_alone(workdir, concept_model):
+    task_file = str(write_tasks(workdir / "tasks")["single"])
+    tag = finetune.model_tag(str(concept_model), False)
+    final = Path("Cache/finetune") / f"theirs-{tag}-lr0.003-seed42" / "final"
+    final.mkdir(parents=True)
+    (final / "notes.txt").write_text("mine")
+    argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "1", "--run_name", "theirs"]
+    with pytest.raises(ValueError, match="final holds files this project did not write"):
+        finetune.main([*argv, *COMMON])
+    assert sorted(p.name for p in final.iterdir()) == ["notes.txt"]

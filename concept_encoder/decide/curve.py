@@ -121,6 +121,7 @@ def plan_architecture(architecture: str, budgets: list[int], loop_argv: list[str
 
 
 REQUEST = "request.json"  # in the curve's folder: what its points and pretraining runs were measured under
+CURVE_ENTRIES = {REQUEST, ".lock", "points", "reports", "curve.md", "curve.png", "curve.json"}  # all a curve writes
 
 
 def curve_request(args, loop_argv: list[str], finetune_argv: list[str]) -> dict:
@@ -137,6 +138,11 @@ def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan,
     reused as this one's), or when a budget needs more steps than a finished pretraining run took (its schedule
     ended there: the points would be missing, not measured); records the request for the next invocation."""
     path = folder / REQUEST
+    if folder.is_symlink() or folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is a link or a file, not a curve folder; choose another --name")
+    if folder.is_dir() and (foreign := sorted({p.name for p in folder.iterdir()} - CURVE_ENTRIES)):
+        raise ValueError(f"{folder} holds files a curve does not write ({', '.join(foreign[:5])}): it is not a curve "
+                         "folder; choose another --name or --curves_dir")  # fmt: skip
     if path.is_file():
         saved = json.loads(path.read_text())
         differences = [f"{key}: the curve's {saved.get(key)!r}, this invocation's {request.get(key)!r}"
