@@ -148,6 +148,7 @@ def test_a_gate_that_stops_pretraining_ends_the_curve_there(launches, capsys):
         (["--tokens", "1024,2048", "--finetune_args", "--task glue:sst2"], [], "--finetune_args: \\['--task'\\]"),
         (["--tokens", "1024,2048", "--architectures", "gpt"], [], "--architectures 'gpt': choose from"),
         (["--tokens", "1024,2048", "--reference", "nowhere"], [], "--reference nowhere: no such model folder"),
+        (["--tokens", "1024,2048", "--curves_dir", "colors.csv/curves"], [], "colors.csv is a file, not a folder"),
     ],
 )
 def test_bad_plans_are_refused_before_anything_runs(launches, capsys, extra, loop, message):

@@ -40,7 +40,7 @@ from ..constants import ARCHITECTURES
 from ..data.sources import source_fingerprint
 from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from ..training.metrics_log import read_metrics
-from ..training.plan import local_launcher
+from ..training.plan import folder_problem, local_launcher
 from ..training.runs import ended_on_its_own, stopped_by_gate
 
 MLM_SCRIPT = PROJECT_ROOT / "loops" / "mlm.py"
@@ -138,6 +138,8 @@ def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan,
     reused as this one's), or when a budget needs more steps than a finished pretraining run took (its schedule
     ended there: the points would be missing, not measured); records the request for the next invocation."""
     path = folder / REQUEST
+    if problem := folder_problem(folder, "--curves_dir/--name"):  # a file in the way, read-only: before any run
+        raise ValueError(problem)
     if folder.is_symlink() or folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is a link or a file, not a curve folder; choose another --name")
     if folder.is_dir() and (foreign := sorted({p.name for p in folder.iterdir()} - CURVE_ENTRIES)):
