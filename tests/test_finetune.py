@@ -106,7 +106,7 @@ def test_each_task_type_trains_and_reports_every_seed(workdir, concept_model, ki
     values = row[f"{metric}_seeds"]
     assert row[f"{metric}_std"] == pytest.approx(abs(values[0] - values[1]) / 2**0.5)
     baselines = report["baselines"][task.name]
-    assert set(baselines) == {"majority", "tfidf"} and metric in baselines["tfidf"]["validation"]
+    assert set(baselines) == {"majority", "tfidf", "task_sha256"} and metric in baselines["tfidf"]["validation"]
     assert row["rate_grid"] == {"0.003": report["runs"][0]["dev"][metric]} and row["learning_rate"] == 3e-3
     for run in report["runs"]:
         losses = [r["loss"] for r in map(json.loads, Path(run["run_dir"], "metrics.jsonl").read_text().splitlines())
@@ -229,7 +229,7 @@ def test_baselines_and_probes_see_exactly_the_rows_the_models_see_and_the_report
     from concept_encoder.tasks.baselines import task_baselines, task_digest
 
     cached = Path("Cache/baselines") / f"colors.csv-{task_digest(task)}.json"
-    assert json.loads(cached.read_text()) == report["baselines"]["colors.csv"]
+    assert {**json.loads(cached.read_text()), "task_sha256": task_digest(task)} == report["baselines"]["colors.csv"]
     cached.write_text(json.dumps({"majority": {"accuracy": -1.0}, "tfidf": {}}))  # proof that it is read
     assert task_baselines(task, cache_dir="Cache")["majority"] == {"accuracy": -1.0}
     changed = load_task(TaskArguments(task=str(task_file), dev_fraction=0.2))

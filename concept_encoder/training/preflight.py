@@ -59,8 +59,7 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
         raise StaleLockError(stale_lock_message("cpu_adam", stale))  # the optimizer would wait on it forever
     if model_args.model_name_or_path:
         config_path = Path(model_args.model_name_or_path) / "config.json"
-        weights = not getattr(model_args, "from_scratch", False)  # a random twin needs the config only
-        if problem := model_folder_problem(model_args.model_name_or_path, weights):
+        if problem := model_folder_problem(model_args.model_name_or_path, weights=False):
             raise ValueError(f"--model_name_or_path: {problem}")
         positions = json.loads(config_path.read_text()).get("max_position_embeddings")
         if positions is not None and data_args.max_seq_length > positions:
@@ -68,6 +67,9 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
                 f"max_seq_length={data_args.max_seq_length} exceeds the model's max_position_embeddings="
                 f"{positions}; lower --max_seq_length"
             )
+        weights = not getattr(model_args, "from_scratch", False)  # a random twin needs the config only
+        if weights and (problem := model_folder_problem(model_args.model_name_or_path)):
+            raise ValueError(f"--model_name_or_path: {problem}")
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
