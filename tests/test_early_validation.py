@@ -21,13 +21,15 @@ from loop_runs import ROOT, fresh_accelerate, run, workdir  # noqa: F401 (fixtur
         ("ablate", ["--vary", "a=1,2", "--decide", "eval_loss", "--num_processes", "0"], "--num_processes: 0 is below"),
         ("zero_compare", ["--steps", "0"], "argument --steps: 0 is below 1"),
         ("check_plan", ["--num_processes", "0"], "argument --num_processes: 0 is below 1"),
+        ("presets", ["--vocab_size", "-5"], "argument --vocab_size: -5 is below 1"),
     ],
 )
 def test_every_tool_range_checks_its_numbers_in_one_line(tool, argv, message, capsys):
     import importlib
 
     modules = {"check_health": "concept_encoder.decide.check_health", "data": "concept_encoder.data.__main__",
-               "ablate": "concept_encoder.decide.ablate", "zero_compare": "launch.zero_compare", "check_plan": "launch.check_plan"}  # fmt: skip
+               "ablate": "concept_encoder.decide.ablate", "zero_compare": "launch.zero_compare", "check_plan": "launch.check_plan",
+               "presets": "concept_encoder.model.summary"}  # fmt: skip
     with pytest.raises(SystemExit) as stopped:
         importlib.import_module(modules[tool]).main(argv)
     assert stopped.value.code == 2 and message in capsys.readouterr().err

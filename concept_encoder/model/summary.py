@@ -11,6 +11,7 @@ import argparse
 import torch
 from torch import nn
 
+from ..common.cli_types import at_least
 from .config import PRESETS, ConceptEncoderConfig, config_from_preset
 from .heads import ConceptEncoderForMaskedLM
 
@@ -75,6 +76,8 @@ def format_preset_table(vocab_size: int = 30522) -> str:
 def main(argv: list[str] | None = None) -> int:
     """`python -m concept_encoder presets [--vocab_size V]`: the preset table."""
     parser = argparse.ArgumentParser(prog="python -m concept_encoder presets", description=main.__doc__)
-    parser.add_argument("--vocab_size", type=int, default=30522, help="vocabulary size to count embeddings with")
+    parser.add_argument(
+        "--vocab_size", type=at_least(1), default=30522, help="vocabulary size to count embeddings with"
+    )
     print(format_preset_table(parser.parse_args(argv).vocab_size))
     return 0
