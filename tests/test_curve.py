@@ -149,6 +149,7 @@ def test_a_gate_that_stops_pretraining_ends_the_curve_there(launches, capsys):
         (["--tokens", "1024,2048", "--architectures", "gpt"], [], "--architectures 'gpt': choose from"),
         (["--tokens", "1024,2048", "--reference", "nowhere"], [], "--reference nowhere: no such model folder"),
         (["--tokens", "1024,2048", "--curves_dir", "colors.csv/curves"], [], "colors.csv is a file, not a folder"),
+        (["--tokens", "1024,2048", "--task", "nothing.csv"], [], "--task 'nothing.csv': no such file or folder"),
     ],
 )
 def test_bad_plans_are_refused_before_anything_runs(launches, capsys, extra, loop, message):

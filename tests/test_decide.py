@@ -337,3 +337,14 @@ def test_distinct_values_always_get_distinct_run_names():
     assert len(set(names)) == len(values)
     assert names[3:] == ["abl-concept_losses0.1", "abl-concept_losses1e-3"]  # nothing folded: the value itself
     assert all(re.fullmatch(r"[\w.-]+", name) for name in names)
+
+
+def test_a_run_folder_whose_files_are_not_json_objects_is_one_clear_error(tmp_path):
+    for name, text, message in (("list", "[1]", "config.json holds a JSON list, not an object"),
+                                ("garbage", "{not json", "config.json is not JSON")):  # fmt: skip
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+        (folder / "metrics.jsonl").write_text('{"step": 1, "kind": "train", "loss": 1.0}\n')
+        with pytest.raises(ValueError, match=message):
+            compare([folder])

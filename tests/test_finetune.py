@@ -547,9 +547,10 @@ def test_reports_of_several_invocations_merge_into_one_table(tmp_path):
     assert [(r["model"], r["method"], r["seeds"]) for r in rows] == [("m", "fine-tune", [1, 2]),
                                                                      ("m-scratch", "probe: hidden mean", [1])]  # fmt: skip
     assert rows[0]["accuracy_mean"] == pytest.approx(0.7) and merged.with_suffix(".png").exists()
-    (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(SystemExit):
-        finetune_report.main([str(first), str(tmp_path / "bad.json")])
+    for bad in ("{}", "[1, 2]", '"text"'):
+        (tmp_path / "bad.json").write_text(bad)
+        with pytest.raises(SystemExit):
+            finetune_report.main([str(first), str(tmp_path / "bad.json")])
     other = tmp_path / "other.json"  # a task of the same name with other content: never pooled with the first
     other.write_text(json.dumps({"runs": [run("m", "fine-tune", 3, 0.9, **tuned)],
                                  "baselines": {"t": {**baselines["t"], "task_sha256": "feedc0de"}}}))  # fmt: skip

@@ -93,8 +93,19 @@ def load_run(path: str | Path) -> Run:
         )
     records = read_metrics(path / "metrics.jsonl")  # a line cut short is named and skipped
     summary_path = path / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else latest_metrics(records)
-    return Run(path, json.loads((path / "config.json").read_text()), summary, records, not summary_path.is_file())
+    summary = json_object(summary_path) if summary_path.is_file() else latest_metrics(records)
+    return Run(path, json_object(path / "config.json"), summary, records, not summary_path.is_file())
+
+
+def json_object(path: Path) -> dict:
+    """The JSON object in `path`; ValueError naming the file when it is not JSON or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not JSON ({error}); is this a run folder written by this project?") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object; is this a run folder?")
+    return value
 
 
 def latest_metrics(records: list[dict]) -> dict:

@@ -37,7 +37,9 @@ from filelock import FileLock, Timeout
 from ..common.cli_types import at_least
 from ..common.paths import PROJECT_ROOT, cache_path
 from ..constants import ARCHITECTURES
+from ..data.base import DataSourceError
 from ..data.sources import source_fingerprint
+from ..tasks.loading import load_task
 from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from ..training.metrics_log import read_metrics
 from ..training.plan import folder_problem, local_launcher
@@ -360,8 +362,12 @@ def check_finetune_argv(finetune_argv: list[str], task: str) -> None:
     taken = given_flags(finetune_argv, FINETUNE_DRIVER_FLAGS)
     if taken:
         raise ValueError(f"--finetune_args: {taken} are set by the curve driver; leave them out")
-    parse_args(["--model_name_or_path", ".", "--task", task, *finetune_argv], classes=FINETUNE_ARGUMENT_CLASSES,
-               defaults=FINETUNE_DEFAULTS)  # fmt: skip
+    _, task_args, _ = parse_args(["--model_name_or_path", ".", "--task", task, *finetune_argv],
+                                 classes=FINETUNE_ARGUMENT_CLASSES, defaults=FINETUNE_DEFAULTS)  # fmt: skip
+    try:  # the task must load before hours of pretraining are spent on it
+        load_task(task_args)
+    except DataSourceError as error:
+        raise ValueError(str(error)) from error
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -186,7 +186,7 @@ def merge_reports(paths: list[Path]) -> tuple[list[dict], dict]:
             for task, base in report.get("baselines", {}).items():
                 digests.setdefault(task, {}).setdefault(base.get("task_sha256"), path)
                 baselines[task] = base
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as error:
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, AttributeError, TypeError) as error:
             raise ValueError(f"{path}: not a fine-tuning report ({type(error).__name__}: {error})") from error
     for task, seen in digests.items():
         if len({digest for digest in seen if digest is not None}) > 1:
