@@ -383,6 +383,17 @@ def test_task_files_as_spreadsheets_and_people_write_them(tmp_path, caplog):
                               for i in range(30)))  # fmt: skip
     with pytest.raises(DataSourceError, match="row 7 has 3 labels where the first row has 2"):
         load_task(TaskArguments(task=str(ragged)))
+    files = {
+        "empty.jsonl": (b"", "empty.jsonl is empty; a task file needs examples"),
+        "cut.jsonl": (b'{"text": "a", "label": 1}\n{"text": "b", "lab\n', "cut.jsonl line 2 is not valid JSON"),
+        "latin.csv": ("text,label\ncaf\xe9,1\n".encode("latin-1"), r"latin.csv is not UTF-8 text \(byte 14, line 2\)"),
+        "tags.jsonl": (b'{"text": "a", "label": [1, "x"]}\n', r"row 0 is \[1, 'x'\], not a list of 0/1"),
+        "two.csv": (b"text,label\nhello,a\nworld,b\n", r"2 example\(s\) are too few to hold out 0.2 of them"),
+    }  # fmt: skip
+    for name, (content, message) in files.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(DataSourceError, match=message):
+            load_task(TaskArguments(task=str(tmp_path / name)))
     folder = tmp_path / "split"
     folder.mkdir()
     (folder / "train.csv").write_text("text,label\n" + "\n".join(rows) + "\n")

@@ -11,7 +11,7 @@ from datasets import Dataset, Sequence, Value, load_dataset
 
 from ..constants import check_table_covers
 from ..data.base import DataSourceError, ensure_hub
-from ..data.sources import SPLIT_SEED  # the data layer's fixed hold-out seed
+from ..data.sources import SPLIT_SEED, unreadable_file_message  # SPLIT_SEED: the data layer's fixed hold-out seed
 from .arguments import EMBEDDED_TASKS, GLUE_TASKS, TaskArguments
 from .embedded import PACKAGES, embedded_pairs, embedded_sentences
 from .labels import check_present, class_name, class_names, infer_task_type, read_delimited, regression_values
@@ -106,10 +106,18 @@ def load_local(args: TaskArguments) -> TaskData:
     builder, kwargs = LOCAL_BUILDERS.get(files["train"].suffix.lower(), (None, None))
     if builder is None:
         raise DataSourceError(f"{files['train']}: unsupported file type; use one of {sorted(LOCAL_BUILDERS)}")
+    if empty := [str(f) for f in files.values() if f.stat().st_size == 0]:
+        raise DataSourceError(f"{', '.join(empty)} is empty; a task file needs examples")
+    if problem := unreadable_file_message([str(f) for f in files.values()], builder):  # not UTF-8, a bad JSON line
+        raise DataSourceError(problem)
     if builder == "csv":  # every cell as written (see labels.py): no type inference on labels
         tables = {k: read_delimited(v, kwargs.get("delimiter", ",")) for k, v in files.items()}
     else:
-        tables = load_dataset(builder, data_files={k: str(v) for k, v in files.items()}, **kwargs)
+        try:
+            tables = load_dataset(builder, data_files={k: str(v) for k, v in files.items()}, **kwargs)
+        except Exception as error:  # datasets wraps what pyarrow refuses (mixed types in a column, ...)
+            cause = error.__cause__ or error
+            raise DataSourceError(f"{path}: not a table of examples datasets can read ({str(cause)[:200]})") from error
     splits = {k: standard_columns(tables[k], args.text_field_names, args.label_field, str(files[k])) for k in tables}
     for k, split in splits.items():  # row numbers in these messages are the file's rows
         check_present(split["label"], f"{files[k]} column {args.label_field!r}")
@@ -136,7 +144,7 @@ def check_label_lists(splits: dict[str, Dataset], files: dict[str, Path], label_
     width = None
     for name, split in splits.items():
         for row, value in enumerate(split["label"]):
-            if not isinstance(value, list):
+            if not isinstance(value, list) or not all(v in (0, 1) and not isinstance(v, str) for v in value):
                 raise DataSourceError(
                     f"{files[name]} column {label_field!r}: row {row} is {value!r}, not a list of 0/1"
                 )
@@ -198,6 +206,14 @@ def standard_columns(table: Dataset, text_fields, label_field: str, where: str) 
 
 
 def carve(table: Dataset, fraction: float) -> tuple[Dataset, Dataset]:
+    """`table` split at random (fixed seed) into the rest and `fraction` of it; DataSourceError when a side would
+    be empty."""
+    held = len(table) * fraction
+    if held < 1 or len(table) - held < 1:
+        raise DataSourceError(
+            f"{len(table)} example(s) are too few to hold out {fraction:g} of them (each side needs one); add "
+            "examples, or give a validation file beside train (a folder with train.* and validation.*)"
+        )
     parts = table.train_test_split(test_size=fraction, seed=SPLIT_SEED, shuffle=True)
     return parts["train"], parts["test"]
 
