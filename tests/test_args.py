@@ -126,3 +126,14 @@ def test_an_argument_set_applies_its_own_rule_after_each_class_and_to_argv_leave
     assert ARGUMENT_CLASSES.rule is not FINETUNE_ARGUMENT_CLASSES.rule  # each loop's set checks its own rules
     with pytest.raises(ValueError, match="give --learning_rates 0.001 for one fixed rate"):
         parse_args(["--model_name_or_path", ".", "--learning_rate", "1e-3"], classes=FINETUNE_ARGUMENT_CLASSES)
+
+
+def test_no_float_setting_takes_infinity_or_nan(tmp_path):
+    for flag in ("--learning_rate", "--weight_decay", "--concept_loss_weight", "--warmup_ratio"):
+        for value in ("inf", "nan", "-inf"):
+            with pytest.raises(ValueError, match=f"{flag[2:]}={float(value)!r} must be a finite number"):
+                parse_args([f"{flag}={value}"])
+    config = tmp_path / "run.yaml"
+    config.write_text("max_grad_norm: .inf\n")  # YAML's infinity
+    with pytest.raises(ValueError, match="max_grad_norm=inf must be a finite number"):
+        parse_args(["--config", str(config)])

@@ -9,6 +9,7 @@ Torch-free: the plan checker parses the loops' flags with this very parser.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import MISSING, fields
@@ -147,6 +148,8 @@ def typed_value(cls, name: str, value):
         return None
     for kind in allowed:
         if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):  # no setting means infinity or NaN; NaN would pass every range check
+                raise ValueError(f"{name}={value!r} must be a finite number")
             return float(value)
         if kind is int and isinstance(value, int) and not isinstance(value, bool):
             return value
