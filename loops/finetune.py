@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
-from concept_encoder.common.paths import holds_only_saved_model_files, written_aside
+from concept_encoder.common.paths import written_aside
 from concept_encoder.data.tokenizer import TOKENIZER_FILES, check_vocab_covers, require_tokenizer_files
 from concept_encoder.tasks.baselines import split_rows, task_baselines, task_digest
 from concept_encoder.tasks.loading import encode_splits, load_task
@@ -73,7 +73,7 @@ from concept_encoder.training.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, Gat
 from concept_encoder.training.logs import log_model_info, log_system_info, setup_logging
 from concept_encoder.training.metrics_log import MetricsWriter, read_metrics
 from concept_encoder.training.model import build_classifier, check_pooling
-from concept_encoder.training.model_folder import check_model_folder
+from concept_encoder.training.model_folder import check_model_folder, holds_only_saved_model_files
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.plan import folder_problem
 from concept_encoder.training.probe import describe_pooling, linear_probe

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from concept_encoder.accounting.flops import training_flops_per_token
-from concept_encoder.common.paths import holds_only_saved_model_files, written_aside
+from concept_encoder.common.paths import written_aside
 from concept_encoder.concepts.health import format_health_table
 from concept_encoder.data import collator_for, prepare_data
 from concept_encoder.data.objectives import build_corruption, evaluation_corruptions, model_inputs
@@ -87,6 +87,7 @@ from concept_encoder.training.logs import (
 from concept_encoder.training.metrics_log import MetricsWriter
 from concept_encoder.training.model import build_model, held_parameters
 from concept_encoder.training.model_card import write_model_card
+from concept_encoder.training.model_folder import holds_only_saved_model_files
 from concept_encoder.training.objective import ConceptObjective, build_concept_objective
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.plan import launch_command

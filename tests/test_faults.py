@@ -91,7 +91,8 @@ def test_written_aside_moves_a_whole_file_or_folder_into_place_and_removes_a_fai
 
 
 def test_a_folder_is_replaced_only_if_this_project_wrote_it_never_through_a_link_or_over_a_file(tmp_path):
-    from concept_encoder.common.paths import NotOursError, holds_only_saved_model_files, written_aside
+    from concept_encoder.common.paths import NotOursError, written_aside
+    from concept_encoder.training.model_folder import holds_only_saved_model_files
 
     def write_model(target, legacy=None):
         with written_aside(target, replace_existing=True, legacy=legacy) as partial:

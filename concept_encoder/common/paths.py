@@ -100,23 +100,6 @@ def written_aside(
         raise
 
 
-SAVED_MODEL_SUFFIXES = (".json", ".safetensors", ".py", ".txt", ".model", ".md")
-
-
-def holds_only_saved_model_files(folder: Path) -> bool:
-    """A folder of plain files `save_pretrained` (model, tokenizer, code, card) writes, nothing else, its
-    `config.json` and weights among them: how a model folder this project wrote before it marked its folders is
-    recognised."""
-    entries = list(folder.iterdir())
-    names = {e.name for e in entries}
-    weights = any(name.endswith(".safetensors") or name.endswith(".safetensors.index.json") for name in names)
-    return (
-        "config.json" in names
-        and weights
-        and all(e.is_file() and not e.is_symlink() and e.suffix in SAVED_MODEL_SUFFIXES for e in entries)
-    )
-
-
 def remove_path(path: Path) -> None:
     """Remove a file or folder tree if it exists."""
     if path.is_dir() and not path.is_symlink():

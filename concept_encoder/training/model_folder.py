@@ -19,6 +19,23 @@ PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_mode
 SAVED_BY = "pass a folder written by save_pretrained (e.g. Cache/runs/<run>/final)"
 
 
+SAVED_MODEL_SUFFIXES = (".json", ".safetensors", ".py", ".txt", ".model", ".md")  # what save_pretrained writes
+
+
+def holds_only_saved_model_files(folder: Path) -> bool:
+    """A folder of plain files `save_pretrained` (model, tokenizer, code, card) writes, nothing else, its
+    `config.json` and safetensors weights among them: how a model folder this project wrote before it marked its
+    folders (`common.paths.OWNER_MARKER`) is recognised."""
+    entries = list(folder.iterdir())
+    names = {e.name for e in entries}
+    weights = any(name.endswith(suffix) for name in names for suffix in (".safetensors", SAFE_WEIGHTS[1]))
+    return (
+        "config.json" in names
+        and weights
+        and all(e.is_file() and not e.is_symlink() and e.suffix in SAVED_MODEL_SUFFIXES for e in entries)
+    )
+
+
 class ModelFolderError(ValueError):
     """A model folder does not hold what it claims; the message names the file and what to do."""
 

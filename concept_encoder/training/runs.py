@@ -12,9 +12,10 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from filelock import FileLock, Timeout
 
-from ..common.paths import NotOursError, check_replaceable, holds_only_saved_model_files, written_aside
+from ..common.paths import NotOursError, check_replaceable, written_aside
 from .checkpoint import disk_full
 from .faults import RunFolderError, is_disk_full
+from .model_folder import holds_only_saved_model_files
 
 logger = logging.getLogger("concept_encoder")
 
