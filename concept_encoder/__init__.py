@@ -21,8 +21,14 @@ mappings (`concept_encoder.model.auto_registration`), so `import concept_encoder
 `AutoModelForMaskedLM.from_pretrained(path)` works on a saved Concept Encoder.
 """
 
+import sys
+
+from .common.entry import interrupt_in_one_line
 from .common.lazy import lazy_attributes
 from .model import auto_registration
+
+if sys.argv[:1] == ["-m"]:  # `python -m concept_encoder[.<module>]` is starting: Ctrl-C in its imports is one line
+    interrupt_in_one_line(f"python -m {__name__}")
 
 EXPORTS = {
     "PRESETS": "model.presets",

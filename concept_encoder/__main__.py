@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .common.entry import run_tool
+
 # tool name → (module with `main(argv) -> int`, one line for the listing)
 TOOLS = {
     "presets": ("concept_encoder.model.summary", "the size presets with exact parameter counts"),
@@ -42,11 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in TOOLS:
         print(f"python -m concept_encoder: unknown tool {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    try:
-        return importlib.import_module(TOOLS[name][0]).main(argv)
-    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; what is finished stays (runs resume, points reuse)
-        print(f"python -m concept_encoder {name}: interrupted", file=sys.stderr)
-        return 130
+    return run_tool(lambda args: importlib.import_module(TOOLS[name][0]).main(args), f"python -m concept_encoder {name}",
+                    argv)  # fmt: skip
 
 
 if __name__ == "__main__":

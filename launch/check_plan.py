@@ -317,4 +317,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from concept_encoder.common.entry import run_tool
+
+    sys.exit(run_tool(main, "launch/check_plan.py"))

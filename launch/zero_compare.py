@@ -37,8 +37,9 @@ if str(ROOT) not in sys.path:
 from concept_encoder.accounting.memory import GIB, estimate_training_memory, parse_size_gb, zero_settings  # noqa: E402
 from concept_encoder.common import process_group  # noqa: E402
 from concept_encoder.common.cli_types import at_least  # noqa: E402
-from concept_encoder.common.report_files import claim_report_folder  # noqa: E402
+from concept_encoder.common.report_files import ReportFolderError, check_report_dir, claim_report_folder  # noqa: E402
 from concept_encoder.training.args import parse_args as parse_loop_args  # noqa: E402
+from concept_encoder.training.faults import written_whole  # noqa: E402
 from concept_encoder.training.plan import (  # noqa: E402
     LOOP_SCRIPT,
     PYTHON_ACCELERATE_LAUNCH,
@@ -257,6 +258,10 @@ def parse_args(argv=None):
         )
     if "zero3_nvme" in args.configs and "REPLACE" in (ROOT / "ds_configs/zero3_nvme.json").read_text():
         parser.error("zero3_nvme.json still holds its placeholder nvme_path; set it to a fast local NVMe folder first")
+    try:  # the report folder, before the runs whose results it is to hold
+        check_report_dir(args.out_dir, "--out_dir")
+    except ReportFolderError as error:
+        parser.error(str(error))
     return args
 
 
@@ -297,17 +302,20 @@ def main(argv=None) -> int:
     bar.close()
 
     csv_path, md_path, png_path = (report_dir.with_name(f"{report_dir.name}.{ext}") for ext in ("csv", "md", "png"))
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
     markdown = format_markdown(rows, args, has_cuda)
-    md_path.write_text(markdown + "\n")
-    plot(rows, png_path, has_cuda)
+    with written_whole([csv_path, md_path, png_path], f"the report {report_dir.name}.*"):
+        with csv_path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        md_path.write_text(markdown + "\n")
+        plot(rows, png_path, has_cuda)
     print(markdown)
     print(f"\nwrote {csv_path}, {md_path}, {png_path} (run logs in {report_dir})")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from concept_encoder.common.entry import run_tool
+
+    sys.exit(run_tool(main, "launch/zero_compare.py"))

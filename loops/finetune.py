@@ -33,9 +33,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from concept_encoder.common.entry import interrupt_in_one_line, run_tool
 from concept_encoder.training.preflight import fail_fast, one_line_errors, preflight
 
 if __name__ == "__main__":  # a bad argument fails in about a second, before torch and the models load
+    interrupt_in_one_line("loops/finetune.py")  # Ctrl-C while torch and the models import: one line
     from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS
 
     fail_fast(sys.argv[1:], FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS)
@@ -48,7 +50,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
-from concept_encoder.common.paths import written_aside
+from concept_encoder.common.paths import folder_problem, written_aside
 from concept_encoder.data.tokenizer import TOKENIZER_FILES, check_vocab_covers, require_tokenizer_files
 from concept_encoder.tasks.baselines import split_rows, task_baselines, task_digest
 from concept_encoder.tasks.loading import encode_splits, load_task
@@ -75,7 +77,6 @@ from concept_encoder.training.metrics_log import MetricsWriter, read_metrics
 from concept_encoder.training.model import build_classifier, check_pooling
 from concept_encoder.training.model_folder import check_model_folder, holds_only_saved_model_files
 from concept_encoder.training.optim import build_optimizer, build_scheduler
-from concept_encoder.training.plan import folder_problem
 from concept_encoder.training.probe import describe_pooling, linear_probe
 from concept_encoder.training.runs import init_wandb, save_run_config, setup_run_dirs
 from concept_encoder.training.runtime import (
@@ -468,4 +469,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     with one_line_errors(NonFiniteLossError):
-        sys.exit(main())
+        sys.exit(run_tool(main, "loops/finetune.py"))

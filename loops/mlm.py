@@ -27,9 +27,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from concept_encoder.common.entry import interrupt_in_one_line, run_tool
 from concept_encoder.training.preflight import fail_fast, one_line_errors, preflight
 
 if __name__ == "__main__":  # a bad argument fails in about a second, before torch and the models load
+    interrupt_in_one_line("loops/mlm.py")  # Ctrl-C while torch and the models import: one line
     fail_fast(sys.argv[1:])
 
 import torch
@@ -69,7 +71,7 @@ from concept_encoder.training.deepspeed_setup import (
     zero3_construction_config,
 )
 from concept_encoder.training.evaluation import evaluate, health_of, most_frequent_token
-from concept_encoder.training.faults import NonFiniteLossError, is_disk_full
+from concept_encoder.training.faults import NonFiniteLossError, RunFolderError, is_disk_full
 from concept_encoder.training.gates import (
     GATE_ACTION_TEXT,
     GATE_EXIT_CODE,
@@ -93,6 +95,7 @@ from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.plan import launch_command
 from concept_encoder.training.runs import (
     RUN_TOKENIZER,
+    ended_without_checkpoint,
     finished_run,
     init_wandb,
     keep_run_tokenizer,
@@ -362,6 +365,14 @@ def main(argv: list[str] | None = None) -> int:
         if run_lock is not None:
             run_lock.release()
         return 0
+    if (
+        args.resume_from_checkpoint == "auto"
+        and resume is None
+        and (gap := ended_without_checkpoint(run_dir, args.max_steps))
+    ):
+        if run_lock is not None:
+            run_lock.release()
+        raise RunFolderError(gap)
     if resume is not None and resume.parent.parent.resolve() == run_dir.resolve() and state.is_main_process:
         set_aside_later_history(run_dir, saved_train_state(resume).step)  # one history: a rollback keeps the other
     if state.is_main_process:
@@ -570,4 +581,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     with one_line_errors(NonFiniteLossError):
-        sys.exit(main())
+        sys.exit(run_tool(main, "loops/mlm.py"))

@@ -129,6 +129,61 @@ def test_curve_pretrains_once_measures_each_point_and_reuses_finished_ones(launc
     assert launches == []
 
 
+GROWABLE = ["--lr_scheduler_type", "constant", "--warmup_steps", "1", "--save_steps", "3"]  # no step-4 checkpoint
+
+
+@pytest.mark.loop
+def test_a_budget_added_later_extends_the_pretraining_run_as_if_planned_that_long(launches, capsys):
+    argv = ["--tokens", "1024,2048", "--architectures", "concept", "--name", "grow", "--twins", "false",
+            "--task", "colors.csv", "--finetune_args", FINETUNE, "--", *PRETRAIN, *GROWABLE]  # fmt: skip
+    assert curve.main(argv) == 0
+    before = {p.name: p.read_text() for p in Path("Cache/curves/grow/points").glob("*.json")}
+    launches.clear()
+    capsys.readouterr()
+    assert curve.main(["--tokens", "1024,2048,4096", *argv[2:]]) == 0
+    out = capsys.readouterr().out
+    assert scripts(launches) == ["mlm.py", "finetune.py"]  # the run extended, only the new point measured
+    assert "extending grow-concept from step 4 to 8" in out and out.count("finished earlier, reused") == 2
+    assert {
+        p.name: p.read_text() for p in Path("Cache/curves/grow/points").glob("*.json") if p.name in before
+    } == before
+    assert "| concept | 4,096 | 8 |" in Path("Cache/curves/grow/curve.md").read_text()
+    # the same run planned to step 8 from the start: the extended one (resumed at its step-3 checkpoint) equals it
+    assert (
+        mlm.main([*PRETRAIN, *GROWABLE, "--architecture", "concept", "--run_name", "straight", "--max_steps", "8"]) == 0
+    )
+    grown, straight = (
+        load_file(Path("runs") / name / "final" / "model.safetensors") for name in ("grow-concept", "straight")
+    )
+    assert grown.keys() == straight.keys() and all(torch.equal(grown[k], straight[k]) for k in grown)
+
+
+@pytest.mark.parametrize(
+    "loop, message",
+    [
+        (["--lr_scheduler_type", "linear", "--save_steps", "2"], "under a linear learning-rate schedule that decays"),
+        (["--lr_scheduler_type", "constant", "--warmup_ratio", "0.3", "--save_steps", "2"],
+         r"its warm-up \(1 steps, --warmup_ratio of the run's length\) would be 3 steps"),
+        (["--lr_scheduler_type", "constant", "--warmup_steps", "1"], "kept no checkpoint to continue from"),
+        (["--lr_scheduler_type", "constant", "--warmup_steps", "1", "--save_steps", "2"], None),  # it can grow
+    ],
+)  # fmt: skip
+def test_a_budget_past_a_run_that_cannot_grow_is_refused_with_the_reason(tmp_path, loop, message):
+    plan, run = curve.plan_architecture("concept", [1024, 2048, 5120], [*PRETRAIN, *loop], "p", 1)
+    run_dir = tmp_path / "p-concept"
+    (run_dir / "final").mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 4}))
+    if "--save_steps" in loop:  # a checkpoint the extension would resume from
+        (run_dir / "checkpoints" / "step_0000004").mkdir(parents=True)
+        (run_dir / "checkpoints" / "step_0000004" / "train_state.json").write_text("{}")
+    problem = curve.extension_problem(plan, run_dir, 4)
+    if message is None:
+        assert problem is None
+        return
+    assert problem.startswith(f"--tokens: 5.12k needs step 10, but pretraining run {run_dir} finished at step 4")
+    assert re.search(message, problem)
+
+
 @pytest.mark.loop
 def test_a_gate_that_stops_pretraining_ends_the_curve_there(launches, capsys):
     argv = ["--tokens", "1024,2048", "--architectures", "concept", "--name", "g", "--twins", "false", "--task", "colors.csv",
@@ -191,3 +246,21 @@ def test_a_folder_that_is_not_a_curve_is_refused_before_anything_runs(launches, 
         curve.main(["--tokens", "1024,2048", "--name", "mine", "--", *PRETRAIN])
     assert refused.value.code == 2 and "holds files a curve does not write (thesis.tex)" in capsys.readouterr().err
     assert sorted(p.name for p in folder.iterdir()) == ["thesis.tex"] and launches == []
+
+
+def test_ctrl_c_in_a_curve_is_one_line_and_leaves_it_free_for_the_next_invocation(monkeypatch, capsys):
+    from filelock import FileLock
+
+    from concept_encoder.common.entry import run_tool
+
+    def interrupted(command):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(curve, "run_command", interrupted)  # Ctrl-C during the pretraining run
+    argv = ["--tokens", "1024,2048", "--name", "ctrlc", "--task", "colors.csv", "--finetune_args", FINETUNE,
+            "--", *PRETRAIN]  # fmt: skip
+    assert run_tool(curve.main, "python -m concept_encoder curve", argv) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().endswith("python -m concept_encoder curve: interrupted (what "
+                                                           "finished is kept: rerun the same command to continue)")  # fmt: skip
+    FileLock("Cache/curves/ctrlc/.lock").acquire(timeout=0)  # released: the same command can continue

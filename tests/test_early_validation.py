@@ -69,6 +69,8 @@ def test_a_ds_config_out_of_range_is_one_line_for_the_plan_checker_and_the_loop(
         (lambda t: ["--resume_from_checkpoint", str(t / "nothing")], "not a checkpoint folder"),
         (lambda t: ["--run_name", "../escaped"], "cannot be a run folder: a run name is one folder name under"),
         (lambda t: ["--run_name", str(t / "abs")], "cannot be a run folder"),
+        (lambda t: ["--concept_num", "100000"], "this run needs about [0-9,.]+ GiB of memory .*100000 concepts"),
+        (lambda t: ["--per_device_train_batch_size", "2000000"], "activations [0-9,.]+ GiB each, at batch 2000000"),
     ],
     ids=[
         "yaml-float-steps",
@@ -79,13 +81,17 @@ def test_a_ds_config_out_of_range_is_one_line_for_the_plan_checker_and_the_loop(
         "resume-path",
         "run-name-up",
         "run-name-absolute",
+        "concepts-beyond-memory",
+        "batch-beyond-memory",
     ],  # fmt: skip
 )
 def test_bad_arguments_fail_before_data_and_model_are_built(tmp_path, monkeypatch, make_args, message):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "concept_encoder", "max_position_embeddings": 32}))
     argv = make_args(tmp_path)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(
+        ValueError, match=message if "GiB" in message else message.replace("(", r"\(").replace(")", r"\)")
+    ):
         run("--run_name", "bad", *argv)
     assert not Path("Cache/datasets").exists() and not Path("Cache/tokenizers").exists()
     assert not (tmp_path / "escaped").exists() and not (tmp_path / "abs").exists()

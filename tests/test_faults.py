@@ -369,3 +369,64 @@ def test_a_stale_cpu_adam_lock_is_named_not_waited_on(workdir, tmp_path, monkeyp
     assert out.returncode != 0
     assert "no process holds (left by a run interrupted" in out.stderr and f"rm {lock}" in out.stderr
     assert 'mlm.py", line' not in out.stderr  # one line from the loop (the launcher adds its own traceback)
+
+
+def test_a_report_folder_that_cannot_take_reports_is_one_line_before_the_work(tmp_path, monkeypatch, capsys):
+    """Every tool that writes a report checks its folder first (here a file stands where a folder must be; a
+    read-only folder takes the same path), so no run's hours are lost to it at the end."""
+    from concept_encoder.decide import ablate, compare
+    from concept_encoder.training import finetune_report
+
+    sys.path.insert(0, str(ROOT / "launch"))
+    import zero_compare
+
+    (tmp_path / "afile").write_text("mine")
+    blocked = str(tmp_path / "afile" / "reports")
+    monkeypatch.setattr(ablate, "REPORT_DIR", blocked)
+    monkeypatch.setattr(ablate, "run_loop", lambda command: pytest.fail("a run started before the check"))
+    calls = {
+        "compare": lambda: compare.main([str(tmp_path), "--report_dir", blocked]),
+        "finetune_report": lambda: finetune_report.main([str(tmp_path / "r.json"), "--out_dir", blocked]),
+        "ablate": lambda: ablate.main(
+            [
+                "--vary",
+                "learning_rate=1e-4,5e-3",
+                "--decide",
+                "eval_loss",
+                "--name",
+                "rep",
+                "--",
+                *COMMON,
+                "--output_dir",
+                str(tmp_path / "runs"),
+            ]
+        ),  # fmt: skip
+        "zero_compare": lambda: zero_compare.parse_args(["--configs", "zero2", "--out_dir", blocked]),
+    }
+    for tool, call in calls.items():
+        with pytest.raises(SystemExit) as refused:
+            call()
+        err = capsys.readouterr().err
+        assert refused.value.code == 2, tool
+        assert f"{blocked}: {tmp_path / 'afile'} is a file, not a folder" in err and "Traceback" not in err, (tool, err)
+    assert (tmp_path / "afile").read_text() == "mine" and not (tmp_path / "runs").exists()
+
+
+def test_a_report_written_whole_leaves_nothing_when_the_disk_fills(tmp_path):
+    import errno
+
+    from concept_encoder.training.faults import DiskFullError, written_whole
+
+    paths = [tmp_path / f"report.{ext}" for ext in ("md", "json", "png")]
+    paths[0].touch()  # the claimed name
+    with pytest.raises(DiskFullError, match=r"no space left on the disk of .* while writing the report report\.\* "
+                                            r"\(nothing of it was kept\); free space"):  # fmt: skip
+        with written_whole(paths, "the report report.*"):
+            paths[0].write_text("# table")
+            paths[1].write_text("{")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert not any(path.exists() for path in paths)
+    with pytest.raises(ValueError, match="not a disk problem"), written_whole(paths, "x"):
+        paths[0].write_text("# table")
+        raise ValueError("not a disk problem")  # other errors pass through, the files still removed
+    assert not paths[0].exists()

@@ -19,6 +19,7 @@ from loop_runs import (  # noqa: F401 (fixtures)
 )
 
 from concept_encoder.training.checkpoint import CheckpointError, resolve_resume
+from concept_encoder.training.faults import RunFolderError
 
 pytestmark = pytest.mark.loop
 
@@ -132,6 +133,16 @@ def test_auto_on_a_finished_run_says_so_and_changes_nothing(finished_run, capsys
     assert run("--run_name", "a", "--max_steps", "6", "--resume_from_checkpoint", "auto") == 0
     assert "already finished at step 6" in capsys.readouterr().out
     assert tree_digest(finished_run) == before
+
+
+def test_auto_past_a_finished_run_without_checkpoints_is_refused_and_changes_nothing(finished_run):
+    target = finished_run.parent / "kept-none"
+    shutil.copytree(finished_run, target)
+    shutil.rmtree(target / "checkpoints")  # as a run with --save_steps 0 leaves it
+    before = tree_digest(target)
+    with pytest.raises(RunFolderError, match="ended at step 6 and kept no checkpoint to continue from .*step 8"):
+        run("--run_name", "kept-none", "--max_steps", "8", "--resume_from_checkpoint", "auto")
+    assert tree_digest(target) == before  # a fresh start would have replaced its final model
 
 
 def copy_run(source: Path, name: str) -> Path:

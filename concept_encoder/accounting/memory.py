@@ -234,7 +234,7 @@ def activation_bytes(
 
     Token side (the part linear in N): embeddings (~4·B·N·H: sum, norm, dropout) and, per layer,
     the normed tokens and their key/value projection (3·B·N·H); with the math SDPA kernel (no fused
-    kernel) also the attention probabilities B·heads·C·N. Concept side per layer, per concept, in
+    kernel) also the attention probabilities B·heads·C·N, and the concepts' own B·heads·C·C. Concept side per layer, per concept, in
     the accounting of Korthikanti et al. (2022) for 16-bit activations: two attention blocks
     (~11·H bytes each) and the gated FFN (~5·H + 8·I bytes), i.e. ~(14·H + 4·I) elements. Decoder
     at the M = p·N decoded positions (`mlm_probability` p: 1 for objectives that decode every
@@ -255,7 +255,8 @@ def activation_bytes(
     else:
         groups = token_kv_groups(token_kv_sharing, num_hidden_layers)
         token_side = 3 * B * N * H  # normed tokens and their keys/values, per layer or per shared group
-        per_layer = (0 if fused_attention else B * num_attention_heads * C * N) + B * C * (14 * H + 4 * I)
+        probabilities = B * num_attention_heads * (C * N + C * C)  # cross-attention and concept self-attention
+        per_layer = (0 if fused_attention else probabilities) + B * C * (14 * H + 4 * I)
         per_layer += token_side if token_kv_sharing == "none" else 0
         layer_input, decoder = B * C * H, num_decoder_layers * masked * (12 * H + 4 * I)
         shared = 0 if token_kv_sharing == "none" else groups * token_side
@@ -309,8 +310,10 @@ def estimate_training_memory(
     mixed_precision: str = "bf16",
     gradient_checkpointing: bool = False,
     mlm_probability: float = 0.15,
+    fused_attention: bool = True,
 ) -> MemoryEstimate:
-    """Estimated per-GPU peak of a training step: model states + activations + a fixed workspace."""
+    """Estimated per-GPU peak of a training step: model states + activations + a fixed workspace
+    (`fused_attention=False`: the attention probabilities are kept, as the math kernel does, e.g. on CPU)."""
     counts = model_parameter_count(model_config)
     cpu_states, gpu_states = model_state_bytes(
         zero_stage, counts["total"], counts["largest_layer"], gpus_per_node, nodes, offload_optimizer, offload_params
@@ -321,6 +324,7 @@ def estimate_training_memory(
         bytes_per_element=4 if mixed_precision in (None, "no") else 2,
         gradient_checkpointing=gradient_checkpointing,
         mlm_probability=mlm_probability,
+        fused_attention=fused_attention,
         **model_config,
     )
     workspace = int(0.75 * GIB)  # CUDA context + allocator slack, measured on typical setups

@@ -106,3 +106,23 @@ def remove_path(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def folder_problem(folder: str | Path, what: str) -> str | None:
+    """Why nothing can be written under `folder` (a file in the way, no permission, a read-only filesystem),
+    else None. The nearest existing ancestor is tried with a real file (created and removed at once):
+    permission bits say nothing for root or on a read-only mount."""
+    import tempfile
+
+    out = Path(folder).expanduser()
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{what} {out}: {probe} is a file, not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as error:
+        return f"{what} {out} is not writable (checked {probe}: {error.strerror or error})"
+    return None

@@ -7,7 +7,8 @@ folder) get `<prefix>_<time>` and `<prefix>_<time>_02` (names sort in the order 
 the newest report is the last in a sorted listing: `_` sorts after the `.` of `<prefix>_<time>.json`,
 where `-2` sorted before it): the claim is an exclusive create (`open(..., "x")`
 for a file, `mkdir` for a folder), which the filesystem settles, not a check followed by a write.
-Torch-free.
+A folder that cannot hold reports (a file in the way, read-only) is `ReportFolderError`, one line; tools call
+`check_report_dir` before their work, so hours of runs are not lost to it at the end. Torch-free.
 """
 
 from __future__ import annotations
@@ -16,7 +17,20 @@ import datetime as dt
 import itertools
 from pathlib import Path
 
-from .paths import cache_path
+from .paths import cache_path, folder_problem
+
+
+class ReportFolderError(ValueError):
+    """Reports cannot be written to the folder given (the message names it and why)."""
+
+
+def check_report_dir(directory: str | Path, what: str = "the report folder") -> Path:
+    """`directory` (a `Cache/...` path means the project's) when reports can be written there, else
+    `ReportFolderError`."""
+    directory = cache_path(directory)
+    if problem := folder_problem(directory, what):
+        raise ReportFolderError(f"{problem}; choose another folder for the reports")
+    return directory
 
 
 def candidates(directory: Path, prefix: str):
@@ -28,7 +42,7 @@ def candidates(directory: Path, prefix: str):
 def claim_report_stem(directory: str | Path, prefix: str, first_suffix: str = ".md") -> Path:
     """A stem for `<stem>.md/.json/.png` that no other invocation holds: `<stem><first_suffix>` is created
     (empty) by this call, the caller writes it and its siblings."""
-    directory = cache_path(directory)  # `Cache/reports` is the project's (paths.py)
+    directory = check_report_dir(directory)  # `Cache/reports` is the project's (paths.py)
     directory.mkdir(parents=True, exist_ok=True)
     for stem in candidates(directory, prefix):
         try:
@@ -41,7 +55,7 @@ def claim_report_stem(directory: str | Path, prefix: str, first_suffix: str = ".
 
 def claim_report_folder(directory: str | Path, prefix: str) -> Path:
     """A folder `<directory>/<prefix>_<time>[_NN]` created by this call and by no other invocation."""
-    directory = cache_path(directory)
+    directory = check_report_dir(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for folder in candidates(directory, prefix):
         try:

@@ -34,8 +34,10 @@ from pathlib import Path
 
 from ..common.cli_types import at_least
 from ..common.paths import PROJECT_ROOT
+from ..common.report_files import check_report_dir
 from ..constants import LICENSES_DATASET, pretraining_metric_names
 from ..training.args import parse_args
+from ..training.faults import DiskFullError
 from ..training.plan import launch_command, local_launcher
 from ..training.runs import ended_on_its_own, stopped_by_gate
 from .compare import compare, lower_is_better
@@ -182,6 +184,9 @@ def heldout_check(run_dir: Path, spec: str) -> int:
     return check_health.main([str(run_dir / "final"), "--text", spec, "--json", str(out)])
 
 
+REPORT_DIR = "Cache/reports"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, loop_argv = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
@@ -200,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(
                 f"--decide {args.decide}: the loop evaluates no such metric; choose one of {', '.join(decidable)}"
             )
+        check_report_dir(REPORT_DIR, "the comparison's report folder")  # written after every run: checked first
     except ValueError as error:
         parser.exit(2, f"usage error: {error}\n")
     output_dir = Path(train_args.output_dir)
@@ -241,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted: rerun the same command to continue (finished values are reused, the interrupted one "
               "resumes from its newest checkpoint)", file=sys.stderr)  # fmt: skip
         return 130
-    result = compare([d for _, d in runs], report_dir="Cache/reports")
+    try:
+        result = compare([d for _, d in runs], report_dir=REPORT_DIR)
+    except (ValueError, DiskFullError) as error:  # the runs stay: the same command compares them again at once
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(result["text"])
     winner = choose_winner(result, runs, args.decide, direction, rejected)
     verdict = (
@@ -258,4 +268,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..common.entry import run_tool
+
+    sys.exit(run_tool(main, "python -m concept_encoder ablate"))

@@ -145,4 +145,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..common.entry import run_tool
+
+    sys.exit(run_tool(main, "python -m concept_encoder check_health"))

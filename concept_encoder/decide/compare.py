@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..common.paths import cache_path
-from ..common.report_files import claim_report_stem
+from ..common.report_files import check_report_dir, claim_report_stem
+from ..training.faults import DiskFullError, written_whole
 from ..training.metrics_log import read_metrics
 
 # Settings that name or place a run, or describe the machine, rather than define the experiment.
@@ -234,14 +235,15 @@ def compare(paths: list[str | Path], report_dir: str | Path = "Cache/reports") -
                     + (f" ({fmt(o['value'])} at step {o['step']})" if o["step"] is not None else "")
                 )
     stem = Path(claim_report_stem(report_dir, "compare"))  # compare_<time>[_NN]: this invocation's own
-    png = plot(runs, stem.with_suffix(".png"))
-    if png:
-        lines += ["", f"![curves]({png.name})"]
-    result = {"runs": [str(r.path) for r in runs], "differs": differ, "fixed": fixed, "metrics": metrics,
-              "gates": dict(zip(names, gates, strict=True)), "markdown": str(stem.with_suffix(".md")),
-              "png": str(png) if png else None}  # fmt: skip
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
+    with written_whole([stem.with_suffix(s) for s in (".md", ".json", ".png")], f"the report {stem.name}.*"):
+        png = plot(runs, stem.with_suffix(".png"))
+        if png:
+            lines += ["", f"![curves]({png.name})"]
+        result = {"runs": [str(r.path) for r in runs], "differs": differ, "fixed": fixed, "metrics": metrics,
+                  "gates": dict(zip(names, gates, strict=True)), "markdown": str(stem.with_suffix(".md")),
+                  "png": str(png) if png else None}  # fmt: skip
+        stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
     result["text"] = "\n".join(lines)
     return result
 
@@ -255,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report_dir", default="Cache/reports", help="where compare_<time>.{md,json,png} go")
     args = parser.parse_args(argv)
     try:
+        check_report_dir(args.report_dir, "--report_dir")
         result = compare(args.runs, args.report_dir)
-    except ValueError as error:
+    except (ValueError, DiskFullError) as error:
         parser.exit(2, f"error: {error}\n")
     print(result["text"])
     print(f"\nwrote {result['markdown']}, its .json{' and .png' if result['png'] else ''}")
@@ -264,4 +267,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..common.entry import run_tool
+
+    sys.exit(run_tool(main, "python -m concept_encoder compare"))

@@ -14,7 +14,9 @@ the same protocol, and `--reference` (e.g. the positive control, `make reference
 with horizontal lines for the twins, TF-IDF and the reference.
 
 Resumable: every finished point is a JSON file under `Cache/curves/<name>/points/` and is reused; an
-interrupted pretraining run resumes from its newest checkpoint, an interrupted fine-tuning from its own.
+interrupted pretraining run resumes from its newest checkpoint, an interrupted fine-tuning from its own. A budget
+added later extends the finished pretraining run where its learning-rate schedule does not depend on its length
+(`--lr_scheduler_type constant --warmup_steps N`); under a decaying schedule it is refused (`extension_problem`).
 Gates (`--gate` among the pretraining arguments) are honoured: a run a gate stops gets no points beyond
 where it stopped, and the table says so. Budgets become optimizer steps of
 `per_device_train_batch_size x gradient_accumulation_steps x num_processes x max_seq_length` tokens
@@ -35,14 +37,15 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from ..common.cli_types import at_least
-from ..common.paths import PROJECT_ROOT, cache_path
+from ..common.paths import PROJECT_ROOT, cache_path, folder_problem
 from ..constants import ARCHITECTURES
 from ..data.base import DataSourceError
 from ..data.sources import source_fingerprint
 from ..tasks.loading import load_task
 from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
+from ..training.checkpoint import checkpoint_dirs
 from ..training.metrics_log import read_metrics
-from ..training.plan import folder_problem, local_launcher
+from ..training.plan import local_launcher
 from ..training.runs import ended_on_its_own, stopped_by_gate
 
 MLM_SCRIPT = PROJECT_ROOT / "loops" / "mlm.py"
@@ -93,6 +96,8 @@ class ArchitecturePlan:
     tokens_per_step: int
     steps: list[int]  # per budget, ascending
     pretrain_argv: list[str] = field(default_factory=list)
+    schedule: str = "cosine"  # the learning-rate schedule's kind (--lr_scheduler_type)
+    warmup: tuple[int, float] = (0, 0.0)  # --warmup_steps, --warmup_ratio
 
     def tokens(self, step: int) -> int:
         return step * self.tokens_per_step
@@ -119,7 +124,42 @@ def plan_architecture(architecture: str, budgets: list[int], loop_argv: list[str
     argv = [*loop_argv, "--architecture", architecture, "--run_name", run_name, "--max_steps", str(steps[-1]),
             "--snapshot_steps", ",".join(map(str, steps)), "--resume_from_checkpoint", "auto"]  # fmt: skip
     parse_args(argv)  # the exact command, checked before anything runs
-    return ArchitecturePlan(architecture, run_name, per_step, steps, argv), Path(train_args.output_dir) / run_name
+    plan = ArchitecturePlan(architecture, run_name, per_step, steps, argv, train_args.lr_scheduler_type,
+                            (train_args.warmup_steps, train_args.warmup_ratio))  # fmt: skip
+    return plan, Path(train_args.output_dir) / run_name
+
+
+def warmup_steps(plan: ArchitecturePlan, max_steps: int) -> int:
+    """The warm-up a run of `max_steps` gets (as `TrainingArguments.num_warmup_steps`)."""
+    steps, ratio = plan.warmup
+    return steps or int(ratio * max_steps)
+
+
+def extension_problem(plan: ArchitecturePlan, run_dir: Path, finished: int) -> str | None:
+    """Why pretraining run `run_dir`, finished at step `finished`, cannot be trained on to the plan's last
+    step as if it had been planned that long from the start (None when it can: the learning rate after warm-up is
+    constant, the warm-up does not depend on the run's length, and a checkpoint is there to resume from)."""
+    needed = plan.steps[-1]
+    start = (f"--tokens: {token_label(plan.tokens(needed))} needs step {needed}, but pretraining run {run_dir} "
+             f"finished at step {finished}")  # fmt: skip
+    if plan.schedule != "constant":
+        return (
+            f"{start} under a {plan.schedule} learning-rate schedule that decays to its own last step, so training it "
+            "on is not the run a larger budget would have had; a curve meant to grow takes a schedule that does not "
+            "depend on its length (`-- --lr_scheduler_type constant --warmup_steps N`); or measure under another --name"
+        )
+    if warmup_steps(plan, finished) != warmup_steps(plan, needed):
+        return (
+            f"{start}, and its warm-up ({warmup_steps(plan, finished)} steps, --warmup_ratio of the run's length) would "
+            f"be {warmup_steps(plan, needed)} steps in the longer run; give --warmup_steps N instead of a ratio, or "
+            "measure under another --name"
+        )
+    if not checkpoint_dirs(run_dir):
+        return (
+            f"{start} and kept no checkpoint to continue from (--save_steps 0); give the pretraining --save_steps and "
+            "measure under another --name"
+        )
+    return None
 
 
 REQUEST = "request.json"  # in the curve's folder: what its points and pretraining runs were measured under
@@ -137,8 +177,9 @@ def curve_request(args, loop_argv: list[str], finetune_argv: list[str]) -> dict:
 
 def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan, Path]]) -> None:
     """ValueError when the curve at `folder` was measured under another request (its points and runs would be
-    reused as this one's), or when a budget needs more steps than a finished pretraining run took (its schedule
-    ended there: the points would be missing, not measured); records the request for the next invocation."""
+    reused as this one's), or when a budget needs more steps than a finished pretraining run took and the run
+    cannot be extended as if planned that long (`extension_problem`); records the request for the next
+    invocation."""
     path = folder / REQUEST
     if problem := folder_problem(folder, "--curves_dir/--name"):  # a file in the way, read-only: before any run
         raise ValueError(problem)
@@ -158,13 +199,9 @@ def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan,
             )
     for plan, run_dir in plans:
         if ended_on_its_own(run_dir) and not stopped_by_gate(run_dir):
-            steps = json.loads((run_dir / "summary.json").read_text()).get("steps", 0)
-            if plan.steps[-1] > steps:
-                raise ValueError(
-                    f"--tokens: {token_label(plan.tokens(plan.steps[-1]))} needs step {plan.steps[-1]}, but pretraining "
-                    f"run {run_dir} finished at step {steps} (its learning-rate schedule ended there, so it cannot "
-                    "simply go on); measure a curve with larger budgets under another --name"
-                )
+            steps = finished_steps(run_dir)
+            if plan.steps[-1] > steps and (problem := extension_problem(plan, run_dir, steps)):
+                raise ValueError(problem)
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(request, indent=2))
 
@@ -219,9 +256,20 @@ def evaluation_at(run_dir: Path, step: int) -> dict:
     return {"eval_loss": last.get("eval_loss"), "unigram_ratio": last.get("eval_accuracy_over_unigram")}
 
 
+def finished_steps(run_dir: Path) -> int:
+    return json.loads((run_dir / "summary.json").read_text()).get("steps", 0)
+
+
 def pretrain(plan: ArchitecturePlan, run_dir: Path, processes: int) -> dict:
-    """Run (or resume, or reuse) the architecture's pretraining; returns what ended it."""
-    if not ended_on_its_own(run_dir):
+    """Run (or resume, or reuse, or extend to a budget added later) the architecture's pretraining; returns
+    what ended it. An extension resumes the run's newest checkpoint with the larger `--max_steps`: under a
+    schedule that does not depend on the run's length (`extension_problem` checked it) that is the run a larger
+    budget would have had from the start, so the points measured before stay valid."""
+    ended = ended_on_its_own(run_dir)
+    if ended and not stopped_by_gate(run_dir) and finished_steps(run_dir) < plan.steps[-1]:
+        print(f"extending {plan.run_name} from step {finished_steps(run_dir)} to {plan.steps[-1]} (a budget added)")
+        ended = False
+    if not ended:
         code = run_command([*local_launcher(MLM_SCRIPT, processes), *plan.pretrain_argv])
         if code != 0 and not stopped_by_gate(run_dir):
             raise RuntimeError(f"pretraining {plan.run_name} failed (exit code {code}); fix it and rerun the same "
@@ -465,4 +513,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..common.entry import run_tool
+
+    sys.exit(run_tool(main, "python -m concept_encoder curve"))

@@ -6,6 +6,7 @@ loops' preflight. Building the disk-full message needs the newest intact checkpo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 from pathlib import Path
 
@@ -40,3 +41,20 @@ def raise_run_folder_gone(run_dir: Path) -> None:
         f"run folder {run_dir} disappeared while training (deleted, moved or unmounted): nothing more can be saved "
         "there; this run stops. Start it again, or resume from a copy of its checkpoints"
     )
+
+
+@contextlib.contextmanager
+def written_whole(paths: list[Path], what: str, hint: str = "free space, then run again"):
+    """Write several files as one (a report's md/json/png): when the writing fails (or is interrupted), all of
+    `paths` are removed, so no empty (a claimed name) or half-written file is left, and a full disk is one line
+    (`DiskFullError`); other errors go on as they are."""
+    try:
+        yield
+    except BaseException as error:
+        for path in paths:
+            path.unlink(missing_ok=True)
+        if is_disk_full(error):
+            raise DiskFullError(
+                f"no space left on the disk of {paths[0].parent} while writing {what} (nothing of it was kept); {hint}"
+            ) from error
+        raise

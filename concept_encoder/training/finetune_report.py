@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
-from ..common.report_files import claim_report_stem
-from .faults import DiskFullError, is_disk_full
+from ..common.report_files import check_report_dir, claim_report_stem
+from .faults import DiskFullError, written_whole
 
 STILL_IMPROVING = "still improving: train longer"
 
@@ -157,21 +158,13 @@ def write_report(
     rows = report_rows(results)
     stem = claim_report_stem(out_dir, prefix)
     paths = {ext: Path(f"{stem}.{ext}") for ext in ("md", "json", "png")}
-    try:
+    with written_whole(list(paths.values()), f"the report {stem.name}.*",
+                       "free space, then run again (finished runs are reused with --resume_from_checkpoint auto)"):  # fmt: skip
         paths["md"].write_text(format_markdown(rows, baselines, title) + "\n")
         paths["json"].write_text(
             json.dumps({"title": title, "rows": rows, "baselines": baselines, "runs": results}, indent=2, default=str)
         )
         plot(rows, baselines, paths["png"])
-    except (OSError, RuntimeError) as error:
-        for path in paths.values():
-            path.unlink(missing_ok=True)
-        if is_disk_full(error):
-            raise DiskFullError(
-                f"no space left on the disk of {stem.parent} while writing the report {stem.name}.* (nothing of it "
-                "was kept); free space, then run again (finished runs are reused with --resume_from_checkpoint auto)"
-            ) from error
-        raise
     return paths
 
 
@@ -209,14 +202,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", default="Fine-tuning and probes, merged")
     args = parser.parse_args(argv)
     try:
+        check_report_dir(args.out_dir, "--out_dir")
         runs, baselines = merge_reports(args.reports)
-    except ValueError as error:
-        parser.error(str(error))
-    paths = write_report(runs, baselines, Path(args.out_dir), args.title, prefix="finetune_merged")
+        paths = write_report(runs, baselines, Path(args.out_dir), args.title, prefix="finetune_merged")
+    except (ValueError, DiskFullError) as error:
+        parser.exit(2, f"error: {error}\n")
     print(paths["md"].read_text())
     print("written:", ", ".join(str(p) for p in paths.values()))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from ..common.entry import run_tool
+
+    sys.exit(run_tool(main, "python -m concept_encoder finetune_report"))

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from ..common.dataclass_args import to_argv
+from ..common.paths import folder_problem
 from ..model.presets import PRESETS
 
 LOOP_SCRIPT = "loops/mlm.py"
@@ -113,26 +114,6 @@ def launched_ds_config() -> dict | None:
 def output_dir_problem(output_dir: str) -> str | None:
     """Why runs cannot be written under `output_dir` (a file in the way, no write permission), else None."""
     return folder_problem(output_dir, "--output_dir")
-
-
-def folder_problem(folder: str | Path, what: str) -> str | None:
-    """Why nothing can be written under `folder` (a file in the way, no permission, a read-only filesystem),
-    else None. The nearest existing ancestor is tried with a real file (created and removed at once):
-    permission bits say nothing for root or on a read-only mount."""
-    import tempfile
-
-    out = Path(folder).expanduser()
-    probe = out
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"{what} {out}: {probe} is a file, not a folder"
-    try:
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as error:
-        return f"{what} {out} is not writable (checked {probe}: {error.strerror or error})"
-    return None
 
 
 def output_file_problem(path: str | Path, what: str) -> str | None:

@@ -15,15 +15,21 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..accounting.memory import zero_settings
-from ..common.paths import cache_path
+from ..accounting.memory import GIB, estimate_training_memory, zero_settings
+from ..common.paths import cache_path, folder_problem
 from ..data.base import DataSourceError
 from .args import ARGUMENT_CLASSES, parse_args
 from .checkpoint import resolve_resume
 from .extension_locks import StaleLockError, stale_lock_message, stale_op_locks
 from .faults import DiskFullError
 from .model_folder import model_folder_problem
-from .plan import ds_config_problems, folder_problem, launched_ds_config, output_dir_problem
+from .plan import (
+    decoded_fraction,
+    ds_config_problems,
+    fresh_model_fields,
+    launched_ds_config,
+    output_dir_problem,
+)
 
 
 def effective_precision(mixed_precision: str | None) -> str:
@@ -70,6 +76,49 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
         weights = not getattr(model_args, "from_scratch", False)  # a random twin needs the config only
         if weights and (problem := model_folder_problem(model_args.model_name_or_path)):
             raise ValueError(f"--model_name_or_path: {problem}")
+    if not cuda and (problem := host_memory_problem(model_args, data_args, training_args)):
+        raise ValueError(problem)
+
+
+def host_memory_problem(model_args, data_args, training_args) -> str | None:
+    """A line when a CPU run's estimated peak (`accounting.memory`: model states and the activations of one
+    micro-batch, attention probabilities kept as the CPU's math kernel does, per process on this machine) is
+    beyond the machine's memory: it would fail minutes later allocating it, or swap. None when it fits or
+    cannot be estimated (a model folder whose config the memory model does not know)."""
+    import psutil
+
+    path = Path(model_args.model_name_or_path or "") / "config.json"
+    if model_args.model_name_or_path:
+        config = json.loads(path.read_text())
+    else:
+        config = fresh_model_fields(
+            model_args, data_args.max_seq_length, vocab_size=30522
+        )  # the tokenizer is not built yet
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    stage, offload_optimizer, offload_params = zero_settings(launched_ds_config())
+    try:
+        estimate = estimate_training_memory(
+            config, training_args.per_device_train_batch_size, data_args.max_seq_length, zero_stage=stage,
+            offload_optimizer=offload_optimizer, offload_params=offload_params, gpus_per_node=processes,
+            mixed_precision=effective_precision(training_args.mixed_precision),
+            gradient_checkpointing=bool(getattr(model_args, "gradient_checkpointing", False)),
+            mlm_probability=decoded_fraction(training_args, getattr(data_args, "mlm_probability", 0.15)),
+            fused_attention=False,
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError):
+        return None
+    need = processes * (estimate.gpu_model_states + estimate.activations) + estimate.cpu_model_states
+    have = psutil.virtual_memory().total
+    if need <= have:
+        return None
+    return (
+        f"this run needs about {need / GIB:,.1f} GiB of memory ({processes} process(es): model states "
+        f"{estimate.gpu_model_states / GIB:,.1f} GiB and activations {estimate.activations / GIB:,.1f} GiB each, at "
+        f"batch {training_args.per_device_train_batch_size} x length {data_args.max_seq_length}"
+        f"{', ' + str(config.get('concept_num')) + ' concepts' if config.get('concept_num') else ''}) and this "
+        f"machine has {have / GIB:,.1f} GiB; lower --per_device_train_batch_size (raise --gradient_accumulation_steps "
+        f"to keep the batch), --max_seq_length{', --concept_num' if config.get('concept_num') else ''} or the model's size"
+    )
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

@@ -13,7 +13,7 @@ from accelerate.utils import broadcast_object_list
 from filelock import FileLock, Timeout
 
 from ..common.paths import NotOursError, check_replaceable, written_aside
-from .checkpoint import disk_full
+from .checkpoint import checkpoint_dirs, disk_full
 from .faults import RunFolderError, is_disk_full
 from .model_folder import holds_only_saved_model_files
 
@@ -89,6 +89,22 @@ def finished_run(run_dir: Path, max_steps: int) -> str | None:
     return (
         f"{run_dir} already finished at step {summary['steps']} (summary.json): nothing to resume, nothing changed. "
         "Raise --max_steps to train it further"
+    )
+
+
+def ended_without_checkpoint(run_dir: Path, max_steps: int) -> str | None:
+    """A line refusing `--resume_from_checkpoint auto` over a run that ended (`summary.json`) before `max_steps`
+    and kept no intact checkpoint to go on from (`--save_steps 0`): a fresh start would replace its final model
+    and mix two histories in one metrics file. None when that is not the case."""
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file() or checkpoint_dirs(Path(run_dir)):
+        return None
+    steps = json.loads(path.read_text()).get("steps", 0)
+    if steps >= max_steps:
+        return None
+    return (
+        f"{run_dir} ended at step {steps} and kept no checkpoint to continue from (it ran with --save_steps 0), so it "
+        f"cannot be trained on to step {max_steps}; start a new --run_name (with --save_steps > 0 to extend it later)"
     )
 
 

@@ -1,0 +1,43 @@
+"""How the project's command-line tools end on Ctrl-C: one line naming the tool, exit code 130 (128 + SIGINT, what
+shells report), never a traceback. What a tool finished stays: runs resume from their checkpoints, curve points,
+ablation runs and fine-tuning seeds are reused by the same command.
+
+`run_tool(main, name)` wraps a tool's `main` (the `python -m concept_encoder` dispatcher, every module's
+`__main__` block, the loops, the launch scripts). `interrupt_in_one_line(name)` covers the seconds before it: the
+imports at the top of a module run as `python -m <module>` or as a script (torch alone takes seconds), through
+`sys.excepthook`, which sees only what nothing else caught; other exceptions go on to the previous hook.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+INTERRUPTED = 130  # 128 + SIGINT
+
+
+def interrupted_line(name: str) -> str:
+    return f"{name}: interrupted (what finished is kept: rerun the same command to continue)"
+
+
+def run_tool(main: Callable[..., int | None], name: str, argv: list[str] | None = None) -> int:
+    """`main(argv)`'s exit code, or `INTERRUPTED` after one line on standard error when Ctrl-C stops it."""
+    try:
+        return main(argv) or 0
+    except KeyboardInterrupt:
+        print(f"\n{interrupted_line(name)}", file=sys.stderr)
+        return INTERRUPTED
+
+
+def interrupt_in_one_line(name: str) -> None:
+    """From now on an uncaught KeyboardInterrupt ends this process with `interrupted_line(name)` (and the
+    interpreter's own SIGINT exit) instead of a traceback."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            print(f"\n{interrupted_line(name)}", file=sys.stderr)
+        else:
+            previous(kind, value, traceback)
+
+    sys.excepthook = hook
