@@ -32,6 +32,7 @@ TORCH_FREE = [
     "concept_encoder.accounting.flops",
     "concept_encoder.common.paths",
     "concept_encoder.common.report_files",
+    "concept_encoder.common.entry",
     "concept_encoder.common.cli_types",
     "concept_encoder.common.process_group",
     "concept_encoder.data.base",

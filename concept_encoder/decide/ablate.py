@@ -37,6 +37,7 @@ from ..common.paths import PROJECT_ROOT
 from ..common.report_files import check_report_dir
 from ..constants import LICENSES_DATASET, pretraining_metric_names
 from ..training.args import parse_args
+from ..training.checkpoint import differences
 from ..training.faults import DiskFullError
 from ..training.plan import launch_command, local_launcher
 from ..training.runs import ended_on_its_own, stopped_by_gate
@@ -134,8 +135,7 @@ def changed_settings(run_dir: Path, settings: dict) -> list[str]:
     """Where a finished run's config.json differs from the settings this invocation would run it with."""
     config = json.loads((run_dir / "config.json").read_text())
     saved = {f"{g}.{k}": v for g in ("model_args", "data_args", "training_args") for k, v in config.get(g, {}).items()}
-    return [f"{k}: the run has {saved.get(k)!r}, this invocation {v!r}" for k, v in settings.items()
-            if k in saved and saved[k] != v]  # fmt: skip
+    return differences(saved, settings, "the run has", "this invocation", keys=[k for k in settings if k in saved])
 
 
 def choose_winner(result: dict, runs: list[tuple[str, Path]], metric: str, direction: str, rejected: set[str]):

@@ -43,7 +43,7 @@ from ..data.base import DataSourceError
 from ..data.sources import source_fingerprint
 from ..tasks.loading import load_task
 from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
-from ..training.checkpoint import checkpoint_dirs
+from ..training.checkpoint import checkpoint_dirs, differences
 from ..training.metrics_log import read_metrics
 from ..training.plan import local_launcher
 from ..training.runs import ended_on_its_own, stopped_by_gate
@@ -190,11 +190,9 @@ def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan,
                          "folder; choose another --name or --curves_dir")  # fmt: skip
     if path.is_file():
         saved = json.loads(path.read_text())
-        differences = [f"{key}: the curve's {saved.get(key)!r}, this invocation's {request.get(key)!r}"
-                       for key in sorted(set(saved) | set(request)) if saved.get(key) != request.get(key)]  # fmt: skip
-        if differences:
+        if changed := differences(saved, request, "the curve's", "this invocation's"):
             raise ValueError(
-                f"curve {folder.name} ({folder}) was measured under other settings ({'; '.join(differences)}): its "
+                f"curve {folder.name} ({folder}) was measured under other settings ({'; '.join(changed)}): its "
                 "points and pretraining runs are not this request's; choose another --name"
             )
     for plan, run_dir in plans:

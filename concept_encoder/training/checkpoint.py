@@ -217,17 +217,22 @@ RESUME_DEFAULTS = {"objective": "mlm", "model.model_type": "concept_encoder", "t
 RECORDED_SINCE = ("data.vocab_sha256", "task_sha256", "max_steps")
 
 
+def differences(saved: dict, current: dict, saved_as: str, current_as: str, keys=None) -> list[str]:
+    """`key: <saved_as> <saved value>, <current_as> <current value>` for every key (of `keys`, default both
+    dicts') whose values differ: how every "reuse only what matches" refusal names what differs (resumes, curve
+    requests, ablation runs)."""
+    keys = sorted(set(saved) | set(current)) if keys is None else keys
+    return [f"{key}: {saved_as} {saved.get(key)!r}, {current_as} {current.get(key)!r}"
+            for key in keys if saved.get(key) != current.get(key)]  # fmt: skip
+
+
 def settings_differences(saved: dict, current: dict, what: str) -> list[str]:
     """`key: <what> <saved>, this run <current>` for every setting that differs (keys recorded only since
     `RECORDED_SINCE` are not held against what was saved before them; `RESUME_DEFAULTS` fill older records)."""
     normalise = json.loads(json.dumps(current, default=str))  # the saved file's types
     saved = {**{key: value for key, value in RESUME_DEFAULTS.items() if key in normalise}, **saved}
     normalise = {key: value for key, value in normalise.items() if key in saved or key not in RECORDED_SINCE}
-    return [
-        f"{key}: {what} {saved.get(key)!r}, this run {normalise.get(key)!r}"
-        for key in sorted(set(saved) | set(normalise))
-        if saved.get(key) != normalise.get(key)
-    ]
+    return differences(saved, normalise, what, "this run")
 
 
 def check_resume_settings(checkpoint: Path, current: dict) -> None:
