@@ -60,6 +60,7 @@ from concept_encoder.training.batches import accumulation_windows
 from concept_encoder.training.checkpoint import (
     CheckpointError,
     TrainState,
+    argument_settings,
     check_resume_settings,
     disk_full,
     load_checkpoint,
@@ -152,7 +153,9 @@ def make_loaders(splits, tokenizer, model, args, seed: int, shuffle_train: bool 
     }  # fmt: skip
 
 
-def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, tokenizer, fargs, args, run_base: str):
+def fine_tune(
+    state, model_path: str, seed: int, rate: float, task, splits, tokenizer, fargs, task_args, args, run_base: str
+):
     """Steps 7-12 for one model, seed and learning rate; returns the run's result (the step chosen on dev, its
     dev metrics, the training loss at the start and end), or None when a signal stopped it (after a
     checkpoint). The chosen step's weights are saved to `<run>/final`; the validation split is not touched."""
@@ -167,7 +170,7 @@ def fine_tune(state, model_path: str, seed: int, rate: float, task, splits, toke
                 "max_steps": args.max_steps, "world_size": state.num_processes,
                 "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                "torch_compile": args.torch_compile}  # fmt: skip
+                "torch_compile": args.torch_compile, **argument_settings(run_args, task_args)}  # fmt: skip
     finished = Path(args.output_dir) / run_args.run_name / "summary.json"
     if args.resume_from_checkpoint and finished.exists():  # resuming an invocation: this run is done
         done = json.loads(finished.read_text())
@@ -338,7 +341,7 @@ def validate(state, result: dict, task, splits, tokenizer, args) -> dict:
     return result
 
 
-def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, args, run_base: str):
+def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, task_args, args, run_base: str):
     """Every learning rate of the grid on the first seed, the rate with the best dev metric for every seed,
     then each seed's chosen run evaluated once on validation. Returns the runs (one per seed, each with the
     grid's dev scores and the chosen rate), or None when a signal stopped a run."""
@@ -347,7 +350,9 @@ def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, args
     seeds = list(range(args.seed, args.seed + fargs.seeds))
     tried = {}
     for rate in fargs.rates:
-        tried[rate] = fine_tune(state, model_path, seeds[0], rate, task, splits, tokenizer, fargs, args, run_base)
+        tried[rate] = fine_tune(
+            state, model_path, seeds[0], rate, task, splits, tokenizer, fargs, task_args, args, run_base
+        )
         if tried[rate] is None:
             return None
     chosen = max(fargs.rates, key=lambda rate: sign * tried[rate]["dev"][main_metric])  # ties: the first rate
@@ -357,7 +362,7 @@ def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, args
                     chosen, main_metric, grid)  # fmt: skip
     runs = [tried[chosen]]
     for seed in seeds[1:]:
-        run = fine_tune(state, model_path, seed, chosen, task, splits, tokenizer, fargs, args, run_base)
+        run = fine_tune(state, model_path, seed, chosen, task, splits, tokenizer, fargs, task_args, args, run_base)
         if run is None:
             return None
         runs.append(run)
@@ -447,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         if fargs.probe:
             results += probe_model(state, model_path, task, splits, tokenizer, fargs, args)
         if fargs.finetune:
-            runs = fine_tune_model(state, model_path, task, splits, tokenizer, fargs, args, run_base)
+            runs = fine_tune_model(state, model_path, task, splits, tokenizer, fargs, task_args, args, run_base)
             if runs is None:  # stopped by a signal, checkpointed: no report from a partial set of runs
                 return 0
             results += runs

@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
     # 10. run dirs + argument guards: nothing is written before a resume is known to fit
-    settings = resume_settings(model.config, data_args, args, state.num_processes, data.tokenizer)
+    settings = resume_settings(model.config, model_args, data_args, args, state.num_processes, data.tokenizer)
     if resume is not None:
         check_resume_settings(resume, settings)
         failed = [o for o in saved_train_state(resume).gates if o["passed"] is False]

@@ -141,3 +141,38 @@ def test_check_health_refuses_a_tokenizer_larger_than_the_models_vocabulary(tmp_
     err = capsys.readouterr().err
     [error] = [line for line in err.splitlines() if line.startswith("error:")]  # beside progress bars and logs
     assert "model vocab_size=64 is smaller than the tokenizer" in error and "Traceback" not in err
+
+
+LONG = "/tmp/" + "d" * 300  # a name longer than the system allows: looking it up raises instead of answering
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"),
+    [
+        ("concept_encoder.decide.check_health", [LONG]),
+        ("concept_encoder.decide.compare", [LONG]),
+        ("concept_encoder.decide.curve", ["--tokens", "1M", "--task", LONG + ".csv"]),
+        ("concept_encoder.decide.reference", ["--wheel", LONG]),
+    ],
+)
+def test_a_path_the_system_refuses_is_one_line_in_every_tool(module, argv, capsys):
+    import importlib
+
+    from concept_encoder.common.entry import run_tool
+
+    try:
+        code = run_tool(importlib.import_module(module).main, module, argv)
+    except SystemExit as exit:  # the tool's own usage error
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code in (1, 2) and "Traceback" not in err
+    assert "File name too long" in err or "not a usable path" in err, err
+
+
+def test_a_path_the_system_refuses_is_one_line_before_the_loop_imports_torch(capsys):
+    from concept_encoder.training.preflight import fail_fast
+
+    with pytest.raises(SystemExit) as refused:
+        fail_fast(["--output_dir", LONG])
+    assert refused.value.code == 1
+    assert f"--output_dir {LONG}: not a usable path (File name too long)" in capsys.readouterr().err

@@ -255,6 +255,30 @@ def test_a_checkpoint_runs_no_code_and_lacks_no_state(finished_run, tmp_path, st
     assert not marker.exists()
 
 
+@pytest.mark.parametrize(
+    ("state_file", "content", "message"),
+    [
+        ("train_state.json", '{"step": "eight", "epoch": 0}', r"train_state.json holds values a loop does not write \(step\)"),
+        ("train_state.json", '{"step": 4, "gates": [1]}', r"train_state.json holds values a loop does not write \(gates\)"),
+        ("train_state.json", "[4]", "train_state.json is not a JSON object"),
+        ("resume_settings.json", "[]", "resume_settings.json does not hold the run's settings"),
+        ("manifest.json", '["model.safetensors"]', "manifest.json is not a list of files and sizes"),
+    ],
+)  # fmt: skip
+def test_checkpoint_json_whose_sizes_match_but_values_do_not_is_named_before_use(finished_run, tmp_path, state_file,
+                                                                                 content, message):  # fmt: skip
+    from concept_encoder.training.checkpoint import resolve_resume, write_manifest
+
+    crafted = tmp_path / "run" / "checkpoints" / "step_0000004"
+    shutil.copytree(finished_run / "checkpoints/step_0000004", crafted)
+    (crafted / state_file).write_text(content)
+    if state_file != "manifest.json":
+        write_manifest(crafted)  # the sizes agree: only the values are wrong
+    with pytest.raises(CheckpointError, match=f"--resume_from_checkpoint {crafted} is damaged: {message}"):
+        resolve_resume(str(crafted), str(tmp_path), None)
+    assert resolve_resume("auto", str(tmp_path), "run") is None  # `auto` passes over it (no other checkpoint here)
+
+
 def test_deepspeed_state_files_are_checked_before_deepspeed_unpickles_them(tmp_path):
     import torch
     from deepspeed.runtime.fp16.loss_scaler import LossScaler

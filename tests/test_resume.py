@@ -118,6 +118,18 @@ def swap_the_cache_and_resume(workdir, cache: Path, common: list[str], first_los
         (["--per_device_train_batch_size", "4"], "per_device_train_batch_size: checkpoint 8, this run 4"),
         (["--max_seq_length", "32"], "data.max_seq_length: checkpoint 64, this run 32"),
         (["--torch_compile"], "torch_compile: checkpoint False, this run True"),  # compiled weights are renamed
+        # what decides training: config.json would claim the new value while the restored state kept the old one
+        (["--learning_rate", "0.05"], "args.learning_rate: checkpoint 0.0005, this run 0.05"),
+        (["--seed", "7"], "args.seed: checkpoint 42, this run 7"),
+        (["--mlm_probability", "0.3"], "args.mlm_probability: checkpoint 0.15, this run 0.3"),
+        (["--concept_losses", "none"], "args.concept_losses: checkpoint"),
+        (["--max_grad_norm", "0"], "args.max_grad_norm: checkpoint 1.0, this run 0.0"),
+        (
+            [],
+            "schedule: checkpoint {'lr_scheduler_type': 'cosine', 'warmup_steps': 0, 'decays_to_step': 6}, this run "
+            "{'lr_scheduler_type': 'cosine', 'warmup_steps': 0, 'decays_to_step': 8} (schedule: a learning rate that "
+            "decays",
+        ),  # fmt: skip
     ],
 )
 def test_a_resume_that_cannot_continue_is_refused_before_anything_is_written(finished_run, change, named):

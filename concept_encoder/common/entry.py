@@ -2,7 +2,7 @@
 shells report), never a traceback. What a tool finished stays: runs resume from their checkpoints, curve points,
 ablation runs and fine-tuning seeds are reused by the same command.
 
-`run_tool(main, name)` wraps a tool's `main` (the `python -m concept_encoder` dispatcher, every module's
+`run_tool(main, name)` wraps a tool's `main` (and ends a refused file or path in one line too) (the `python -m concept_encoder` dispatcher, every module's
 `__main__` block, the loops, the launch scripts). `interrupt_in_one_line(name)` covers the seconds before it: the
 imports at the top of a module run as `python -m <module>` or as a script (torch alone takes seconds), through
 `sys.excepthook`, which sees only what nothing else caught; other exceptions go on to the previous hook.
@@ -10,10 +10,12 @@ imports at the top of a module run as `python -m <module>` or as a script (torch
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
 INTERRUPTED = 130  # 128 + SIGINT
+TRACEBACK_ENV = "CONCEPT_ENCODER_TRACEBACK"
 
 
 def interrupted_line(name: str) -> str:
@@ -21,12 +23,20 @@ def interrupted_line(name: str) -> str:
 
 
 def run_tool(main: Callable[..., int | None], name: str, argv: list[str] | None = None) -> int:
-    """`main(argv)`'s exit code, or `INTERRUPTED` after one line on standard error when Ctrl-C stops it."""
+    """`main(argv)`'s exit code; `INTERRUPTED` after one line on standard error when Ctrl-C stops it; 1 after one
+    line when the system refuses a file or path the tool was given or writes (a name too long, no permission, no
+    space: `OSError`, the input's or the machine's, not the tool's). `CONCEPT_ENCODER_TRACEBACK=1` shows the
+    traceback instead."""
     try:
         return main(argv) or 0
     except KeyboardInterrupt:
         print(f"\n{interrupted_line(name)}", file=sys.stderr)
         return INTERRUPTED
+    except OSError as error:
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"error: {name}: {error}\n(set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
+        return 1
 
 
 def interrupt_in_one_line(name: str) -> None:

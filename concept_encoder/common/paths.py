@@ -115,6 +115,8 @@ def folder_problem(folder: str | Path, what: str) -> str | None:
     import tempfile
 
     out = Path(folder).expanduser()
+    if problem := unusable_path(out):
+        return f"{what} {out}: {problem}"
     probe = out
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -125,4 +127,16 @@ def folder_problem(folder: str | Path, what: str) -> str | None:
             pass
     except OSError as error:
         return f"{what} {out} is not writable (checked {probe}: {error.strerror or error})"
+    return None
+
+
+def unusable_path(path: str | Path) -> str | None:
+    """Why the system refuses to look `path` up at all (a name longer than it allows, a NUL byte), else None:
+    such a path makes `Path.exists` raise instead of answering, so every check of a user's path asks here first."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return None  # answers: the callers' own checks name them
+    except (OSError, ValueError) as error:
+        return f"not a usable path ({getattr(error, 'strerror', None) or error})"
     return None

@@ -26,6 +26,7 @@ where it stopped, and the table says so. Budgets become optimizer steps of
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import shlex
@@ -42,7 +43,7 @@ from ..constants import ARCHITECTURES
 from ..data.base import DataSourceError
 from ..data.sources import source_fingerprint
 from ..tasks.loading import load_task
-from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
+from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, TrainingArguments, parse_args
 from ..training.checkpoint import checkpoint_dirs, differences
 from ..training.metrics_log import read_metrics
 from ..training.plan import local_launcher
@@ -96,8 +97,7 @@ class ArchitecturePlan:
     tokens_per_step: int
     steps: list[int]  # per budget, ascending
     pretrain_argv: list[str] = field(default_factory=list)
-    schedule: str = "cosine"  # the learning-rate schedule's kind (--lr_scheduler_type)
-    warmup: tuple[int, float] = (0, 0.0)  # --warmup_steps, --warmup_ratio
+    train_args: TrainingArguments | None = None  # the loop's, as parsed from pretrain_argv
 
     def tokens(self, step: int) -> int:
         return step * self.tokens_per_step
@@ -124,34 +124,30 @@ def plan_architecture(architecture: str, budgets: list[int], loop_argv: list[str
     argv = [*loop_argv, "--architecture", architecture, "--run_name", run_name, "--max_steps", str(steps[-1]),
             "--snapshot_steps", ",".join(map(str, steps)), "--resume_from_checkpoint", "auto"]  # fmt: skip
     parse_args(argv)  # the exact command, checked before anything runs
-    plan = ArchitecturePlan(architecture, run_name, per_step, steps, argv, train_args.lr_scheduler_type,
-                            (train_args.warmup_steps, train_args.warmup_ratio))  # fmt: skip
+    plan = ArchitecturePlan(architecture, run_name, per_step, steps, argv, train_args)
     return plan, Path(train_args.output_dir) / run_name
-
-
-def warmup_steps(plan: ArchitecturePlan, max_steps: int) -> int:
-    """The warm-up a run of `max_steps` gets (as `TrainingArguments.num_warmup_steps`)."""
-    steps, ratio = plan.warmup
-    return steps or int(ratio * max_steps)
 
 
 def extension_problem(plan: ArchitecturePlan, run_dir: Path, finished: int) -> str | None:
     """Why pretraining run `run_dir`, finished at step `finished`, cannot be trained on to the plan's last
-    step as if it had been planned that long from the start (None when it can: the learning rate after warm-up is
-    constant, the warm-up does not depend on the run's length, and a checkpoint is there to resume from)."""
+    step as if it had been planned that long from the start (None when it can: its schedule, `TrainingArguments.
+    schedule`, is the same at both lengths, and a checkpoint is there to resume from). The loop's resume check
+    refuses the same (`schedule` in the checkpoint's settings); here it is said before any run starts."""
     needed = plan.steps[-1]
     start = (f"--tokens: {token_label(plan.tokens(needed))} needs step {needed}, but pretraining run {run_dir} "
              f"finished at step {finished}")  # fmt: skip
-    if plan.schedule != "constant":
+    ran, longer = (dataclasses.replace(plan.train_args, max_steps=steps).schedule for steps in (finished, needed))
+    if ran["decays_to_step"] is not None:
         return (
-            f"{start} under a {plan.schedule} learning-rate schedule that decays to its own last step, so training it "
-            "on is not the run a larger budget would have had; a curve meant to grow takes a schedule that does not "
-            "depend on its length (`-- --lr_scheduler_type constant --warmup_steps N`); or measure under another --name"
+            f"{start} under a {ran['lr_scheduler_type']} learning-rate schedule that decays to its own last step, so "
+            "training it on is not the run a larger budget would have had; a curve meant to grow takes a schedule "
+            "that does not depend on its length (`-- --lr_scheduler_type constant --warmup_steps N`); or measure "
+            "under another --name"
         )
-    if warmup_steps(plan, finished) != warmup_steps(plan, needed):
+    if ran != longer:
         return (
-            f"{start}, and its warm-up ({warmup_steps(plan, finished)} steps, --warmup_ratio of the run's length) would "
-            f"be {warmup_steps(plan, needed)} steps in the longer run; give --warmup_steps N instead of a ratio, or "
+            f"{start}, and its warm-up ({ran['warmup_steps']} steps, --warmup_ratio of the run's length) would "
+            f"be {longer['warmup_steps']} steps in the longer run; give --warmup_steps N instead of a ratio, or "
             "measure under another --name"
         )
     if not checkpoint_dirs(run_dir):

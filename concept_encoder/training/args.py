@@ -267,6 +267,15 @@ class TrainingArguments:
     def num_warmup_steps(self) -> int:
         return self.warmup_steps or int(self.warmup_ratio * self.max_steps)
 
+    @property
+    def schedule(self) -> dict:
+        """The learning-rate schedule as the steps see it: a run trained further (a larger `max_steps` on resume)
+        is the run a longer plan would have been only where this stays the same, i.e. a constant rate after a
+        warm-up given in steps; a decaying schedule ends at its own last step."""
+        decays = self.lr_scheduler_type != "constant"
+        return {"lr_scheduler_type": self.lr_scheduler_type, "warmup_steps": self.num_warmup_steps,
+                "decays_to_step": self.max_steps if decays else None}  # fmt: skip
+
 
 DEFAULT_LEARNING_RATES = "5e-5,1e-4,3e-4,1e-3"  # the dev split picks one per model (BERT's paper used a grid too)
 POOLINGS = ("auto", *CLASSIFIER_POOLINGS, "cls")  # auto: the model's own; the others where the model has that choice

@@ -67,8 +67,10 @@ def checkpoint_problems(checkpoint: Path) -> list[str]:
         return [f"{MANIFEST} is missing (the save did not complete, or the checkpoint predates manifests)"]
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return [f"{MANIFEST} is not valid JSON"]
+    if not isinstance(manifest, dict) or not all(isinstance(size, int) for size in manifest.values()):
+        return [f"{MANIFEST} is not a list of files and sizes"]
     problems = []
     for name, size in manifest.items():
         path = checkpoint / name
@@ -76,7 +78,35 @@ def checkpoint_problems(checkpoint: Path) -> list[str]:
             problems.append(f"{name} is missing")
         elif path.stat().st_size != size:
             problems.append(f"{name} is truncated or changed ({path.stat().st_size} of {size} bytes)")
+    if not problems:  # the sizes match: the values must still be what a loop wrote
+        problems += [problem for problem in (train_state_problem(checkpoint),) if problem]
+        settings = checkpoint / RESUME_SETTINGS
+        if settings.is_file() and not isinstance(json_or_none(settings), dict):
+            problems.append(f"{RESUME_SETTINGS} does not hold the run's settings (a JSON object)")
     return problems
+
+
+def json_or_none(path: Path):
+    """The JSON value in `path`, or None when it is not readable JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def train_state_problem(checkpoint: Path) -> str | None:
+    """Why `<checkpoint>/train_state.json` is not a loop position (`TrainState`: whole numbers >= 0 and a list of
+    gate outcomes), else None: checked before anything compares or resumes from its values."""
+    state = json_or_none(checkpoint / TRAIN_STATE)
+    kinds = {name: (list if name == "gates" else int) for name in TrainState.__dataclass_fields__}
+    if not isinstance(state, dict):
+        return f"{TRAIN_STATE} is not a JSON object"
+    wrong = sorted(key for key, value in state.items() if key not in kinds or not isinstance(value, kinds[key])
+                   or isinstance(value, bool) or kinds[key] is int and value < 0
+                   or kinds[key] is list and not all(isinstance(g, dict) and "passed" in g for g in value))  # fmt: skip
+    if wrong:
+        return f"{TRAIN_STATE} holds values a loop does not write ({', '.join(wrong)})"
+    return None
 
 
 def save_checkpoint(
@@ -187,23 +217,25 @@ MODEL_SHAPE_KEYS = (
 )  # fmt: skip
 
 
-def resume_settings(model_config, data_args, training_args, world_size: int, tokenizer=None) -> dict:
+def resume_settings(model_config, model_args, data_args, training_args, world_size: int, tokenizer=None) -> dict:
     """What a resume must keep: the model's shape, the processes, the per-device batch and
     accumulation (they fix the data position), the data (source, tokenizer spec and its vocabulary's
-    content, blocks, masking), the objective (its corruption's generator state is in the checkpoint)
-    and `--torch_compile`."""
+    content, blocks, masking), the objective (its corruption's generator state is in the checkpoint),
+    `--torch_compile`, and every other argument that decides what is trained (`argument_settings`)."""
     from ..data.tokenizer import vocab_digest  # deferred: keeps the preflight (which finds checkpoints) torch-free
 
     config = model_config.to_dict()
     vocabulary = {} if tokenizer is None else {"data.vocab_sha256": vocab_digest(tokenizer)}
     return {
         **vocabulary,
+        **argument_settings(model_args, data_args, training_args),
         **{f"model.{key}": config.get(key) for key in MODEL_SHAPE_KEYS},
         "world_size": world_size,
         "per_device_train_batch_size": training_args.per_device_train_batch_size,
         "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
         "objective": training_args.objective,
         "torch_compile": training_args.torch_compile,  # a compiled model's checkpoint names its weights `_orig_mod.*`
+        "schedule": training_args.schedule,  # a larger --max_steps continues only a schedule that does not depend on it
         **{
             f"data.{key}": getattr(data_args, key)
             for key in ("dataset", "text_field", "tokenizer", "max_seq_length", "packing", "streaming", "masking")
@@ -211,10 +243,35 @@ def resume_settings(model_config, data_args, training_args, world_size: int, tok
     }
 
 
+# Arguments that may change when a run resumes (or a finished fine-tuning run is reused): where and how often it
+# writes, logs, evaluates and checks gates, how long it goes on (`max_steps`: training further, e.g. a curve's
+# budget added later), how data are loaded, and the hardware budget. Every other argument decides what is trained
+# and is recorded in the checkpoint as `args.<name>` (`argument_settings`), so a resume under another value is
+# refused naming it: a new learning rate would be written in the run's config.json while the restored scheduler
+# kept the old one.
+RESUME_FREE = frozenset({
+    "output_dir", "run_name", "max_steps", "epochs", "resume_from_checkpoint", "per_device_eval_batch_size",
+    "logging_steps", "eval_steps", "max_eval_batches", "save_steps", "save_total_limit", "snapshot_steps",
+    "max_bad_steps", "dataloader_num_workers", "preprocessing_num_workers", "report_to", "wandb_project",
+    "progress_bar", "peak_tflops", "cuda_memory_budget_gb", "gate", "gate_action", "gradient_checkpointing",
+    "streaming_validation_documents", "seeds", "compare_to", "learning_rates", "probe", "finetune", "report_dir",
+})  # fmt: skip
+
+
+def argument_settings(*arguments) -> dict:
+    """`args.<name>` → value for every field of the argument dataclasses `arguments` that decides what is trained
+    (all but `RESUME_FREE`), as JSON holds it."""
+    import dataclasses
+
+    values = {f"args.{f.name}": getattr(instance, f.name) for instance in arguments
+              for f in dataclasses.fields(instance) if f.name not in RESUME_FREE}  # fmt: skip
+    return json.loads(json.dumps(values, default=str))
+
+
 # Settings added after the first release, with the value every earlier checkpoint was written with.
 RESUME_DEFAULTS = {"objective": "mlm", "model.model_type": "concept_encoder", "torch_compile": False}
 # Settings earlier checkpoints did not record and that have no such value: compared only when recorded.
-RECORDED_SINCE = ("data.vocab_sha256", "task_sha256", "max_steps")
+RECORDED_SINCE = ("data.vocab_sha256", "task_sha256", "max_steps", "schedule")
 
 
 def differences(saved: dict, current: dict, saved_as: str, current_as: str, keys=None) -> list[str]:
@@ -231,7 +288,8 @@ def settings_differences(saved: dict, current: dict, what: str) -> list[str]:
     `RECORDED_SINCE` are not held against what was saved before them; `RESUME_DEFAULTS` fill older records)."""
     normalise = json.loads(json.dumps(current, default=str))  # the saved file's types
     saved = {**{key: value for key, value in RESUME_DEFAULTS.items() if key in normalise}, **saved}
-    normalise = {key: value for key, value in normalise.items() if key in saved or key not in RECORDED_SINCE}
+    normalise = {key: value for key, value in normalise.items()
+                 if key in saved or key not in RECORDED_SINCE and not key.startswith("args.")}  # fmt: skip
     return differences(saved, normalise, what, "this run")
 
 
@@ -248,8 +306,13 @@ def check_resume_settings(checkpoint: Path, current: dict) -> None:
             "the tokenizer cache holds a different training: token ids would not mean what the model learned)"
             if any(d.startswith("data.vocab_sha256") for d in differences) else ""
         )  # fmt: skip
+        schedule = (
+            " (schedule: a learning rate that decays to the run's last step, or a warm-up given as a ratio of it, ends "
+            "with that step; a run meant to be trained further takes --lr_scheduler_type constant --warmup_steps N "
+            "from its start)" if any(d.startswith("schedule") for d in differences) else ""
+        )  # fmt: skip
         raise CheckpointError(
-            f"cannot resume {checkpoint}: this run differs in {'; '.join(differences)}{vocabulary}. "
+            f"cannot resume {checkpoint}: this run differs in {'; '.join(differences)}{vocabulary}{schedule}. "
             "Resume with the checkpoint's settings, or start a new run without --resume_from_checkpoint"
         )
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..common.paths import unusable_path
+
 SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
 SAVED_BY = "pass a folder written by save_pretrained (e.g. Cache/runs/<run>/final)"
@@ -67,6 +69,8 @@ def model_folder_problem(path: str | Path, weights: bool = True) -> str | None:
     no safetensors weights, pickled weights only, a weights file cut short), else None. Reads files only."""
     folder = Path(path)
     config = folder / "config.json"
+    if problem := unusable_path(folder):
+        return f"{folder}: {problem}"
     if not folder.is_dir():
         return f"{folder} is not a folder; {SAVED_BY}"
     if not config.is_file():

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ..common.dataclass_args import to_argv
-from ..common.paths import folder_problem
+from ..common.paths import folder_problem, unusable_path
 from ..model.presets import PRESETS
 
 LOOP_SCRIPT = "loops/mlm.py"
@@ -120,6 +120,8 @@ def output_file_problem(path: str | Path, what: str) -> str | None:
     """Why the file `path` cannot be written (a folder in its place, its folder not writable), else None:
     checked before the work whose result it is to hold."""
     path = Path(path).expanduser()
+    if problem := unusable_path(path):
+        return f"{what} {path}: {problem}"
     if path.is_dir():
         return f"{what} {path} is a folder; give a file name, e.g. {path / 'result.json'}"
     return folder_problem(path.parent, what)

@@ -123,7 +123,7 @@ def host_memory_problem(model_args, data_args, training_args) -> str | None:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Failures that are the input's or the environment's, not the code's: reported in one line."""
-    return ValueError, DataSourceError, StaleLockError, DiskFullError
+    return ValueError, DataSourceError, StaleLockError, DiskFullError, OSError  # OSError: a path or file refused
 
 
 @contextlib.contextmanager
