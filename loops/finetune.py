@@ -410,10 +410,6 @@ def main(argv: list[str] | None = None) -> int:
             "fine-tuning keeps the weights of the step chosen on dev, which ZeRO-3 partitions across ranks; "
             "use a ZeRO-0/1/2 config (ds_configs/zero2.json), or plain DDP: classifiers of these sizes fit"
         )
-    pretraining_only = [flag for flag, value in (("--concept_losses", args.concept_losses),
-                                                 ("--snapshot_steps", args.snapshot_steps)) if value]  # fmt: skip
-    if pretraining_only:  # pretraining settings: an error, not a silently ignored flag
-        raise ValueError(f"loops/finetune.py does not support {pretraining_only} (they are for pretraining)")
     if args.resume_from_checkpoint not in (None, "auto") or args.resume_from_checkpoint and not args.run_name:
         raise ValueError(
             "fine-tuning resumes with --resume_from_checkpoint auto and the --run_name of the interrupted "

@@ -137,3 +137,18 @@ def test_no_float_setting_takes_infinity_or_nan(tmp_path):
     config.write_text("max_grad_norm: .inf\n")  # YAML's infinity
     with pytest.raises(ValueError, match="max_grad_norm=inf must be a finite number"):
         parse_args(["--config", str(config)])
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--objective", "diffusion"], ["--t_min", "0.5"], ["--deletion_rate", "0.9"], ["--loss_weighting", "learnable"],
+     ["--concept_loss_weight", "5"], ["--concept_losses", "orthogonality"], ["--snapshot_steps", "2"],
+     ["--concept_loss_warmup_steps", "3"], ["--diffusion_weighting", "none"]],
+)  # fmt: skip
+def test_fine_tuning_refuses_every_pretraining_only_setting_instead_of_recording_it(flags):
+    from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, PRETRAINING_ONLY
+
+    assert flags[0][2:] in PRETRAINING_ONLY
+    with pytest.raises(ValueError, match=rf"does not support \['{flags[0]}'\] \(they are for pretraining\)"):
+        parse_args(["--model_name_or_path", "m", "--task", "embedded", *flags], classes=FINETUNE_ARGUMENT_CLASSES,
+                   defaults=FINETUNE_DEFAULTS)  # fmt: skip

@@ -409,8 +409,22 @@ def check_pretraining_combination(model_args: ModelArguments, data_args: DataArg
             resolve_default(model_args, "hidden_dropout_prob", DEFAULT_RECIPE["hidden_dropout_prob"])
 
 
+# Training arguments only pretraining reads: fine-tuning refuses any of them set, instead of ignoring it while the
+# run's config.json records it (a fine-tuning run that claims a diffusion objective).
+PRETRAINING_ONLY = ("objective", "t_min", "diffusion_weighting", "deletion_rate", "concept_losses", "loss_weighting",
+                    "concept_loss_weight", "concept_loss_warmup_steps", "snapshot_steps")  # fmt: skip
+
+
 def check_finetune_combination(finetune_args: FinetuneArguments, task_args: TaskArguments, args: TrainingArguments):
-    """The fine-tuning set's rules: gates name dev-split metrics, and the learning rate comes from one flag."""
+    """The fine-tuning set's rules: no pretraining-only setting, gates name dev-split metrics, and the learning
+    rate comes from one flag."""
+    given = [
+        f"--{name}"
+        for name in PRETRAINING_ONLY
+        if getattr(args, name) != TrainingArguments.__dataclass_fields__[name].default
+    ]
+    if given:  # pretraining settings: an error, not a silently ignored flag
+        raise ValueError(f"loops/finetune.py does not support {given} (they are for pretraining)")
     parse_gates(args.gate, TASK_METRIC_NAMES, "loops/finetune.py (dev split)")
     if args.learning_rate != FINETUNE_DEFAULTS["learning_rate"]:  # one flag for the rate, not two
         raise ValueError(
