@@ -11,6 +11,7 @@ table checks at import that it covers its tuple, so a name cannot be added here 
 EMBEDDED_DATASET = "embedded"  # the offline built-in corpus
 DOCSTRINGS_DATASET = "docstrings"  # offline: docstrings of the installed third-party packages
 LICENSES_DATASET = "licenses"  # offline: license texts of the installed packages (held-out English)
+MODULES_DATASET = "modules"  # offline, long documents: each installed module file's docstrings and comments
 MASKING_STRATEGIES = ("mlm", "whole_word", "span")
 CONCEPT_LOSS_NAMES = (
     "orthogonality",

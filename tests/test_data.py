@@ -75,6 +75,35 @@ def test_packing_keeps_every_token_up_to_the_final_remainder(tokenizer, block_cl
         assert all(w[0] == 1 for w in processed["train"]["word_start"])
 
 
+def test_document_blocks_never_mix_two_documents_and_each_restarts_at_cls(tokenizer):
+    docs = make_documents(40)
+    L = 16
+    processed, stats = preprocess(raw_from(docs), tokenizer, L, packing=True, document_blocks=True)
+    blocks = processed["train"]["input_ids"]
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    assert all(b[0] == cls and 2 <= len(b) <= L for b in blocks)
+    assert sum(b.count(cls) for b in blocks) == len(blocks)  # [CLS] at every block start, nowhere else
+    assert sum(b.count(sep) for b in blocks) == len(docs)  # one [SEP] per document ...
+    assert all(sep not in b[:-1] for b in blocks)  # ... always the last token: no block holds two documents
+    documents, current = [], []
+    for b in blocks:  # reassembled block after block, each document comes back whole, in order
+        current += b[1:]
+        if b[-1] == sep:
+            documents.append(current)
+            current = []
+    expected = [ids + [sep] for ids in tokenizer(docs, add_special_tokens=False)["input_ids"]]
+    assert documents == expected  # nothing dropped, nothing from another document
+    assert all(len(b) == L for i, b in enumerate(blocks) if b[-1] != sep)  # only a document's last block is short
+    assert stats["document_blocks"] and stats["train"]["tokens"] == sum(len(b) for b in blocks)
+    lengths = sorted(len(d) for d in expected)
+    assert stats["train"]["document_tokens"] == {"median": lengths[len(lengths) // 2],
+                                                 "p90": lengths[int(0.9 * len(lengths))], "max": lengths[-1]}  # fmt: skip
+    again, _ = preprocess(raw_from(docs), tokenizer, L, packing=True)
+    assert again["train"]["input_ids"] != blocks  # the stream packing is another dataset (and cache key)
+    with pytest.raises(ValueError, match="document_blocks=True cuts documents into blocks: it needs packing=True"):
+        DataArguments(packing=False, document_blocks=True)
+
+
 def test_packing_needs_a_cls_token_or_says_how_to_go_without(tokenizer):
     from transformers import PreTrainedTokenizerFast
 

@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"dataset      {data_args.dataset}  (text field {data_args.text_field!r})")
     print(f"tokenizer    {data_args.tokenizer}  ({len(data.tokenizer):,} tokens)")
-    print(f"packing      {data_args.packing}  max_seq_length={data_args.max_seq_length}  masking={data_args.masking}")
+    blocks = "  document_blocks" if data_args.document_blocks else ""
+    print(f"packing      {data_args.packing}{blocks}  max_seq_length={data_args.max_seq_length}  "
+          f"masking={data_args.masking}")  # fmt: skip
     for split in ("train", "validation"):
         s = data.stats.get(split)
         if s:
@@ -48,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{split:<12} {s['documents']:,} documents → {s['tokens']:,} tokens → {s['examples']:,} examples{dropped}"
             )
+            if lengths := s.get("document_tokens"):
+                print(f"{'':<12} tokens per document: median {lengths['median']:,}, 90th percentile "
+                      f"{lengths['p90']:,}, longest {lengths['max']:,}")  # fmt: skip
     print(f"cache        {data.stats.get('cache_path')}")
     examples = list(data.train.take(2)) if hasattr(data.train, "take") else [data.train[0], data.train[1]]
     torch.manual_seed(extra.seed)

@@ -30,6 +30,12 @@ class DataArguments:
         metadata={"help": "packing: start every block with [CLS], as fine-tuning inputs start (false: blocks of the "
                   "[SEP]-separated stream alone, the format before this option)"},
     )  # fmt: skip
+    document_blocks: bool = field(
+        default=False,
+        metadata={"help": "packing: each block holds one document's contiguous text ([CLS] first), a long document "
+                  "going on in its next blocks, never two documents in one block; a document's last block is "
+                  "shorter (padded per batch). For long inputs: a block is a window of one document"},
+    )  # fmt: skip
     validation_split_percentage: float = field(
         default=5.0, metadata={"help": "held-out percent of documents when the source has no validation split"}
     )
@@ -67,5 +73,8 @@ class DataArguments:
             raise ValueError(
                 f"mean_span_length={self.mean_span_length} and max_span_length={self.max_span_length} must be >= 1"
             )
+        if self.document_blocks and not self.packing:
+            raise ValueError("document_blocks=True cuts documents into blocks: it needs packing=True (without "
+                             "packing each document is one example already, truncated to max_seq_length)")  # fmt: skip
         if self.preprocessing_num_workers is not None and self.preprocessing_num_workers < 1:
             raise ValueError(f"preprocessing_num_workers={self.preprocessing_num_workers} must be >= 1 (or unset)")

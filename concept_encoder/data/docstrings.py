@@ -278,24 +278,30 @@ class DocstringCorpus:
 def docstring_corpus(spec: str, cache_dir: str | Path | None = "Cache") -> DocstringCorpus:
     """The corpus `spec` names (`docstrings` or `docstrings:<site-packages folder>`), built once per
     fingerprint and cached as JSON lines under `<cache_dir>/datasets/docstrings-<key>`."""
+    return cached_site_corpus(spec, DOCSTRINGS_DATASET, None, extract, cache_dir,
+                              f"no docstring has {MIN_WORDS} words or more")  # fmt: skip
+
+
+def cached_site_corpus(spec: str, name: str, rules: tuple | None, build, cache_dir, empty: str) -> DocstringCorpus:
+    """The documents `build(files) -> (documents, manifest)` makes of the installed `.py` files `spec` names
+    (`<name>` or `<name>:<site-packages folder>`), built once per fingerprint (files and `rules`) and cached as
+    JSON lines under `<cache_dir>/datasets/<name>-<key>`; DataSourceError (`empty` says why) when none."""
     roots = site_roots(spec)
     files, notes = installed_files(roots)
     if not files:
         raise DataSourceError(
             f"--dataset {spec!r}: no third-party .py file found under {', '.join(map(str, roots))} (stdlib files "
-            "are excluded); install packages there, or point docstrings:<folder> at a site-packages folder"
+            f"are excluded); install packages there, or point {name}:<folder> at a site-packages folder"
         )
-    key = fingerprint(files, roots)
-    folder = None if cache_dir is None else cache_path(cache_dir) / "datasets" / f"docstrings-{key}"
+    key = fingerprint(files, roots, rules)
+    folder = None if cache_dir is None else cache_path(cache_dir) / "datasets" / f"{name}-{key}"
     if folder is not None and (folder / "manifest.json").exists():
         with open(folder / "documents.jsonl", encoding="utf-8") as handle:
             documents = [json.loads(line) for line in handle]
         return DocstringCorpus(documents, json.loads((folder / "manifest.json").read_text()))
-    documents, manifest = extract(files)
+    documents, manifest = build(files)
     if not documents:
-        raise DataSourceError(
-            f"--dataset {spec!r}: {len(files)} files read, but no docstring has {MIN_WORDS} words or more"
-        )
+        raise DataSourceError(f"--dataset {spec!r}: {len(files)} files read, but {empty}")
     manifest.update(fingerprint=key, roots=[str(r) for r in roots], notes=notes)
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)

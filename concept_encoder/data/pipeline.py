@@ -74,6 +74,7 @@ def prepare_data(
         args.max_seq_length,
         packing=args.packing,
         block_cls=args.block_cls,
+        document_blocks=args.document_blocks,
         cache_dir=None if args.streaming else cache_dir,
         source=f"{args.dataset}:{args.text_field}",
         num_proc=args.preprocessing_num_workers,

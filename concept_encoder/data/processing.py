@@ -8,6 +8,10 @@ truncated away; the only tokens dropped are the final remainder of each `map` ba
 than a block's worth per `PACK_BATCH_DOCS` documents and worker), bounded in the stats as
 `dropped_tokens_at_most`.
 
+Document blocks (`document_blocks=True`, for long inputs): each block holds one document's contiguous text,
+`[CLS]` first; a long document goes on in its next blocks, never mixed with another, and its last block is
+shorter (the collator pads it). Nothing is dropped.
+
 Without packing (`packing=False`), each document is one example: `[CLS] doc [SEP]`,
 truncated to `max_seq_length` and padded by the collator (evaluation-style data).
 
@@ -70,6 +74,24 @@ def tokenize_and_pack(
     }
 
 
+def tokenize_document_blocks(
+    batch: dict, tokenizer: PreTrainedTokenizerBase, max_seq_length: int, block_cls: bool = True
+) -> dict:
+    """`{"text": [docs]}` → blocks of at most L tokens, each `[CLS]` (`block_cls`) and the next up to L-1 tokens
+    of one document followed by `[SEP]`: the document's text continues block after block, and its last block
+    holds what remains (shorter than L)."""
+    encoded = tokenizer(batch["text"], add_special_tokens=False)
+    head_ids, head_starts = ([tokenizer.cls_token_id], [1]) if block_cls else ([], [])
+    body = max_seq_length - len(head_ids)
+    blocks, block_starts = [], []
+    for i, doc in enumerate(encoded["input_ids"]):
+        ids, starts = [*doc, tokenizer.sep_token_id], [*word_starts(encoded.word_ids(i)), 1]
+        for at in range(0, len(ids), body):
+            blocks.append(head_ids + ids[at : at + body])
+            block_starts.append(head_starts + starts[at : at + body])
+    return {"input_ids": blocks, "word_start": block_starts}
+
+
 def tokenize_documents(batch: dict, tokenizer: PreTrainedTokenizerBase, max_seq_length: int) -> dict:
     """One example per document: `[CLS] doc [SEP]`, truncated to `max_seq_length`."""
     encoded = tokenizer(batch["text"], truncation=True, max_length=max_seq_length)
@@ -124,13 +146,15 @@ def preprocess(
     source: str = "",
     num_proc: int | None = None,
     block_cls: bool = True,
+    document_blocks: bool = False,
     **key_extra,
 ) -> tuple[DatasetDict | IterableDatasetDict, dict]:
     """Tokenise (and pack) `raw` → (`{train, validation}` of `input_ids`/`word_start`, stats dict).
 
     With `cache_dir`, the result is saved under `<cache_dir>/datasets/<key>` and reused; the main
     process builds it first while the other ranks wait, then they load it. `block_cls` (packing only):
-    every block starts with `[CLS]`; part of the cache key.
+    every block starts with `[CLS]`; `document_blocks` (packing only): blocks of one document each; both part of
+    the cache key.
     """
     if max_seq_length < 2:
         raise ValueError(f"max_seq_length={max_seq_length} must be at least 2")
@@ -140,13 +164,16 @@ def preprocess(
             f"tokenizer {tokenizer.name_or_path!r} has no [CLS] token to start each packed block with; "
             "pass --block_cls false, or use a tokenizer with a cls_token"
         )
-    fn = tokenize_and_pack if packing else tokenize_documents
+    fn = (tokenize_document_blocks if document_blocks else tokenize_and_pack) if packing else tokenize_documents
     fn_kwargs = dict(
         tokenizer=tokenizer, max_seq_length=max_seq_length, **({"block_cls": block_cls} if packing else {})
     )
     kwargs = dict(batched=True, fn_kwargs=fn_kwargs)
     if packing:
         key_extra["block_cls"] = block_cls
+    if packing and document_blocks:  # only then: the keys of every earlier cache entry stay as they were
+        key_extra["document_blocks"] = True
+    full_blocks = packing and not document_blocks  # every example exactly max_seq_length tokens
 
     if isinstance(raw, IterableDatasetDict):  # streaming: processed lazily, never cached
         processed = IterableDatasetDict(
@@ -184,8 +211,13 @@ def preprocess(
                 for name, ds in raw.items()
             }
         )
-        stats = dataset_stats(raw, processed, max_seq_length, packing, workers)
-        stats["block_cls"] = block_cls
+        stats = dataset_stats(raw, processed, max_seq_length, full_blocks, workers)
+        stats.update(packing=packing, block_cls=block_cls, document_blocks=packing and document_blocks)
+        if packing and document_blocks:  # the length of what a long-input model reads: each document's tokens
+            for name in raw:
+                stats[name]["document_tokens"] = length_summary(
+                    document_lengths(processed[name]["input_ids"], tokenizer.sep_token_id, int(block_cls))
+                )
         check_not_empty(raw, processed, tokenizer, max_seq_length, packing, block_cls)  # an empty split is never cached
         if path is not None and PartialState().is_main_process:  # written aside, renamed when whole
             stats["cache_path"] = str(path)
@@ -217,15 +249,37 @@ def check_not_empty(
         )
 
 
-def dataset_stats(raw: DatasetDict, processed: DatasetDict, max_seq_length: int, packing: bool, workers) -> dict:
-    """Documents, examples and tokens per split; for packing, a bound on the tokens cut as remainders."""
-    stats: dict = {"max_seq_length": max_seq_length, "packing": packing, "cache_path": None}
+def dataset_stats(raw: DatasetDict, processed: DatasetDict, max_seq_length: int, full_blocks: bool, workers) -> dict:
+    """Documents, examples and tokens per split; for full blocks (packing a stream), a bound on the tokens cut
+    as remainders."""
+    stats: dict = {"max_seq_length": max_seq_length, "packing": full_blocks, "cache_path": None}
     for name in raw:
         examples = len(processed[name])
-        tokens = examples * max_seq_length if packing else sum(len(ids) for ids in processed[name]["input_ids"])
+        tokens = examples * max_seq_length if full_blocks else sum(len(ids) for ids in processed[name]["input_ids"])
         stats[name] = {"documents": len(raw[name]), "examples": examples, "tokens": tokens}
-        if packing:
+        if full_blocks:
             # each map batch (per worker shard) may cut fewer than max_seq_length tokens at its end
             map_batches = math.ceil(len(raw[name]) / PACK_BATCH_DOCS) + (workers[name] or 1) - 1
             stats[name]["dropped_tokens_at_most"] = map_batches * (max_seq_length - 1)
     return stats
+
+
+def document_lengths(blocks: list[list[int]], sep_id: int, head: int) -> list[int]:
+    """Tokens per document (its text and `[SEP]`) of document blocks in order: a document's blocks are
+    consecutive and only its last one ends with `[SEP]` (`head`: the `[CLS]` each block starts with)."""
+    lengths, current = [], 0
+    for ids in blocks:
+        current += len(ids) - head
+        if ids and ids[-1] == sep_id:
+            lengths.append(current)
+            current = 0
+    return lengths
+
+
+def length_summary(lengths: list[int]) -> dict:
+    """Median and 90th percentile (nearest rank) of `lengths`, and the longest."""
+    ordered = sorted(lengths)
+    if not ordered:
+        return {"median": 0, "p90": 0, "max": 0}
+    return {"median": ordered[len(ordered) // 2], "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+            "max": ordered[-1]}  # fmt: skip

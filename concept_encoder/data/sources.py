@@ -24,6 +24,8 @@ from ..constants import DOCSTRINGS_DATASET, EMBEDDED_DATASET, LICENSES_DATASET
 from .base import DataSourceError, ensure_hub, group_paragraphs, paragraphs_of, unreachable_message
 from .docstrings import docstring_corpus, is_docstrings_spec, site_fingerprint
 from .licenses import is_licenses_spec, license_documents, licenses_fingerprint
+from .modules import RULES as MODULE_RULES
+from .modules import is_modules_spec, module_corpus
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,8 @@ def source_fingerprint(spec: str) -> str:
     if spec.startswith(LICENSES_DATASET):
         if is_licenses_spec(spec):
             return licenses_fingerprint(spec)
+    if is_modules_spec(spec):
+        return site_fingerprint(spec, rules=MODULE_RULES)
     path = Path(spec).expanduser()
     if not path.exists():
         return ""
@@ -150,12 +154,15 @@ def load_raw_dataset(
 
 
 def offline_documents(spec: str, cache_dir: str | Path | None) -> list[str] | None:
-    """The documents of a built-in offline source (`embedded`, `docstrings[:folder]`, `licenses[:folder]`);
+    """The documents of a built-in offline source (`embedded`, `docstrings[:folder]`, `licenses[:folder]`,
+    `modules[:folder]`);
     None for any other."""
     if spec == EMBEDDED_DATASET:
         return embedded_documents()
     if is_licenses_spec(spec):
         return license_documents(spec)
+    if is_modules_spec(spec):
+        return module_corpus(spec, cache_dir).documents
     return docstring_corpus(spec, cache_dir).documents if is_docstrings_spec(spec) else None
 
 
