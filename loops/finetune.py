@@ -76,7 +76,7 @@ from concept_encoder.training.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, Gat
 from concept_encoder.training.logs import log_model_info, log_system_info, setup_logging
 from concept_encoder.training.metrics_log import MetricsWriter, read_metrics
 from concept_encoder.training.model import build_classifier, check_pooling
-from concept_encoder.training.model_folder import check_model_folder, holds_only_saved_model_files
+from concept_encoder.training.model_folder import check_model_folder, holds_only_saved_model_files, model_digest
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.probe import describe_pooling, linear_probe
 from concept_encoder.training.runs import init_wandb, save_run_config, setup_run_dirs
@@ -165,7 +165,8 @@ def fine_tune(
         args, run_name=f"{run_base}-{tag}-lr{rate:g}-seed{seed}", seed=seed, learning_rate=rate
     )
     # what decides this run's result: a finished run or a checkpoint is reused only under the same settings
-    settings = {"model": model_path, "from_scratch": fargs.from_scratch, "task": task.name,
+    settings = {"model": model_path, "model_sha256": model_digest(model_path, weights=not fargs.from_scratch),
+                "from_scratch": fargs.from_scratch, "task": task.name,
                 "task_sha256": task_digest(task), "seed": seed, "learning_rate": rate, "pooling": fargs.pooling,
                 "max_steps": args.max_steps, "world_size": state.num_processes,
                 "per_device_train_batch_size": args.per_device_train_batch_size,

@@ -202,7 +202,11 @@ def test_a_gate_that_stops_pretraining_ends_the_curve_there(launches, capsys):
         (["--tokens", "1024,2048"], ["--max_steps", "9"], "\\['--max_steps'\\] are set by the curve driver"),
         (["--tokens", "1024,2048", "--finetune_args", "--task glue:sst2"], [], "--finetune_args: \\['--task'\\]"),
         (["--tokens", "1024,2048", "--architectures", "gpt"], [], "--architectures 'gpt': choose from"),
-        (["--tokens", "1024,2048", "--reference", "nowhere"], [], "--reference nowhere: no such model folder"),
+        (
+            ["--tokens", "1024,2048", "--reference", "nowhere"],
+            [],
+            "--reference: nowhere is not a folder; pass a folder written by save_pretrained",
+        ),
         (["--tokens", "1024,2048", "--curves_dir", "colors.csv/curves"], [], "colors.csv is a file, not a folder"),
         (["--tokens", "1024,2048", "--task", "nothing.csv"], [], "--task 'nothing.csv': no such file or folder"),
     ],
@@ -264,3 +268,18 @@ def test_ctrl_c_in_a_curve_is_one_line_and_leaves_it_free_for_the_next_invocatio
     assert "Traceback" not in err and err.strip().endswith("python -m concept_encoder curve: interrupted (what "
                                                            "finished is kept: rerun the same command to continue)")  # fmt: skip
     FileLock("Cache/curves/ctrlc/.lock").acquire(timeout=0)  # released: the same command can continue
+
+
+def test_a_reference_folder_that_now_holds_other_weights_is_not_reused(tmp_path, capsys):
+    reference = tmp_path / "ref"
+    reference.mkdir()
+    (reference / "config.json").write_text("{}")
+    (reference / "model.safetensors").write_bytes(b"weights one")
+    argv = ["--tokens", "1024,2048", "--name", "ref", "--reference", str(reference), "--", *PRETRAIN]
+    args = curve.build_parser().parse_args(argv[: argv.index("--")])
+    folder = tmp_path / "curve"
+    plans = [curve.plan_architecture("concept", [1024, 2048], PRETRAIN, "ref", 1)]
+    curve.check_reuse(folder, curve.curve_request(args, PRETRAIN, []), plans)  # records the request
+    (reference / "model.safetensors").write_bytes(b"weights two")  # the same path, another model
+    with pytest.raises(ValueError, match="was measured under other settings \\(reference_sha256: the curve's '"):
+        curve.check_reuse(folder, curve.curve_request(args, PRETRAIN, []), plans)

@@ -284,6 +284,22 @@ def test_streamed_local_file_holds_out_its_first_documents_and_tokenises_lazily(
         DataArguments(streaming=True, streaming_validation_documents=0)
 
 
+def test_a_local_folder_is_read_only_inside_itself(tmp_path, caplog):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("\n\n".join(f"secretword paragraph {i} " * 5 for i in range(30)))
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("\n\n".join(f"inside words paragraph {i} " * 5 for i in range(30)))
+    (corpus / "link.txt").symlink_to(outside / "secret.txt")
+    (corpus / "sub" / "linked").symlink_to(outside, target_is_directory=True)
+    raw = load_raw_dataset(str(corpus))
+    texts = [*raw["train"]["text"], *raw["validation"]["text"]]
+    assert len(texts) == 30 and not any("secretword" in t for t in texts)
+    assert "1 file(s) lead outside the folder through a link and are not read" in caplog.text  # link.txt
+    # (a linked folder is not walked into at all, so sub/linked/secret.txt is never listed)
+
+
 def test_bad_sources_give_clear_errors(tmp_path):
     with pytest.raises(DataSourceError, match="no such file or folder"):
         load_raw_dataset("./missing/corpus.txt")

@@ -11,6 +11,7 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 from loop_runs import fresh_accelerate, workdir  # noqa: F401 (fixtures: a module work folder, accelerate reset)
+from safetensors.torch import load_file, save_file
 
 import loops.finetune as finetune
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
@@ -368,6 +369,11 @@ def test_task_files_as_spreadsheets_and_people_write_them(tmp_path, caplog):
     rows = [f"words number {i},{'ab'[i % 2]}" for i in range(60)]
     table.write_bytes(("\ufefftext,label\n" + "\n".join(rows) + "\n").encode("utf-8"))  # "CSV UTF-8": a BOM
     assert load_task(TaskArguments(task=str(table))).label_names == ["a", "b"]
+    long_cell = tmp_path / "long.csv"  # a whole long document in one cell: beyond csv's default 131,072 characters
+    long_cell.write_text("text,label\n" + "\n".join(f"{'word ' * 40_000 if i == 3 else 'w'} {i},{'ab'[i % 2]}"
+                                                    for i in range(60)) + "\n")  # fmt: skip
+    long_task = load_task(TaskArguments(task=str(long_cell)))
+    assert len(long_task.train) + len(long_task.dev) + len(long_task.validation) == 60
     refusals = {
         "text,label\n": "has a header row and no examples",
         "text,label,label\nwords,a,b\nmore,b,a\n": r"column\(s\) \['label'\] are named twice",
@@ -513,6 +519,17 @@ def test_sigterm_checkpoints_and_auto_resume_continues_exactly(workdir, concept_
         AcceleratorState._reset_state(reset_partial_state=True)
         with pytest.raises(ValueError, match=f"finished before under other settings \\({differs}: finished run"):
             finetune.main([*other, "--run_name", "split", "--resume_from_checkpoint", "auto"])
+    weights = Path(concept_model) / "model.safetensors"  # the same folder now holding other weights
+    original = weights.read_bytes()
+    try:
+        tensors = load_file(weights)
+        first = sorted(tensors)[0]
+        save_file({**tensors, first: tensors[first] + 0.01}, weights, metadata={"format": "pt"})
+        AcceleratorState._reset_state(reset_partial_state=True)
+        with pytest.raises(ValueError, match="finished before under other settings \\(model_sha256: finished run"):
+            finetune.main([*argv, "--run_name", "split", "--resume_from_checkpoint", "auto"])
+    finally:
+        weights.write_bytes(original)
 
 
 def test_zero3_is_refused_before_any_run_folder_is_written(concept_model, monkeypatch, tmp_path):

@@ -51,8 +51,17 @@ def looks_like_path(spec: str) -> bool:
 
 
 def local_files(path: Path) -> tuple[str, list[str]]:
-    """`path` (file or folder) → (datasets builder name, sorted file list). One file type per folder."""
+    """`path` (file or folder) → (datasets builder name, sorted file list). One file type per folder. In a folder
+    only files whose real path lies inside it are read: a link leading out of it (to a file, or through a linked
+    folder) is left out and named in a warning."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix.lower() in LOCAL_BUILDERS)
+    if path.is_dir():
+        root = path.resolve()
+        outside = [p for p in files if not p.resolve().is_relative_to(root)]
+        if outside:
+            logger.warning("%s: %d file(s) lead outside the folder through a link and are not read: %s", path,
+                           len(outside), ", ".join(map(str, outside[:5])))  # fmt: skip
+            files = [p for p in files if p not in outside]
     if not files:
         raise DataSourceError(f"{path} holds no .txt/.jsonl/.json/.parquet file; point --dataset at text data")
     builders = {LOCAL_BUILDERS.get(p.suffix.lower()) for p in files}

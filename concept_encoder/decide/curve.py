@@ -46,6 +46,7 @@ from ..tasks.loading import load_task
 from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, TrainingArguments, parse_args
 from ..training.checkpoint import checkpoint_dirs, differences
 from ..training.metrics_log import read_metrics
+from ..training.model_folder import model_digest, model_folder_problem
 from ..training.plan import local_launcher
 from ..training.runs import ended_on_its_own, stopped_by_gate
 
@@ -164,11 +165,13 @@ CURVE_ENTRIES = {REQUEST, ".lock", "points", "reports", "curve.md", "curve.png",
 
 def curve_request(args, loop_argv: list[str], finetune_argv: list[str]) -> dict:
     """Everything that decides a point's result, budgets aside: the task (and a local task file's content
-    fingerprint), the fine-tuning and pretraining arguments, the processes, the reference."""
+    fingerprint), the fine-tuning and pretraining arguments, the processes, the reference (and its weights'
+    digest: the same folder may hold another model by now)."""
     local = Path(args.task).expanduser().exists()
     return {"task": args.task, "task_files": source_fingerprint(args.task) if local else None,
             "finetune_args": finetune_argv, "pretrain_args": loop_argv, "num_processes": args.num_processes,
-            "reference": args.reference}  # fmt: skip
+            "reference": args.reference,
+            "reference_sha256": model_digest(args.reference) if args.reference else None}  # fmt: skip
 
 
 def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan, Path]]) -> None:
@@ -427,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         if taken:
             raise ValueError(f"pretraining arguments {taken} are set by the curve driver; leave them out")
         check_finetune_argv(finetune_argv, args.task)
-        if args.reference and not Path(args.reference).is_dir():
-            raise ValueError(f"--reference {args.reference}: no such model folder (make reference fetches one)")
+        if args.reference and (problem := model_folder_problem(args.reference)):
+            raise ValueError(f"--reference: {problem} (make reference fetches the positive control)")
         plans = [plan_architecture(a, budgets, loop_argv, args.name, args.num_processes) for a in architectures]
         check_reuse(cache_path(args.curves_dir) / args.name, curve_request(args, loop_argv, finetune_argv), plans)
     except ValueError as error:

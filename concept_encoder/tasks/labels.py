@@ -27,11 +27,21 @@ from ..data.base import DataSourceError
 logger = logging.getLogger(__name__)
 
 
+FORMAT_NAMES = {",": "CSV", "\t": "TSV"}
+# csv's default field bound is 131,072 characters; a long-document task holds whole documents in one cell
+csv.field_size_limit(2**31 - 1)
+
+
 def read_delimited(path: Path, delimiter: str) -> Dataset:
     """A CSV/TSV file as a Dataset of strings exactly as written (header row = column names); a byte-order mark
     (what spreadsheet programs write as "CSV UTF-8") is dropped."""
     with open(path, newline="", encoding="utf-8-sig") as handle:
-        rows = list(csv.reader(handle, delimiter=delimiter))
+        reader = csv.reader(handle, delimiter=delimiter)
+        try:
+            rows = list(reader)
+        except csv.Error as error:  # a broken quote, a NUL byte
+            raise DataSourceError(f"{path} line {reader.line_num} is not {FORMAT_NAMES[delimiter]} ({error}); fix "
+                                  "that line, or quote its fields") from error  # fmt: skip
     if not rows:
         raise DataSourceError(f"{path} is empty; a task file needs a header row and examples")
     header, body = rows[0], rows[1:]

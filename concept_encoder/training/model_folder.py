@@ -11,6 +11,7 @@ with no encoder tensors as a random encoder (an INFO line) and a NaN weight trai
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -141,3 +142,26 @@ def load_checked(model_class, path: str | Path, **kwargs):
             "trains and predicts NaN. Use an earlier checkpoint of it"
         )
     return model, info
+
+
+_digests: dict[tuple, str] = {}
+
+
+def model_digest(path: str | Path, weights: bool = True) -> str:
+    """sha256 (16 hex digits) of what decides a saved model's results: its `config.json` and, with `weights`, its
+    safetensors files (weights, index, shards). A finished result is reused only for the same digest: the same
+    path may hold another model by now. Computed once per process while the files' sizes and times stay."""
+    folder = Path(path)
+    files = [folder / "config.json"]
+    if weights:
+        files += sorted(p for p in folder.iterdir() if p.suffix == ".safetensors" or p.name == SAFE_WEIGHTS[1])
+    key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    if key not in _digests:
+        hasher = hashlib.sha256()
+        for f in files:
+            hasher.update(f.name.encode() + b"\0")
+            with open(f, "rb") as handle:
+                while chunk := handle.read(2**20):
+                    hasher.update(chunk)
+        _digests[key] = hasher.hexdigest()[:16]
+    return _digests[key]
