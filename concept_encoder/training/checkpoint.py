@@ -255,6 +255,7 @@ RESUME_FREE = frozenset({
     "max_bad_steps", "dataloader_num_workers", "preprocessing_num_workers", "report_to", "wandb_project",
     "progress_bar", "peak_tflops", "cuda_memory_budget_gb", "gate", "gate_action", "gradient_checkpointing",
     "streaming_validation_documents", "seeds", "compare_to", "learning_rates", "probe", "finetune", "report_dir",
+    "task",  # a task file's path: its content is keyed by task_sha256 (a moved file is the same task)
 })  # fmt: skip
 
 
