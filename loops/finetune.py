@@ -418,6 +418,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     if problem := folder_problem(fargs.report_dir, "--report_dir"):  # where the result goes, before the work
         raise ValueError(problem)
+    tags: dict[str, str] = {}  # run names and report rows are named by each model's tag: one model per tag
+    for path in fargs.models:
+        if (tag := model_tag(path, fargs.from_scratch)) in tags:
+            twice = Path(tags[tag]).resolve() == Path(path).resolve()
+            raise ValueError(
+                f"{path} is given twice (as {tags[tag]}); name each model once" if twice else
+                f"models {tags[tag]} and {path} would share the name {tag!r} (their run folders and report rows): "
+                "fine-tune one of them in another invocation with its own --run_name, or copy it to a folder of "
+                "another name"
+            )  # fmt: skip
+        tags[tag] = path
     for path in fargs.models:  # each folder what it claims, --pooling one its head has, a tokenizer: before training
         check_model_folder(path, weights=not fargs.from_scratch)
         check_pooling(AutoConfig.from_pretrained(path), fargs.pooling, path)

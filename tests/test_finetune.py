@@ -541,6 +541,19 @@ def test_zero3_is_refused_before_any_run_folder_is_written(concept_model, monkey
     assert not Path("Cache/finetune").exists()
 
 
+def test_a_model_given_twice_or_two_models_of_one_name_are_refused_before_training(concept_model, tmp_path,
+                                                                                  monkeypatch):  # fmt: skip
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    twin = tmp_path / "elsewhere" / Path(concept_model).parent.name / Path(concept_model).name  # the same name
+    shutil.copytree(concept_model, twin)
+    for others, message in ((f"{concept_model}/", "is given twice"), (str(twin), "would share the name")):
+        with pytest.raises(ValueError, match=message):
+            finetune.main(["--model_name_or_path", str(concept_model), "--compare_to", others, *COMMON])
+    assert not Path("Cache/finetune").exists()
+
+
 @pytest.mark.loop
 def test_a_failed_gate_stops_the_seed_keeps_its_best_step_and_exits_3(workdir, concept_model):
     task_file = str(write_tasks(workdir / "tasks")["single"])
@@ -575,6 +588,15 @@ def test_reports_of_several_invocations_merge_into_one_table(tmp_path):
     assert [(r["model"], r["method"], r["seeds"]) for r in rows] == [("m", "fine-tune", [1, 2]),
                                                                      ("m-scratch", "probe: hidden mean", [1])]  # fmt: skip
     assert rows[0]["accuracy_mean"] == pytest.approx(0.7) and merged.with_suffix(".png").exists()
+    copy = tmp_path / "copy.json"  # the same runs again (a copied report, a resumed invocation reusing its seeds)
+    copy.write_text(json.dumps({**json.loads(first.read_text()), "runs": [{**r, "seconds": 9.0} for r in
+                                                                          json.loads(first.read_text())["runs"]]}))  # fmt: skip
+    runs, _ = finetune_report.merge_reports([first, copy])
+    assert sorted(r["seed"] for r in runs) == [1, 2]  # each seed once, not four seeds with a spread of zero
+    clash = tmp_path / "clash.json"  # another model under the same name, seed and method
+    clash.write_text(json.dumps({"runs": [run("m", "fine-tune", 1, 0.1, **tuned)], "baselines": baselines}))
+    with pytest.raises(ValueError, match=r"two different results for m \(fine-tune, seed 1\) on t"):
+        finetune_report.merge_reports([first, clash])
     for bad in ("{}", "[1, 2]", '"text"'):
         (tmp_path / "bad.json").write_text(bad)
         with pytest.raises(SystemExit):

@@ -187,7 +187,31 @@ def merge_reports(paths: list[Path]) -> tuple[list[dict], dict]:
                 f"task {task!r} is not one task across these reports (contents {', '.join(map(str, seen))} in "
                 f"{', '.join(map(str, seen.values()))}): merge reports of the same task, or rename one task file"
             )
-    return runs, baselines
+    return distinct_runs(runs), baselines
+
+
+def distinct_runs(runs: list[dict]) -> list[dict]:
+    """Each run once: the same run in two reports (a copied report, or an invocation resumed with `auto` that
+    reused a finished seed) is one seed, not two with a spread of zero. A run is its task, model, method, seed,
+    rate and run folder; two different results under one such identity are refused (two models of one name)."""
+    kept: dict[tuple, dict] = {}
+    for run in runs:
+        identity = tuple(json.dumps(run.get(key), default=str)
+                         for key in ("task", "model", "method", "seed", "learning_rate", "run_dir"))  # fmt: skip
+        if identity in kept:
+            if without_timing(kept[identity]) != without_timing(run):
+                raise ValueError(
+                    f"two different results for {run.get('model')} ({run.get('method')}, seed {run.get('seed')}) on "
+                    f"{run.get('task')} in these reports: two models share that name; merge reports of one model per "
+                    "name"
+                )
+            continue
+        kept[identity] = run
+    return list(kept.values())
+
+
+def without_timing(run: dict) -> dict:
+    return {key: value for key, value in run.items() if key != "seconds"}
 
 
 def main(argv: list[str] | None = None) -> int:
