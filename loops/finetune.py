@@ -51,7 +51,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
 from concept_encoder.common.paths import folder_problem, written_aside
-from concept_encoder.data.tokenizer import TOKENIZER_FILES, check_vocab_covers, require_tokenizer_files
+from concept_encoder.data.tokenizer import check_vocab_covers, model_tokenizer_folder
 from concept_encoder.tasks.baselines import split_rows, task_baselines, task_digest
 from concept_encoder.tasks.loading import encode_splits, load_task
 from concept_encoder.tasks.metrics import compute_metrics, metric_sign, predictions_from_logits
@@ -102,16 +102,6 @@ def model_tag(path: str, from_scratch: bool) -> str:
         name = f"{folder.parent.parent.name}-{folder.name}"
     name = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip("-.") or "model"  # part of run folder names
     return f"{name}{'-scratch' if from_scratch else ''}"
-
-
-def tokenizer_folder(model_path: str, tokenizer: str | None) -> str:
-    """The model folder's own tokenizer, else `--tokenizer`; an error naming the fix when neither exists."""
-    if tokenizer is None or any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
-        require_tokenizer_files(Path(model_path), f"--model_name_or_path {model_path}",
-                                "pass --tokenizer <the folder of the tokenizer it was trained with>")  # fmt: skip
-        return model_path
-    require_tokenizer_files(Path(tokenizer), f"--tokenizer {tokenizer}")
-    return tokenizer
 
 
 def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm: float) -> float:
@@ -432,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in fargs.models:  # each folder what it claims, --pooling one its head has, a tokenizer: before training
         check_model_folder(path, weights=not fargs.from_scratch)
         check_pooling(AutoConfig.from_pretrained(path), fargs.pooling, path)
-        tokenizer_folder(path, fargs.tokenizer)
+        model_tokenizer_folder(path, fargs.tokenizer)
     set_seed(args.seed)
     log_system_info(state)
     # 5-6. the task's splits (train, dev carved with a fixed seed, validation), sizes logged; its baselines
@@ -454,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     run_base = args.run_name or f"ft-{task.name}-{stamp[0]}"
     results = []
     for model_path in fargs.models:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(model_path, fargs.tokenizer))
+        tokenizer = AutoTokenizer.from_pretrained(model_tokenizer_folder(model_path, fargs.tokenizer))
         check_vocab_covers(tokenizer, AutoConfig.from_pretrained(model_path).vocab_size)
         splits = encode_splits(task, tokenizer, task_args.max_seq_length)
         if fargs.probe:

@@ -94,13 +94,13 @@ from concept_encoder.training.objective import ConceptObjective, build_concept_o
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.plan import launch_command
 from concept_encoder.training.runs import (
-    RUN_TOKENIZER,
     ended_without_checkpoint,
     finished_run,
     init_wandb,
     keep_run_tokenizer,
     save_run_config,
     setup_run_dirs,
+    starting_tokenizer,
 )
 from concept_encoder.training.runtime import (
     apply_memory_budget,
@@ -313,8 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     apply_memory_budget(args.cuda_memory_budget_gb, state)
     system = log_system_info(state)
     log_data_config(data_args, args.per_device_train_batch_size, args.objective)  # warns if masks can come out empty
-    # 5. tokenizer + datasets (a resume uses the run's own tokenizer: trained ones differ between trainings)
-    kept = resume.parent.parent / RUN_TOKENIZER if resume is not None else None
+    # 5. tokenizer + datasets (a resume uses the run's own tokenizer: trained ones differ between trainings; a start
+    #    from a model folder uses the folder's, the one its weights were trained with)
+    kept = starting_tokenizer(resume, model_args.model_name_or_path, data_args.tokenizer)
     data = prepare_data(data_args, cache_dir="Cache", seed=args.seed + state.process_index,  # own masks per rank
                         tokenizer_folder=kept if kept is not None and kept.is_dir() else None)  # fmt: skip
     corruption = build_corruption(

@@ -24,6 +24,7 @@ from concept_encoder.data import (
     prepare_data,
     preprocess,
 )
+from concept_encoder.data.sources import source_fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma omega".split()
@@ -293,11 +294,32 @@ def test_a_local_folder_is_read_only_inside_itself(tmp_path, caplog):
     (corpus / "a.txt").write_text("\n\n".join(f"inside words paragraph {i} " * 5 for i in range(30)))
     (corpus / "link.txt").symlink_to(outside / "secret.txt")
     (corpus / "sub" / "linked").symlink_to(outside, target_is_directory=True)
+    before = source_fingerprint(str(corpus))
     raw = load_raw_dataset(str(corpus))
     texts = [*raw["train"]["text"], *raw["validation"]["text"]]
     assert len(texts) == 30 and not any("secretword" in t for t in texts)
+    (corpus / "link.txt").unlink()  # the caches key on the files read: a link left out is no part of the key
+    assert source_fingerprint(str(corpus)) == before
     assert "1 file(s) lead outside the folder through a link and are not read" in caplog.text  # link.txt
     # (a linked folder is not walked into at all, so sub/linked/secret.txt is never listed)
+
+
+def test_a_folder_named_by_splits_keeps_them_apart_and_leaves_test_out(tmp_path, caplog):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, word, n in (
+        ("train.txt", "trainword", 40),
+        ("validation.txt", "validword", 6),
+        ("test.txt", "testword", 6),
+    ):
+        (corpus / name).write_text("\n\n".join(f"{word} paragraph {i} " * 5 for i in range(n)))
+    raw = load_raw_dataset(str(corpus))
+    assert len(raw["train"]) == 40 and all("trainword" in t for t in raw["train"]["text"])
+    assert len(raw["validation"]) == 6 and all("validword" in t for t in raw["validation"]["text"])
+    assert "1 test file(s) left out of pretraining" in caplog.text
+    (corpus / "train.txt").unlink()
+    with pytest.raises(DataSourceError, match="no training text"):
+        load_raw_dataset(str(corpus))
 
 
 def test_bad_sources_give_clear_errors(tmp_path):
@@ -436,3 +458,25 @@ def test_a_replaced_data_file_rebuilds_and_an_empty_split_is_never_cached(tmp_pa
             prepare_data(DataArguments(dataset=str(tiny), tokenizer="train:wordpiece:200", max_seq_length=512),
                          cache_dir=tmp_path / "cache")  # fmt: skip
     assert len([p for p in (tmp_path / "cache" / "datasets").iterdir() if p.is_dir()]) == 2  # the two good builds
+
+
+def test_a_model_folder_is_read_with_its_own_tokenizer(tmp_path, tokenizer):
+    from concept_encoder.data.tokenizer import model_tokenizer_folder
+    from concept_encoder.training.runs import starting_tokenizer
+
+    model, bare, other = tmp_path / "model", tmp_path / "bare", tmp_path / "other"
+    for folder in (model, bare):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    tokenizer.save_pretrained(model)
+    tokenizer.save_pretrained(other)
+    assert model_tokenizer_folder(model, None) == str(model) == model_tokenizer_folder(model, str(model) + "/")
+    with pytest.raises(DataSourceError, match=f"--tokenizer {other}: {model} has its own tokenizer, the one its"):
+        model_tokenizer_folder(model, str(other))  # another tokenizer: ids would read other tokens' embeddings
+    assert model_tokenizer_folder(bare, str(other)) == str(other)  # a folder saved without one: the one given
+    with pytest.raises(DataSourceError, match=f"{bare} holds no tokenizer .*pass --tokenizer <the folder of the"):
+        model_tokenizer_folder(bare, None)
+    assert starting_tokenizer(None, str(model), "train:wordpiece:8000") == model  # the default: the folder's own
+    with pytest.raises(DataSourceError, match="holds no tokenizer .*; --tokenizer must be the folder of the tokenizer"):
+        starting_tokenizer(None, str(bare), "train:wordpiece:2000")  # a fresh tokenizer for trained weights
+    assert starting_tokenizer(None, None, "train:wordpiece:8000") is None

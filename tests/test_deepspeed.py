@@ -129,7 +129,20 @@ def test_zero3_continues_from_a_saved_model_loaded_partitioned(workdir):
     final = workdir / "runs/z3full/final"
     if not final.is_dir():  # made by the resume test above; rebuilt here when this test runs alone
         finish(launch(workdir, "zero3", "--run_name", "z3full", "--max_steps", "6", "--save_steps", "3"))
-    finish(launch(workdir, "zero3", "--run_name", "z3loaded", "--max_steps", "1", "--model_name_or_path", str(final)))
+    finish(
+        launch(
+            workdir,
+            "zero3",
+            "--run_name",
+            "z3loaded",
+            "--max_steps",
+            "1",
+            "--model_name_or_path",
+            str(final),
+            "--tokenizer",
+            str(final),
+        )
+    )  # a model folder is read with its own tokenizer
     held = [
         json.loads((workdir / f"runs/z3loaded/ranks/rank{r}.json").read_text())["held_at_construction"] for r in (0, 1)
     ]

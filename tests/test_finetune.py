@@ -407,6 +407,10 @@ def test_task_files_as_spreadsheets_and_people_write_them(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         load_task(TaskArguments(task=str(folder)))
     assert "5 of 6 validation row(s) repeat a training row's text" in caplog.text
+    (folder / "validation.csv").rename(tmp_path / "outside.csv")
+    (folder / "validation.csv").symlink_to(tmp_path / "outside.csv")  # a task folder is read inside itself only
+    with pytest.raises(DataSourceError, match="validation.csv lead\\(s\\) outside .*split through a link"):
+        load_task(TaskArguments(task=str(folder)))
 
 
 @pytest.mark.loop

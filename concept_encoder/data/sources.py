@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -50,18 +51,40 @@ def looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or Path(spec).suffix.lower() in LOCAL_BUILDERS
 
 
-def local_files(path: Path) -> tuple[str, list[str]]:
-    """`path` (file or folder) → (datasets builder name, sorted file list). One file type per folder. In a folder
-    only files whose real path lies inside it are read: a link leading out of it (to a file, or through a linked
-    folder) is left out and named in a warning."""
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix.lower() in LOCAL_BUILDERS)
-    if path.is_dir():
-        root = path.resolve()
-        outside = [p for p in files if not p.resolve().is_relative_to(root)]
-        if outside:
-            logger.warning("%s: %d file(s) lead outside the folder through a link and are not read: %s", path,
-                           len(outside), ", ".join(map(str, outside[:5])))  # fmt: skip
-            files = [p for p in files if p not in outside]
+def folder_files(path: Path) -> list[Path]:
+    """The data files a local `path` stands for: the file itself, or a folder's `.txt/.jsonl/.json/.parquet` files
+    whose real path lies inside it (a link leading out of it is left out and named in a warning), sorted."""
+    if not path.is_dir():
+        return [path]
+    root = path.resolve()
+    files = sorted(p for p in path.rglob("*") if p.suffix.lower() in LOCAL_BUILDERS)
+    outside = [p for p in files if not p.resolve().is_relative_to(root)]
+    if outside:
+        logger.warning("%s: %d file(s) lead outside the folder through a link and are not read: %s", path,
+                       len(outside), ", ".join(map(str, outside[:5])))  # fmt: skip
+    return [p for p in files if p not in outside]
+
+
+SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
+               "val": "validation", "dev": "validation", "test": "test", "testing": "test"}  # fmt: skip
+
+
+def split_of(path: Path, root: Path) -> str | None:
+    """The split a file's name (or a folder on its way) says it holds, as datasets names them: `train.txt`,
+    `valid-00.jsonl`, `dev/part1.txt` → train / validation / validation; None when nothing says."""
+    for part in path.relative_to(root).with_suffix("").parts:
+        word = re.split(r"[-_.\s]", part.lower())[0]
+        if word in SPLIT_WORDS:
+            return SPLIT_WORDS[word]
+    return None
+
+
+def local_files(path: Path) -> tuple[str, dict[str, list[str]]]:
+    """`path` (file or folder) → (datasets builder name, split → sorted files). One file type per folder. A
+    folder whose files are named by split (`train.txt`, `validation.txt`, `test.txt`, ...) keeps them apart:
+    the validation files are the held-out split, test files are not read for pretraining (named in a warning),
+    files named by no split are training text."""
+    files = folder_files(path)
     if not files:
         raise DataSourceError(f"{path} holds no .txt/.jsonl/.json/.parquet file; point --dataset at text data")
     builders = {LOCAL_BUILDERS.get(p.suffix.lower()) for p in files}
@@ -71,7 +94,14 @@ def local_files(path: Path) -> tuple[str, list[str]]:
         raise DataSourceError(f"{path} mixes file types {sorted(builders)}; keep one type per dataset folder")
     if all(p.stat().st_size == 0 for p in files):
         raise DataSourceError(f"{path}: every file is empty")
-    return builders.pop(), [str(p) for p in files]
+    splits: dict[str, list[str]] = {}
+    for p in files:
+        splits.setdefault((split_of(p, path) if path.is_dir() else None) or "train", []).append(str(p))
+    if test := splits.pop("test", None):
+        logger.warning("%s: %d test file(s) left out of pretraining (%s)", path, len(test), ", ".join(test[:3]))
+    if "train" not in splits:
+        raise DataSourceError(f"{path}: no training text (only {sorted(splits) or 'test'} files); add train files")
+    return builders.pop(), splits
 
 
 def source_fingerprint(spec: str) -> str:
@@ -92,7 +122,7 @@ def source_fingerprint(spec: str) -> str:
     path = Path(spec).expanduser()
     if not path.exists():
         return ""
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    files = folder_files(path)  # the files read: one left out (a link out) or added changes the key
     listing = [
         (str(p.relative_to(path) if p != path else p.name), p.stat().st_size, p.stat().st_mtime_ns) for p in files
     ]
@@ -147,9 +177,10 @@ def load_raw_dataset(
         builder, files = local_files(Path(spec).expanduser())
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         try:
-            raw = load_dataset(builder, data_files={"train": files}, streaming=streaming, **kwargs)
+            raw = load_dataset(builder, data_files=files, streaming=streaming, **kwargs)
         except DatasetsError as error:  # "An error occurred while generating the dataset": find out which file
-            raise DataSourceError(unreadable_file_message(files, builder) or f"{spec}: {error}") from error
+            listed = [f for split in files.values() for f in split]
+            raise DataSourceError(unreadable_file_message(listed, builder) or f"{spec}: {error}") from error
     elif looks_like_path(spec):
         raise DataSourceError(f"--dataset {spec!r}: no such file or folder")
     else:

@@ -202,3 +202,24 @@ def check_vocab_covers(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> N
             f"({len(tokenizer)} tokens); build the model with vocab_size >= {len(tokenizer)}, or use the "
             "tokenizer the model was trained with"
         )
+
+
+def model_tokenizer_folder(model_path: str | Path, tokenizer: str | None, flag: str = "--tokenizer") -> str:
+    """The tokenizer a saved model is read with: its folder's own, the one its weights were trained with;
+    `tokenizer` only for a folder saved without one. A different `tokenizer` beside a folder that has its own is
+    refused (every token id would read an embedding learnt for another token), and so is a folder without one
+    when no `tokenizer` folder is given (a tokenizer trained afresh would pair its ids with the model's likewise)."""
+    folder = Path(model_path)
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        if tokenizer is not None and Path(tokenizer).expanduser().resolve() != folder.resolve():
+            raise DataSourceError(
+                f"{flag} {tokenizer}: {folder} has its own tokenizer, the one its weights were trained with (with "
+                f"another, token ids would not mean what the model learned); leave {flag} out"
+            )
+        return str(folder)
+    if tokenizer is None:
+        require_tokenizer_files(folder, f"--model_name_or_path {folder}",
+                                f"pass {flag} <the folder of the tokenizer it was trained with>")  # fmt: skip
+    require_tokenizer_files(Path(tokenizer), f"{flag} {tokenizer}",
+                            f"{flag} must be the folder of the tokenizer {folder} was trained with")  # fmt: skip
+    return str(tokenizer)

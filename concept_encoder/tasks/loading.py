@@ -183,6 +183,12 @@ def split_files(folder: Path) -> dict[str, Path]:
                 break
     if "train" not in found:
         raise DataSourceError(f"{folder} holds no train.csv/.tsv/.jsonl; name the training file train.<ext>")
+    root = folder.resolve()
+    if outside := [str(p) for p in found.values() if not p.resolve().is_relative_to(root)]:
+        raise DataSourceError(
+            f"{', '.join(outside)} lead(s) outside {folder} through a link: a task folder is read only inside "
+            "itself; copy the file into the folder"
+        )
     return found
 
 

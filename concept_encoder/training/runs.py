@@ -112,6 +112,22 @@ def ended_without_checkpoint(run_dir: Path, max_steps: int) -> str | None:
 RUN_TOKENIZER = "tokenizer"  # <run>/tokenizer: the tokenizer the run started with
 
 
+def starting_tokenizer(resume: Path | None, model_name_or_path: str | None, tokenizer_spec: str) -> Path | None:
+    """The tokenizer folder a pretraining run reads its data with, or None to build `--tokenizer` as given: a
+    resume's own copy (`<run>/tokenizer`; trained tokenizers are not reproducible), else, starting from a model
+    folder, the folder's own (`data.tokenizer.model_tokenizer_folder`: a `--tokenizer` other than the default
+    must be that folder or, for a folder saved without one, the tokenizer it was trained with)."""
+    from ..data.arguments import DataArguments
+    from ..data.tokenizer import model_tokenizer_folder  # deferred: transformers' tokenizers load only for a run
+
+    if resume is not None:
+        return resume.parent.parent / RUN_TOKENIZER
+    if not model_name_or_path:
+        return None
+    given = None if tokenizer_spec == DataArguments.__dataclass_fields__["tokenizer"].default else tokenizer_spec
+    return Path(model_tokenizer_folder(model_name_or_path, given))
+
+
 def keep_run_tokenizer(run_dir: Path, tokenizer) -> None:
     """Save the run's tokenizer to `<run>/tokenizer` once (a temporary folder renamed into place); resumes of
     the run load it from there, never from the shared cache, which may have been retrained since."""
