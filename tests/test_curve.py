@@ -156,6 +156,13 @@ def test_a_budget_added_later_extends_the_pretraining_run_as_if_planned_that_lon
         load_file(Path("runs") / name / "final" / "model.safetensors") for name in ("grow-concept", "straight")
     )
     assert grown.keys() == straight.keys() and all(torch.equal(grown[k], straight[k]) for k in grown)
+    damaged = Path("Cache/curves/grow/points/concept-4.096k.json")  # a point file edited by hand: named, measured again
+    damaged.write_text(json.dumps({**json.loads(damaged.read_text()), "tokens": "lots"}))
+    launches.clear()
+    capsys.readouterr()
+    assert curve.main(["--tokens", "1024,2048,4096", *argv[2:]]) == 0
+    assert scripts(launches) == ["finetune.py"] and json.loads(damaged.read_text())["tokens"] == 4096
+    assert "concept-4.096k.json holds tokens or a step that are not whole numbers: measuring" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

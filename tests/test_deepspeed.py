@@ -141,8 +141,10 @@ def test_zero3_continues_from_a_saved_model_loaded_partitioned(workdir):
             str(final),
             "--tokenizer",
             str(final),
+            "--preset",
+            "small",
         )
-    )  # a model folder is read with its own tokenizer
+    )  # a model folder is read with its own tokenizer and has its own shape ("small" is the default: no preset)
     held = [
         json.loads((workdir / f"runs/z3loaded/ranks/rank{r}.json").read_text())["held_at_construction"] for r in (0, 1)
     ]

@@ -63,13 +63,14 @@ def test_a_ds_config_out_of_range_is_one_line_for_the_plan_checker_and_the_loop(
         (lambda t: ["--output_dir", str(yaml_file(t, "")) + "/runs"], "is a file, not a folder"),
         (lambda t: ["--mixed_precision", "fp16"], "fp16 needs a CUDA GPU and this run is on the CPU"),
         (
-            lambda t: ["--model_name_or_path", str(t), "--max_seq_length", "64"],
+            lambda t: ["--model_name_or_path", str(t), "--max_seq_length", "64", "--preset", "small"],
             "exceeds the model's max_position_embeddings=32",
         ),
         (lambda t: ["--resume_from_checkpoint", str(t / "nothing")], "not a checkpoint folder"),
         (lambda t: ["--run_name", "../escaped"], "cannot be a run folder: a run name is one folder name under"),
         (lambda t: ["--run_name", str(t / "abs")], "cannot be a run folder"),
         (lambda t: ["--concept_num", "100000"], "this run needs about [0-9,.]+ GiB of memory .*100000 concepts"),
+        (lambda t: ["--model_name_or_path", str(t), "--concept_num", "4"], "shape a fresh model; --model_name_or_path"),
         (lambda t: ["--per_device_train_batch_size", "2000000"], "activations [0-9,.]+ GiB each, at batch 2000000"),
     ],
     ids=[
@@ -83,6 +84,7 @@ def test_a_ds_config_out_of_range_is_one_line_for_the_plan_checker_and_the_loop(
         "run-name-absolute",
         "concepts-beyond-memory",
         "batch-beyond-memory",
+        "shape-beside-a-model-folder",
     ],  # fmt: skip
 )
 def test_bad_arguments_fail_before_data_and_model_are_built(tmp_path, monkeypatch, make_args, message):

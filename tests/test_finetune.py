@@ -601,6 +601,14 @@ def test_reports_of_several_invocations_merge_into_one_table(tmp_path):
     clash.write_text(json.dumps({"runs": [run("m", "fine-tune", 1, 0.1, **tuned)], "baselines": baselines}))
     with pytest.raises(ValueError, match=r"two different results for m \(fine-tune, seed 1\) on t"):
         finetune_report.merge_reports([first, clash])
+    settings = {"model_sha256": "ab", "learning_rate": 1e-4, "max_steps": 60, "seed": 1}
+    protocol = tmp_path / "protocol.json"  # the same model, seeds of two protocols: not one row's seeds
+    protocol.write_text(json.dumps({"runs": [run("m", "fine-tune", 1, 0.6, settings=settings, **tuned),
+                                             run("m", "fine-tune", 2, 0.8, **tuned,
+                                                 settings={**settings, "seed": 2, "max_steps": 12})],
+                                    "baselines": baselines}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"runs of m \(fine-tune\) on t were made under other settings \(max_steps"):
+        finetune_report.merge_reports([protocol])
     for bad in ("{}", "[1, 2]", '"text"'):
         (tmp_path / "bad.json").write_text(bad)
         with pytest.raises(SystemExit):

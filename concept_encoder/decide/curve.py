@@ -219,7 +219,15 @@ class Curve:
         return self.folder / "points" / f"{key}.json"
 
     def done(self, key: str) -> bool:
-        return self.point_file(key).is_file()
+        """Whether `key` was measured: its point file holds what `measure` writes (a damaged one is named and
+        measured again)."""
+        path = self.point_file(key)
+        if not path.is_file():
+            return False
+        if problem := point_problem(path):
+            print(f"{path} {problem}: measuring the point again", file=sys.stderr)
+            return False
+        return True
 
     def measure(self, key: str, model: str, extra: list[str], info: dict) -> dict:
         """Fine-tune and probe `model` under the fair protocol (resuming an interrupted attempt); the point's
@@ -241,7 +249,28 @@ class Curve:
         return point
 
     def points(self) -> list[dict]:
-        return [json.loads(p.read_text()) for p in sorted((self.folder / "points").glob("*.json"))]
+        """The points measured (a damaged file is left out: `done` names it)."""
+        return [
+            json.loads(p.read_text()) for p in sorted((self.folder / "points").glob("*.json")) if not point_problem(p)
+        ]
+
+
+def point_problem(path: Path) -> str | None:
+    """Why `path` does not hold a point as `Curve.measure` writes it (JSON object named by its key, rows and
+    baselines, whole-number tokens and step for a snapshot), else None."""
+    try:
+        point = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        return f"is not readable JSON ({error})"
+    if not isinstance(point, dict) or point.get("key") != path.stem:
+        return f"does not hold the point {path.stem!r}"
+    if not isinstance(point.get("rows"), list) or not isinstance(point.get("baselines"), dict):
+        return "lacks its rows or baselines"
+    if point.get("kind") == "snapshot" and not all(
+        isinstance(point.get(k), int) and not isinstance(point.get(k), bool) for k in ("tokens", "step")
+    ):
+        return "holds tokens or a step that are not whole numbers"
+    return None
 
 
 def evaluation_at(run_dir: Path, step: int) -> dict:

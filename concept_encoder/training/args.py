@@ -367,10 +367,24 @@ DEFAULT_RECIPE = {
 }
 
 
+# What a saved model's config.json decides when a run starts from it: given beside --model_name_or_path they
+# would be ignored while the run's config.json recorded them.
+FOLDER_DECIDES = ("preset", "concept_num", "decoder_type", "hidden_dropout_prob", "token_kv_sharing")
+
+
 def check_pretraining_combination(model_args: ModelArguments, data_args: DataArguments, args: TrainingArguments):
     """The pretraining set's rules between the model and the objective (ValueError naming the conflict and the
     fix); resolves the defaults that depend on them: the decoder (`posonly` for tsdae, `perceiver` otherwise), and
     for a Concept Encoder the concept losses and dropout of `DEFAULT_RECIPE`. (`data_args`: no rule yet.)"""
+    if model_args.model_name_or_path is not None:  # the folder's config.json decides the model's shape
+        shaped = [f"--{name}" for name in FOLDER_DECIDES
+                  if getattr(model_args, name) != ModelArguments.__dataclass_fields__[name].default]  # fmt: skip
+        if shaped:
+            raise ValueError(
+                f"{shaped} shape a fresh model; --model_name_or_path {model_args.model_name_or_path} has its own "
+                "shape (its config.json): leave them out"
+            )
+        resolve_default(model_args, "preset", None)  # recorded as no preset, not the unused default
     if model_args.architecture == "bert":
         parse_gates(args.gate, pretraining_metric_names(args.objective, "bert"), "loops/mlm.py with bert")
         if args.concept_losses is None:

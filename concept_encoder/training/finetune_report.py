@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ..common.report_files import check_report_dir, claim_report_stem
+from .checkpoint import differences
 from .faults import DiskFullError, written_whole
 
 STILL_IMPROVING = "still improving: train longer"
@@ -195,7 +196,18 @@ def distinct_runs(runs: list[dict]) -> list[dict]:
     reused a finished seed) is one seed, not two with a spread of zero. A run is its task, model, method, seed,
     rate and run folder; two different results under one such identity are refused (two models of one name)."""
     kept: dict[tuple, dict] = {}
+    protocols: dict[tuple, dict] = {}  # (task, model, method) → the settings its seeds share
     for run in runs:
+        if "settings" in run:  # fine-tuning runs: seeds of one row must share every setting but the seed
+            shared = {
+                k: v for k, v in run["settings"].items() if k not in ("seed", "args.seed", "args.run_name", "model")
+            }  # model: its path (model_sha256: what it is)
+            row = (run.get("task"), run.get("model"), run.get("method"))
+            if differs := differences(protocols.setdefault(row, shared), shared, "one report", "another"):
+                raise ValueError(
+                    f"the runs of {row[1]} ({row[2]}) on {row[0]} were made under other settings ({'; '.join(differs[:4])}): "
+                    "they are not seeds of one protocol; merge reports made with the same settings"
+                )
         identity = tuple(json.dumps(run.get(key), default=str)
                          for key in ("task", "model", "method", "seed", "learning_rate", "run_dir"))  # fmt: skip
         if identity in kept:

@@ -37,7 +37,7 @@ def setup_run_dirs(
     elif resume_dir is not None:
         run_dir = resume_dir
     else:
-        stamp = [f"{preset}-{num_params / 1e6:.1f}M-{dt.datetime.now():%Y%m%d-%H%M%S}"]
+        stamp = [f"{preset or 'model'}-{num_params / 1e6:.1f}M-{dt.datetime.now():%Y%m%d-%H%M%S}"]
         if state.num_processes > 1:
             broadcast_object_list(stamp, from_process=0)
         run_dir = Path(training_args.output_dir) / stamp[0]
