@@ -100,3 +100,18 @@ def test_the_loops_preflight_names_the_folder_in_one_line(saved, tmp_path):
     model_args, task_args, args = parse_args(argv, classes=FINETUNE_ARGUMENT_CLASSES, defaults=FINETUNE_DEFAULTS)
     with pytest.raises(ValueError, match="--model_name_or_path: .*config.json holds a JSON str, not an object"):
         preflight(model_args, SimpleNamespace(max_seq_length=64), args, cuda=False)
+
+
+def test_a_tool_that_reads_the_models_own_predictions_needs_every_tensor(saved, tmp_path):
+    """check_health measures what the MLM decoder predicts: a fine-tuned classifier's folder (no decoder) is
+    refused instead of measured with a random decoder."""
+    model, info = load_checked(ConceptEncoderForMaskedLM, saved, whole=True)  # a pretraining run's folder: whole
+    assert not info["missing_keys"]
+    classifier = tmp_path / "classifier"
+    build_classifier(str(saved), TASK)[0].save_pretrained(classifier)
+    assert load_checked(ConceptEncoderForMaskedLM, classifier)[0] is not None  # the encoder alone is whole
+    with pytest.raises(
+        ModelFolderError,
+        match=r"tensor\(s\) of its ConceptEncoderForMaskedLM are not in its weights .* pass a pretraining run's",
+    ):
+        load_checked(ConceptEncoderForMaskedLM, classifier, whole=True)

@@ -140,6 +140,32 @@ def test_a_resume_that_cannot_continue_is_refused_before_anything_is_written(fin
     assert tree_digest(finished_run) == before
 
 
+def test_a_checkpoint_written_before_arguments_were_recorded_is_checked_against_the_runs_config(finished_run):
+    import json
+
+    from concept_encoder.training.checkpoint import write_manifest
+
+    old = finished_run.parent / "old-format"
+    shutil.copytree(finished_run, old)
+    for checkpoint in (old / "checkpoints").iterdir():  # as checkpoints were written before args.* existed
+        path = checkpoint / "resume_settings.json"
+        path.write_text(
+            json.dumps({k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("args.")})
+        )
+        write_manifest(checkpoint)
+    with pytest.raises(CheckpointError, match="args.learning_rate: checkpoint 0.0005, this run 0.05"):
+        run(
+            "--run_name",
+            "old-format",
+            "--max_steps",
+            "6",
+            "--resume_from_checkpoint",
+            "auto",
+            "--learning_rate",
+            "0.05",
+        )
+
+
 def test_auto_on_a_finished_run_says_so_and_changes_nothing(finished_run, capsys):
     before = tree_digest(finished_run)
     assert run("--run_name", "a", "--max_steps", "6", "--resume_from_checkpoint", "auto") == 0

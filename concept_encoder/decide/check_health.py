@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        model = load_checked(ConceptEncoderForMaskedLM, path)[0].eval()
+        model = load_checked(ConceptEncoderForMaskedLM, path, whole=True)[0].eval()
     except ModelFolderError as error:  # missing or misshapen tensors, NaN/Inf, a weights file cut short
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -294,13 +294,30 @@ def settings_differences(saved: dict, current: dict, what: str) -> list[str]:
     return differences(saved, normalise, what, "this run")
 
 
+def run_config_arguments(run_dir: Path, current: dict) -> dict:
+    """For a checkpoint written before its arguments were recorded (`args.*`): the arguments of the run's
+    `config.json` (what its last invocation ran with) under the keys `current` has, so a resume under another
+    learning rate or seed is refused for those runs too; a warning when the run has no readable config."""
+    config = json_or_none(Path(run_dir) / "config.json")
+    names = ("model_args", "data_args", "training_args", "finetune_args", "task_args")  # the loops' config groups
+    groups = [config[n] for n in names if isinstance(config.get(n), dict)] if isinstance(config, dict) else []
+    found = {f"args.{name}": value for group in groups for name, value in group.items() if f"args.{name}" in current}
+    if not found:
+        logger.warning("%s records no arguments (written before they were recorded): a resume under another "
+                       "learning rate, seed or masking cannot be detected; resume with the run's own", run_dir)  # fmt: skip
+    return json.loads(json.dumps(found, default=str))
+
+
 def check_resume_settings(checkpoint: Path, current: dict) -> None:
     """Refuse a resume whose settings cannot continue `checkpoint`, naming every difference."""
     path = checkpoint / RESUME_SETTINGS
     if not path.exists():
         logger.warning("%s has no %s: resuming without checking the settings", checkpoint, RESUME_SETTINGS)
         return
-    differences = settings_differences(json.loads(path.read_text()), current, "checkpoint")
+    saved = json.loads(path.read_text())
+    if not any(key.startswith("args.") for key in saved):  # written before every argument was recorded
+        saved.update(run_config_arguments(checkpoint.parent.parent, current))
+    differences = settings_differences(saved, current, "checkpoint")
     if differences:
         vocabulary = (
             " (data.vocab_sha256 is the tokenizer's vocabulary: the run's own copy, <run>/tokenizer, is missing, and "

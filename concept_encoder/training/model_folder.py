@@ -118,10 +118,11 @@ def non_finite_parameters(model) -> list[str]:
     return [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
 
 
-def load_checked(model_class, path: str | Path, **kwargs):
+def load_checked(model_class, path: str | Path, whole: bool = False, **kwargs):
     """`model_class.from_pretrained(path, **kwargs)` after `check_model_folder`, then refused (`ModelFolderError`)
     when a tensor of the backbone (`base_model_prefix`; a BERT pooler excepted: MLM checkpoints have none) was not
-    in the file, when shapes do not match, or when a parameter is not finite. Returns (model, loading info)."""
+    in the file (with `whole`: any tensor, heads included, for tools that read the model's own predictions), when
+    shapes do not match, or when a parameter is not finite. Returns (model, loading info)."""
     check_model_folder(path)
     try:
         model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
@@ -130,6 +131,12 @@ def load_checked(model_class, path: str | Path, **kwargs):
         raise ModelFolderError(f"{path}: the weights do not load into its config's model ({first})") from error
     prefix = f"{model.base_model_prefix}."
     absent = sorted(k for k in info["missing_keys"] if k.startswith(prefix) and ".pooler." not in k)
+    if whole and (lacking := sorted(set(info["missing_keys"]) - set(absent))):
+        raise ModelFolderError(
+            f"{path}: {len(lacking)} tensor(s) of its {model_class.__name__} are not in its weights (e.g. "
+            f"{', '.join(lacking[:3])}): they would start random, and what they predict would not be the model's. "
+            "A fine-tuned classifier's folder holds no MLM decoder: pass a pretraining run's final/ or a snapshot"
+        )
     if absent:
         raise ModelFolderError(
             f"{path}: {len(absent)} tensor(s) of the pretrained {model.base_model_prefix} are not in its weights "
