@@ -222,3 +222,41 @@ def test_links_out_of_the_folder_are_not_followed_and_huge_or_too_deep_files_are
     assert "deep.py: too deeply nested to parse" in deep_skipped
     with pytest.raises(DataSourceError, match="no installed distribution .* lists a license text"):
         license_documents(f"licenses:{root}")  # the only license text is a link out of the folder
+
+
+def test_the_long_document_corpus_reads_each_module_in_source_order_once_per_paragraph(tmp_path, monkeypatch):
+    from concept_encoder.data import modules
+
+    monkeypatch.setattr(modules, "MIN_DOCUMENT_WORDS", 30)  # the tree's modules are short
+    root = tmp_path / "site-packages"
+    root.mkdir()
+    header = "# Copyright 2024 The Example Authors. Licensed under the Apache License, Version 2.0.\n"
+    task_sentence = embedded_sentences()[0][0]
+
+    def source(i: int) -> bytes:
+        return (
+            f'{header}# -*- coding: utf-8 -*-\n"""{prose(10 * i)}"""\n\n'
+            f"# {prose(10 * i + 1)}\n# which goes on in a second comment line\nimport os  # noqa: F401\n\n"
+            f'def f():\n    """{prose(10 * i + 2)}"""\n    # x = 1\n    return os.sep  # {prose(10 * i + 3)}\n'
+        ).encode()
+
+    write_distribution(root, "beta-pkg", "1.0", {
+        "beta_pkg/a.py": source(1),
+        "beta_pkg/b.py": source(2),
+        "beta_pkg/tiny.py": b'"""Too short."""\n',
+        "beta_pkg/task.py": f'"""{task_sentence}"""\n# {prose(90)}\n'.encode(),
+    })  # fmt: skip
+    corpus = modules.module_corpus(f"modules:{root}", cache_dir=None)
+    first, second = corpus.documents
+    assert first.split("\n\n") == [
+        header[2:].strip(),
+        prose(10),
+        f"{prose(11)} which goes on in a second comment line",
+        prose(12),
+        prose(13),
+    ]  # source order: header, module docstring, a two-line comment as one paragraph, function docstring, comment
+    assert second.split("\n\n") == [prose(20), f"{prose(21)} which goes on in a second comment line", prose(22),
+                                    prose(23)]  # the license header once across the corpus  # fmt: skip
+    assert corpus.manifest["dropped"] == {"repeated_paragraphs": 1, "task_sentences": 1, "short_documents": 1}
+    assert not any(task_sentence in d for d in corpus.documents) and "noqa" not in first and "x = 1" not in first
+    assert source_fingerprint(f"modules:{root}") != source_fingerprint(f"docstrings:{root}")  # own cache key

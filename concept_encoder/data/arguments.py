@@ -14,8 +14,9 @@ class DataArguments:
     dataset: str = field(
         default=EMBEDDED_DATASET,
         metadata={
-            "help": "`embedded` (offline built-in corpus), `docstrings[:folder]` / `licenses[:folder]` (the "
-            "installed packages' docstrings / license texts), a local file/folder, or a Hub `name[:config]`"
+            "help": "`embedded` (offline built-in corpus), `docstrings[:folder]` / `licenses[:folder]` / "
+            "`modules[:folder]` (the installed packages' docstrings / license texts / one long document per module "
+            "file), a local file/folder, or a Hub `name[:config]`"
         },
     )
     text_field: str = field(default="text", metadata={"help": "column holding the text (json/jsonl/parquet/Hub)"})

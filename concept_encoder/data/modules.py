@@ -6,7 +6,7 @@ distribution lists (the same files, exclusions and bounds as the docstring corpu
 document: its docstrings and comments in source order, as the file's author wrote about it from top to bottom.
 
 - **What is read**: module, class and function docstrings (`ast`, no code imported or run) and comments
-  (`tokenize`); consecutive comment lines form one paragraph; tool directives (`# noqa`, `# type:`,
+  (`tokenize`); consecutive whole-line comments form one paragraph (a comment after code stands alone); tool directives (`# noqa`, `# type:`,
   `# pragma`, `# fmt:`, `# pylint:`, shebang and coding lines) and comments of fewer than `MIN_COMMENT_WORDS`
   words (commented-out code is mostly short) are left out.
 - **Each paragraph once** across the corpus, by normalised text, first occurrence kept: the license header
@@ -81,11 +81,12 @@ def module_paragraphs(text: str) -> list[str]:
         if not comment or DIRECTIVE.match(comment):
             continue
         line = token.start[0]
-        if group and line != last_line + 1:
+        whole_line = token.line.lstrip().startswith("#")  # a comment after code stands alone
+        if group and (line != last_line + 1 or not whole_line):
             pieces.append(comment_paragraph(group))
             group = []
         group.append((line, comment))
-        last_line = line
+        last_line = line if whole_line else -2
     if group:
         pieces.append(comment_paragraph(group))
     return [paragraph for _, paragraph in sorted(pieces, key=lambda piece: piece[0])
