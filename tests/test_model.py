@@ -288,3 +288,28 @@ def test_construct_draws_weights_from_the_seed_alone_and_leaves_the_global_rng_a
     assert held["local"] == held["total"] == sum(p.numel() for p in {id(p): p for p in first.parameters()}.values())
     bert = construct(BertForSparseMaskedLM, bert_config(PRESETS["micro"], 300, pad_token_id=0), seed=7)
     assert float(bert.bert.embeddings.word_embeddings.weight.detach().std()) == pytest.approx(0.02, rel=0.2)
+
+
+def test_a_long_model_is_built_at_its_length_saves_reloads_and_stops_beyond_it(tmp_path):
+    """The position table is sized from `--max_seq_length` (`fresh_model_fields`): a model built for 8,192 tokens
+    reads 8,192 after a save and reload, and one token more is refused (the learned table has no row for it)."""
+    from concept_encoder.training.args import parse_args
+    from concept_encoder.training.plan import fresh_model_fields
+
+    model_args, data_args, _ = parse_args(["--preset", "micro", "--max_seq_length", "8192"])
+    fields = fresh_model_fields(model_args, data_args.max_seq_length, vocab_size=V)
+    assert fields["max_position_embeddings"] == 8192
+    torch.manual_seed(0)
+    model = ConceptEncoderForMaskedLM(ConceptEncoderConfig(**fields)).eval()
+    model.save_pretrained(tmp_path / "long")
+    reloaded = AutoModelForMaskedLM.from_pretrained(tmp_path / "long").eval()
+    ids = torch.randint(5, V, (1, 8192))
+    labels = torch.full_like(ids, -100)
+    labels[0, ::512] = ids[0, ::512]  # a few predicted positions across the whole length, the last ones included
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=ids, labels=labels).loss, reloaded(input_ids=ids, labels=labels).loss
+        )
+    assert reloaded.config.max_position_embeddings == 8192
+    with pytest.raises(ValueError, match="sequence length 8193 exceeds max_position_embeddings=8192"):
+        reloaded(input_ids=torch.randint(5, V, (1, 8193)))
