@@ -290,3 +290,16 @@ def test_a_reference_folder_that_now_holds_other_weights_is_not_reused(tmp_path,
     (reference / "model.safetensors").write_bytes(b"weights two")  # the same path, another model
     with pytest.raises(ValueError, match="was measured under other settings \\(reference_sha256: the curve's '"):
         curve.check_reuse(folder, curve.curve_request(args, PRETRAIN, []), plans)
+
+
+@pytest.mark.loop
+def test_a_run_of_the_curves_name_made_otherwise_is_not_taken_for_the_curves(launches, capsys):
+    assert mlm.main([*PRETRAIN, "--run_name", "other-concept", "--max_steps", "2", "--snapshot_steps", "2",
+                     "--learning_rate", "0.01"]) == 0  # someone's own run that happens to bear the name  # fmt: skip
+    launches.clear()
+    with pytest.raises(SystemExit) as refused:
+        curve.main(["--tokens", "1024", "--architectures", "concept", "--name", "other", "--twins", "false",
+                    "--task", "colors.csv", "--finetune_args", FINETUNE, "--", *PRETRAIN])  # fmt: skip
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and launches == []
+    assert "other-concept was run under other settings (args.learning_rate: the run has 0.01, this curve 0.0005" in err

@@ -51,10 +51,24 @@ def test_a_final_folder_the_run_did_not_write_is_refused_before_training_and_lef
     final = Path("runs/someone-elses/final")
     final.mkdir(parents=True)
     (final / "results.csv").write_text("mine")
-    with pytest.raises(RunFolderError, match="final holds files this project did not write"):
+    with pytest.raises(RunFolderError, match="someone-elses holds files this project did not write .*final"):
         run("--run_name", "someone-elses", "--max_steps", "2")
     assert (final / "results.csv").read_text() == "mine" and sorted(p.name for p in final.iterdir()) == ["results.csv"]
     assert not Path("runs/someone-elses/config.json").exists()  # refused before the run wrote anything
+
+
+def test_a_folder_of_someone_elses_is_never_a_run_folder_not_even_with_auto(workdir):
+    os.chdir(workdir)
+    mine = Path("runs/userdir")
+    (mine / "tokenizer").mkdir(parents=True)
+    files = {"config.json": '{"mine": true}', "metrics.jsonl": "my notes\n", "tokenizer/vocab.txt": "[PAD]\n"}
+    for name, text in files.items():
+        (mine / name).write_text(text)
+    for resume in ([], ["--resume_from_checkpoint", "auto"]):  # auto: what the refusal of a used folder suggests
+        with pytest.raises(RunFolderError, match="userdir holds files this project did not write .*config.json"):
+            run("--run_name", "userdir", "--max_steps", "2", *resume)
+    assert {name: (mine / name).read_text() for name in files} == files
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json", "metrics.jsonl", "tokenizer"]
 
 
 def test_written_aside_moves_a_whole_file_or_folder_into_place_and_removes_a_failed_one(tmp_path):

@@ -44,7 +44,7 @@ from ..data.base import DataSourceError
 from ..data.sources import source_fingerprint
 from ..tasks.loading import load_task
 from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, TrainingArguments, parse_args
-from ..training.checkpoint import checkpoint_dirs, differences
+from ..training.checkpoint import argument_settings, checkpoint_dirs, differences, run_config_arguments
 from ..training.metrics_log import read_metrics
 from ..training.model_folder import model_digest, model_folder_problem
 from ..training.plan import local_launcher
@@ -195,6 +195,14 @@ def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan,
                 "points and pretraining runs are not this request's; choose another --name"
             )
     for plan, run_dir in plans:
+        if (run_dir / "config.json").is_file():  # a run of that name exists: this curve's only if run as it plans
+            current = argument_settings(*parse_args(plan.pretrain_argv))
+            saved = run_config_arguments(run_dir, current)
+            if changed := differences(saved, current, "the run has", "this curve", keys=sorted(saved)):
+                raise ValueError(
+                    f"pretraining run {run_dir} was run under other settings ({'; '.join(changed[:4])}): it is not "
+                    "this curve's run; choose another --name (or move that run away)"
+                )
         if ended_on_its_own(run_dir) and not stopped_by_gate(run_dir):
             steps = finished_steps(run_dir)
             if plan.steps[-1] > steps and (problem := extension_problem(plan, run_dir, steps)):

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ..common.dataclass_args import to_argv
-from ..common.paths import folder_problem, unusable_path
+from ..common.paths import OWNER_MARKER, folder_problem, unusable_path
 from ..model.presets import PRESETS
 
 LOOP_SCRIPT = "loops/mlm.py"
@@ -139,3 +139,29 @@ def launch_command(accelerate_options: list[str], *loop_arguments, launcher=("ac
     """`launcher + accelerate_options + [script] + to_argv(*loop_arguments)`: the exact command that runs
     the loop with these parsed arguments (only values that differ from the defaults are spelled out)."""
     return [*launcher, *accelerate_options, script, *to_argv(*loop_arguments)]
+
+
+def foreign_run_folder(run_dir: Path) -> str | None:
+    """Why `run_dir` cannot be a run folder of this project (a link or a file there; a folder holding files without
+    the `OWNER_MARKER` this project puts in each run folder and without a run config of its own: someone's own
+    folder, which a run would overwrite), else None. Run folders written before the marker are recognised by
+    their `config.json` (a JSON object with `training_args`, what both loops write)."""
+    if run_dir.is_symlink() or run_dir.exists() and not run_dir.is_dir():
+        return f"{run_dir} is a link or a file, not a run folder; choose another --run_name"
+    if not run_dir.is_dir() or (run_dir / OWNER_MARKER).is_file():
+        return None
+    ours = {".lock", OWNER_MARKER}
+    entries = [e for e in run_dir.iterdir() if e.name not in ours and not (e.name == "checkpoints" and e.is_dir()
+                                                                            and not any(e.iterdir()))]  # fmt: skip
+    config = run_dir / "config.json"
+    try:
+        legacy = config.is_file() and isinstance(json.loads(config.read_text()).get("training_args"), dict)
+    except (OSError, ValueError, AttributeError):
+        legacy = False
+    if entries and not legacy:
+        return (
+            f"{run_dir} holds files this project did not write (no {OWNER_MARKER} marker, no run config of its own: "
+            f"{', '.join(sorted(e.name for e in entries)[:5])}): refusing to write a run into it; choose another "
+            "--run_name"
+        )
+    return None

@@ -21,11 +21,12 @@ from ..data.base import DataSourceError
 from .args import ARGUMENT_CLASSES, parse_args
 from .checkpoint import resolve_resume
 from .extension_locks import StaleLockError, stale_lock_message, stale_op_locks
-from .faults import DiskFullError
+from .faults import DiskFullError, RunFolderError
 from .model_folder import model_folder_problem
 from .plan import (
     decoded_fraction,
     ds_config_problems,
+    foreign_run_folder,
     fresh_model_fields,
     launched_ds_config,
     output_dir_problem,
@@ -52,6 +53,10 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
     """
     if problem := output_dir_problem(training_args.output_dir):
         raise ValueError(f"{problem}; choose another --output_dir")
+    if training_args.run_name and (
+        problem := foreign_run_folder(Path(training_args.output_dir) / training_args.run_name)
+    ):
+        raise RunFolderError(problem)  # someone's own folder: before any data or model is built
     if problem := folder_problem(cache_path("Cache"), "the cache folder (tokenizers, datasets, logs, reports)"):
         raise ValueError(f"{problem}; run from a folder whose Cache/ can be written, or make it writable")
     if effective_precision(training_args.mixed_precision) == "fp16" and not cuda:

@@ -12,10 +12,11 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from filelock import FileLock, Timeout
 
-from ..common.paths import NotOursError, check_replaceable, written_aside
+from ..common.paths import OWNER_MARKER, NotOursError, check_replaceable, written_aside
 from .checkpoint import checkpoint_dirs, disk_full
 from .faults import RunFolderError, is_disk_full
 from .model_folder import holds_only_saved_model_files
+from .plan import foreign_run_folder
 
 logger = logging.getLogger("concept_encoder")
 
@@ -44,7 +45,10 @@ def setup_run_dirs(
     lock, problem = None, [None]
     if state.is_main_process:
         try:
+            if foreign := foreign_run_folder(run_dir):
+                raise RunFolderError(foreign)
             (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            (run_dir / OWNER_MARKER).touch()  # this project's run folder from now on
             lock = lock_run_dir(run_dir)
             if training_args.resume_from_checkpoint is None and (run_dir / "config.json").exists():
                 lock.release()
