@@ -395,6 +395,8 @@ def test_task_files_as_spreadsheets_and_people_write_them(tmp_path, caplog):
         "latin.csv": ("text,label\ncaf\xe9,1\n".encode("latin-1"), r"latin.csv is not UTF-8 text \(byte 14, line 2\)"),
         "tags.jsonl": (b'{"text": "a", "label": [1, "x"]}\n', r"row 0 is \[1, 'x'\], not a list of 0/1"),
         "two.csv": (b"text,label\nhello,a\nworld,b\n", r"2 example\(s\) are too few to hold out 0.2 of them"),
+        "constant.csv": (("text,label\n" + "".join(f"words {i},2.5\n" for i in range(40))).encode(),
+                         "every score of the training split is 2.5; a regression is measured by correlations"),
     }  # fmt: skip
     for name, (content, message) in files.items():
         (tmp_path / name).write_bytes(content)

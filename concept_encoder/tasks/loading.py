@@ -230,6 +230,13 @@ def finish(args, name, task_type, label_names, metrics, train: Dataset, validati
     if task_type == "regression":
         num_labels = 1
         train, dev, validation = (s.cast_column("label", Value("float32")) for s in (train, dev, validation))
+        for split_name, split in (("training", train), ("dev", dev), ("validation", validation)):
+            if len(set(split["label"])) < 2:  # correlations of a constant are undefined, not 0
+                raise DataSourceError(
+                    f"task {name!r}: every score of the {split_name} split is {split['label'][0]:g}; a regression "
+                    "is measured by correlations, which a constant target leaves undefined; check --label_field, "
+                    "or give scores that vary"
+                )
     elif task_type == "multi_label_classification":
         num_labels = len(train[0]["label"])
         multi_hot = Sequence(Value("float32"), length=num_labels)  # BCE-with-logits heads want float targets
