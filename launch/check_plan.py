@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from concept_encoder.accounting import memory  # noqa: E402
+from concept_encoder.common import process_group  # noqa: E402
 from concept_encoder.common.cli_types import at_least  # noqa: E402
 from concept_encoder.common.dataclass_args import read_yaml_mapping  # noqa: E402
 from concept_encoder.training.args import parse_args  # noqa: E402
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.run:
         executable = shutil.which("accelerate") or str(Path(sys.executable).with_name("accelerate"))
         os.chdir(ROOT)  # the accelerate configs name ds configs relative to the project root
-        os.execv(executable, [executable, *command[1:]])
+        return process_group.call_interrupting_ranks([executable, *command[1:]])  # Ctrl-C: ranks stop at a checkpoint
     return 0
 
 

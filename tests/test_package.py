@@ -304,3 +304,36 @@ def test_ctrl_c_while_a_module_path_imports_is_one_line():
         "python -m concept_encoder: interrupted (what finished is kept: rerun the same command to continue)"
     )
     assert process.returncode in (130, -signal.SIGINT)  # the interpreter's own SIGINT exit after the hook
+
+
+FAKE_LAUNCH = """
+import signal, subprocess, sys, time
+if sys.argv[1] == "launcher":  # like torch's launcher: a signal here would end in a traceback
+    rank = subprocess.Popen([sys.executable, __file__, "rank"])
+    sys.exit(rank.wait())
+signal.signal(signal.SIGINT, lambda *_: (print("rank: checkpoint saved", flush=True), sys.exit(0)))
+print("rank: training", flush=True)
+time.sleep(60)
+"""
+
+
+def test_ctrl_c_in_a_tool_stops_the_launched_ranks_at_a_checkpoint_not_the_launcher(tmp_path):
+    """What curve, ablate and check_plan --run do with `accelerate launch`: the interrupt goes to the ranks (they
+    checkpoint and exit), the launcher ends with them instead of printing its own traceback, the tool says one line."""
+    import signal
+    import time
+
+    launch = tmp_path / "launch.py"
+    launch.write_text(FAKE_LAUNCH)
+    tool = ("import sys\nfrom concept_encoder.common.entry import run_tool\nfrom concept_encoder.common.process_group "
+            "import call_interrupting_ranks\n"
+            f"sys.exit(run_tool(lambda a: call_interrupting_ranks([sys.executable, {str(launch)!r}, 'launcher']), 'tool'))")  # fmt: skip
+    process = subprocess.Popen([sys.executable, "-c", tool], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert process.stdout.readline().strip() == "rank: training"
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)  # the terminal's Ctrl-C reaches the tool's process group only
+    out, err = process.communicate(timeout=60)
+    assert "rank: checkpoint saved" in out and "Traceback" not in err
+    assert err.strip() == "tool: interrupted (what finished is kept: rerun the same command to continue)"
+    assert process.returncode == 130

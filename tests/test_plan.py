@@ -341,7 +341,9 @@ def test_impossible_machines_are_errors_and_run_checks_the_machine_it_is_on(monk
         assert exit_info.value.code == 2 and "is below" in capsys.readouterr().err
 
     launched = []
-    monkeypatch.setattr(check_plan.os, "execv", lambda *argv: launched.append(argv))
+    monkeypatch.setattr(
+        check_plan.process_group, "call_interrupting_ranks", lambda command: launched.append(command) or 0
+    )
     monkeypatch.setattr(check_plan.os, "chdir", lambda path: None)
     monkeypatch.setattr(check_plan, "visible_gpus", lambda: [])
     assert check_plan.main(["--profile", "rtx3080_10gb", "--run"]) == 1
@@ -352,7 +354,7 @@ def test_impossible_machines_are_errors_and_run_checks_the_machine_it_is_on(monk
         check_plan, "visible_gpus", lambda: [{"name": "RTX 3090", "memory_gb": 24.0, "capability": 8.6}]
     )
     assert check_plan.main(["--profile", "rtx3080_10gb", "--run"]) == 0  # fits: launched
-    assert launched and "loops/mlm.py" in launched[0][1]
+    assert launched and "loops/mlm.py" in launched[0]
     launched.clear()
     monkeypatch.setattr(check_plan, "visible_gpus", lambda: [{"name": "RTX 3070", "memory_gb": 8.0, "capability": 8.6}])
     assert check_plan.main(["--profile", "rtx3080_10gb", "--run"]) == 1 and not launched

@@ -45,3 +45,33 @@ def run(command: list[str], timeout: float | None, **popen_kwargs) -> subprocess
     process = start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs)
     code, out, err = finish(process, timeout)
     return subprocess.CompletedProcess(command, code, out, err)
+
+
+def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
+    """Run a launch (`accelerate launch ...`) to its end and return its exit code, as `subprocess.call` would.
+
+    Ctrl-C reaches only the calling tool: the launch runs in its own session. The tool then passes the interrupt
+    to the processes the launcher started (the loops' ranks stop as they do on a signal: a checkpoint, then exit),
+    not to the launcher itself (torch's launcher answers a signal with a traceback), waits up to `grace` seconds
+    for the launch to end (then ends its whole group) and raises KeyboardInterrupt for the tool to report."""
+    import psutil
+
+    process = start(command)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        try:
+            ranks = psutil.Process(process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            ranks = []
+        for rank in ranks:
+            try:
+                rank.send_signal(signal.SIGINT)
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            process.wait(timeout=grace if ranks else 0.1)
+        except subprocess.TimeoutExpired:
+            pass
+        end_group(process)  # whatever is left (a launcher that started nothing yet)
+        raise

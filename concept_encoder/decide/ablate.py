@@ -28,10 +28,10 @@ import dataclasses
 import hashlib
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
+from ..common import process_group
 from ..common.cli_types import at_least
 from ..common.paths import PROJECT_ROOT
 from ..common.report_files import check_report_dir
@@ -73,8 +73,9 @@ def run_name_for(base: str, setting: str, value: str) -> str:
 
 
 def run_loop(command: list[str]) -> int:
-    """Run one value's `accelerate launch ... loops/mlm.py ...` command; its exit code."""
-    return subprocess.call(command)
+    """Run one value's `accelerate launch ... loops/mlm.py ...` command; its exit code (Ctrl-C: the ranks stop at
+    a checkpoint, `process_group.call_interrupting_ranks`)."""
+    return process_group.call_interrupting_ranks(command)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,13 +30,13 @@ import dataclasses
 import json
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from ..common import process_group
 from ..common.cli_types import at_least
 from ..common.paths import PROJECT_ROOT, cache_path, folder_problem
 from ..constants import ARCHITECTURES
@@ -212,8 +212,9 @@ def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan,
 
 
 def run_command(command: list[str]) -> int:
-    """One `accelerate launch` of a loop; its exit code (tests replace this to run the loops in process)."""
-    return subprocess.call(command)
+    """One `accelerate launch` of a loop; its exit code (tests replace this to run the loops in process). Ctrl-C
+    stops the loop's ranks at a checkpoint, not the launcher (`process_group.call_interrupting_ranks`)."""
+    return process_group.call_interrupting_ranks(command)
 
 
 class Curve:
