@@ -228,7 +228,7 @@ def test_a_fresh_start_into_a_used_folder_and_a_second_process_are_refused(finis
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunFolderError, match="in use by another training process"):
-            run("--run_name", "a", "--max_steps", "8", "--resume_from_checkpoint", "auto")
+            run("--run_name", "a", "--max_steps", "6", "--resume_from_checkpoint", "auto")
     finally:
         holder.kill()
         holder.wait()

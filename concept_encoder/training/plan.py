@@ -150,9 +150,13 @@ def foreign_run_folder(run_dir: Path) -> str | None:
         return f"{run_dir} is a link or a file, not a run folder; choose another --run_name"
     if not run_dir.is_dir() or (run_dir / OWNER_MARKER).is_file():
         return None
-    ours = {".lock", OWNER_MARKER}
-    entries = [e for e in run_dir.iterdir() if e.name not in ours and not (e.name == "checkpoints" and e.is_dir()
-                                                                            and not any(e.iterdir()))]  # fmt: skip
+
+    def checkpoints_only(entry: Path) -> bool:  # `checkpoints/` holding nothing but step_N folders (copied in)
+        return (
+            entry.name == "checkpoints" and entry.is_dir() and all(c.name.startswith("step_") for c in entry.iterdir())
+        )
+
+    entries = [e for e in run_dir.iterdir() if e.name not in (".lock", OWNER_MARKER) and not checkpoints_only(e)]
     config = run_dir / "config.json"
     try:
         legacy = config.is_file() and isinstance(json.loads(config.read_text()).get("training_args"), dict)
