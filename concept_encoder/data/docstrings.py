@@ -213,6 +213,16 @@ def task_sentence_keys() -> set[bytes]:
     return {digest(normalised(text)) for text in embedded_sentences()[0]}
 
 
+def seen_or_task(text: str, seen: set[bytes], task_keys: set[bytes]) -> str | None:
+    """Why `text` is not kept: "repeated" (its normalised text is in `seen`) or "task_sentence" (it begins with an
+    `embedded` task sentence); None when it is kept, and then it is added to `seen`."""
+    key = digest(normalised(text))
+    if key in seen:
+        return "repeated"
+    seen.add(key)
+    return "task_sentence" if digest(normalised(first_paragraph(text))) in task_keys else None
+
+
 def extract(files: list[SourceFile], min_words: int = MIN_WORDS) -> tuple[list[str], dict]:
     """Documents (deduplicated docstrings of at least `min_words` words, none starting with a task sentence)
     and the manifest: packages with versions and document counts, words, what was dropped and why, and
@@ -244,13 +254,8 @@ def extract(files: list[SourceFile], min_words: int = MIN_WORDS) -> tuple[list[s
                 dropped["exact_duplicates"] += 1
                 continue
             exact.add(key)
-            near_key = digest(normalised(doc))
-            if near_key in near:
-                dropped["normalised_duplicates"] += 1
-                continue
-            near.add(near_key)
-            if digest(normalised(first_paragraph(doc))) in task_keys:
-                dropped["task_sentences"] += 1
+            if why := seen_or_task(doc, near, task_keys):
+                dropped["normalised_duplicates" if why == "repeated" else "task_sentences"] += 1
                 continue
             documents.append(doc)
             entry["documents"] += 1

@@ -37,12 +37,10 @@ from .docstrings import (
     DocstringCorpus,
     SourceFile,
     cached_site_corpus,
-    digest,
-    normalised,
     read_source,
+    seen_or_task,
     task_sentence_keys,
 )
-from .stdlib_sentences import first_paragraph
 
 logger = logging.getLogger(__name__)
 
@@ -114,13 +112,8 @@ def extract(files: list[SourceFile]) -> tuple[list[str], dict]:
             continue
         kept = []
         for paragraph in paragraphs:
-            key = digest(normalised(paragraph))
-            if key in seen:
-                dropped["repeated_paragraphs"] += 1
-                continue
-            seen.add(key)
-            if digest(normalised(first_paragraph(paragraph))) in task_keys:
-                dropped["task_sentences"] += 1
+            if why := seen_or_task(paragraph, seen, task_keys):
+                dropped["repeated_paragraphs" if why == "repeated" else "task_sentences"] += 1
                 continue
             kept.append(paragraph)
         document = "\n\n".join(kept)
