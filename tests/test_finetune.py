@@ -687,6 +687,6 @@ def test_a_seeds_final_folder_it_did_not_write_is_refused_and_left_alone(workdir
     final.mkdir(parents=True)
     (final / "notes.txt").write_text("mine")
     argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "1", "--run_name", "theirs"]
-    with pytest.raises(ValueError, match="final holds files this project did not write"):
+    with pytest.raises(ValueError, match="seed42 holds files this project did not write .*: final\\)"):
         finetune.main([*argv, *COMMON])
     assert sorted(p.name for p in final.iterdir()) == ["notes.txt"]
