@@ -222,6 +222,7 @@ class Curve:
 
     def __init__(self, folder: Path, task: str, finetune_argv: list[str], processes: int):
         self.folder, self.task, self.finetune_argv, self.processes = folder, task, finetune_argv, processes
+        self.named: set[str] = set()  # damaged points already named
         (folder / "points").mkdir(parents=True, exist_ok=True)
 
     def point_file(self, key: str) -> Path:
@@ -234,7 +235,9 @@ class Curve:
         if not path.is_file():
             return False
         if problem := point_problem(path):
-            print(f"{path} {problem}: measuring the point again", file=sys.stderr)
+            if key not in self.named:  # once per invocation
+                print(f"{path} {problem}: measuring the point again", file=sys.stderr)
+                self.named.add(key)
             return False
         return True
 
