@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.run:
         executable = shutil.which("accelerate") or str(Path(sys.executable).with_name("accelerate"))
         os.chdir(ROOT)  # the accelerate configs name ds configs relative to the project root
-        return process_group.call_interrupting_ranks([executable, *command[1:]])  # Ctrl-C: ranks stop at a checkpoint
+        quiet = [executable, command[1], "--quiet", *command[2:]]  # a failed loop's one line, no launcher trace
+        return process_group.call_interrupting_ranks(quiet)  # Ctrl-C: the ranks stop at a checkpoint
     return 0
 
 

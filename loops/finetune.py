@@ -34,10 +34,13 @@ if __package__ in (None, ""):  # run as a script: make the project root importab
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from concept_encoder.common.entry import interrupt_in_one_line, run_tool
+
+if __name__ == "__main__":  # Ctrl-C while the rest imports (transformers, torch: seconds): one line
+    interrupt_in_one_line("loops/finetune.py")
+
 from concept_encoder.training.preflight import fail_fast, one_line_errors, preflight
 
 if __name__ == "__main__":  # a bad argument fails in about a second, before torch and the models load
-    interrupt_in_one_line("loops/finetune.py")  # Ctrl-C while torch and the models import: one line
     from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS
 
     fail_fast(sys.argv[1:], FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS)
@@ -409,16 +412,17 @@ def main(argv: list[str] | None = None) -> int:
     if problem := folder_problem(fargs.report_dir, "--report_dir"):  # where the result goes, before the work
         raise ValueError(problem)
     tags: dict[str, str] = {}  # run names and report rows are named by each model's tag: one model per tag
+    folders: dict[Path, str] = {}  # and each folder once, however it is spelled (a link, a trailing slash)
     for path in fargs.models:
+        if (folder := Path(path).resolve()) in folders:
+            raise ValueError(f"{path} is given twice (as {folders[folder]}: the same folder); name each model once")
         if (tag := model_tag(path, fargs.from_scratch)) in tags:
-            twice = Path(tags[tag]).resolve() == Path(path).resolve()
             raise ValueError(
-                f"{path} is given twice (as {tags[tag]}); name each model once" if twice else
                 f"models {tags[tag]} and {path} would share the name {tag!r} (their run folders and report rows): "
                 "fine-tune one of them in another invocation with its own --run_name, or copy it to a folder of "
                 "another name"
-            )  # fmt: skip
-        tags[tag] = path
+            )
+        tags[tag], folders[folder] = path, path
     for path in fargs.models:  # each folder what it claims, --pooling one its head has, a tokenizer: before training
         check_model_folder(path, weights=not fargs.from_scratch)
         check_pooling(AutoConfig.from_pretrained(path), fargs.pooling, path)

@@ -28,10 +28,13 @@ if __package__ in (None, ""):  # run as a script: make the project root importab
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from concept_encoder.common.entry import interrupt_in_one_line, run_tool
+
+if __name__ == "__main__":  # Ctrl-C while the rest imports (transformers, torch: seconds): one line
+    interrupt_in_one_line("loops/mlm.py")
+
 from concept_encoder.training.preflight import fail_fast, one_line_errors, preflight
 
 if __name__ == "__main__":  # a bad argument fails in about a second, before torch and the models load
-    interrupt_in_one_line("loops/mlm.py")  # Ctrl-C while torch and the models import: one line
     fail_fast(sys.argv[1:])
 
 import torch

@@ -163,6 +163,9 @@ def test_a_budget_added_later_extends_the_pretraining_run_as_if_planned_that_lon
     assert curve.main(["--tokens", "1024,2048,4096", *argv[2:]]) == 0
     assert scripts(launches) == ["finetune.py"] and json.loads(damaged.read_text())["tokens"] == 4096
     assert "concept-4.096k.json holds tokens or a step that are not whole numbers: measuring" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as passed:  # a budget between steps the run has passed: no model of it is kept
+        curve.main(["--tokens", "1024,2048,3072,4096", *argv[2:]])
+    assert passed.value.code == 2 and "3.072k is step 6, which pretraining run" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from loop_runs import ROOT, fresh_accelerate, run, workdir  # noqa: F401 (fixtur
         ("check_health", ["some/model", "--batches", "0"], "argument --batches: 0 is below 1"),
         ("check_health", ["some/model", "--batch_size", "two"], "argument --batch_size: 'two' is not a whole number"),
         ("data", ["--seed", "-1"], "argument --seed: -1 is below 0"),
+        ("data", ["--document_blocks", "true", "--packing", "false"], "document_blocks=True cuts documents into"),
         ("ablate", ["--vary", "a=1,2", "--decide", "eval_loss", "--num_processes", "0"], "--num_processes: 0 is below"),
         ("zero_compare", ["--steps", "0"], "argument --steps: 0 is below 1"),
         ("check_plan", ["--num_processes", "0"], "argument --num_processes: 0 is below 1"),

@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = HfArgumentParser(DataArguments, prog="python -m concept_encoder data", description=__doc__)
     parser.add_argument("--cache_dir", default="Cache", help="where tokenizers and datasets are cached")
     parser.add_argument("--seed", type=at_least(0), default=0, help="masking seed for the shown examples")
-    data_args, extra = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        data_args, extra = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as error:  # a rule of DataArguments (__post_init__): one usage line, as argparse's own
+        parser.error(str(error))
     try:
         data = prepare_data(data_args, cache_dir=extra.cache_dir, seed=extra.seed)
     except DataSourceError as error:

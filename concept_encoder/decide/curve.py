@@ -44,7 +44,13 @@ from ..data.base import DataSourceError
 from ..data.sources import source_fingerprint
 from ..tasks.loading import load_task
 from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, TrainingArguments, parse_args
-from ..training.checkpoint import argument_settings, checkpoint_dirs, differences, run_config_arguments
+from ..training.checkpoint import (
+    argument_settings,
+    checkpoint_dirs,
+    differences,
+    run_config_arguments,
+    step_of,
+)
 from ..training.metrics_log import read_metrics
 from ..training.model_folder import model_digest, model_folder_problem
 from ..training.plan import local_launcher
@@ -202,6 +208,20 @@ def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan,
                 raise ValueError(
                     f"pretraining run {run_dir} was run under other settings ({'; '.join(changed[:4])}): it is not "
                     "this curve's run; choose another --name (or move that run away)"
+                )
+        reached = max([finished_steps(run_dir) if (run_dir / "summary.json").is_file() else 0,
+                       *(step_of(c) for c in checkpoint_dirs(run_dir))])  # fmt: skip
+        for step in plan.steps:  # a budget added between steps the run has passed: no model of that step is left
+            key = f"{plan.architecture}-{token_label(plan.tokens(step))}"
+            if (
+                step <= reached
+                and not (run_dir / "snapshots" / f"step-{step}").is_dir()
+                and not (folder / "points" / f"{key}.json").is_file()
+            ):
+                raise ValueError(
+                    f"--tokens: {token_label(plan.tokens(step))} is step {step}, which pretraining run {run_dir} has "
+                    f"passed (it reached step {reached}) without a snapshot there: that model is not kept; measure "
+                    "it under another --name"
                 )
         if ended_on_its_own(run_dir) and not stopped_by_gate(run_dir):
             steps = finished_steps(run_dir)

@@ -130,8 +130,8 @@ def output_file_problem(path: str | Path, what: str) -> str | None:
 def local_launcher(script: str | Path, num_processes: int = 1) -> list[str]:
     """This interpreter's `accelerate launch` of `script` on one machine (dynamo off: the loops compile
     themselves with --torch_compile), for tools that run the loops one after another."""
-    return [*PYTHON_ACCELERATE_LAUNCH, "--num_processes", str(num_processes), "--num_machines", "1",
-            "--dynamo_backend", "no", str(script)]  # fmt: skip
+    return [*PYTHON_ACCELERATE_LAUNCH, "--quiet", "--num_processes", str(num_processes), "--num_machines", "1",
+            "--dynamo_backend", "no", str(script)]  # fmt: skip  # quiet: a failed loop's one line, no launcher trace
 
 
 def launch_command(accelerate_options: list[str], *loop_arguments, launcher=("accelerate", "launch"),
