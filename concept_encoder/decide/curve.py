@@ -159,7 +159,8 @@ def extension_problem(plan: ArchitecturePlan, run_dir: Path, finished: int) -> s
         )
     if not checkpoint_dirs(run_dir):
         return (
-            f"{start} and kept no checkpoint to continue from (--save_steps 0); give the pretraining --save_steps and "
+            f"{start} and kept no checkpoint to continue from (none was due: --save_steps 0, or a run shorter than "
+            "--save_steps); give the pretraining a --save_steps it reaches and "
             "measure under another --name"
         )
     return None

@@ -108,7 +108,8 @@ def ended_without_checkpoint(run_dir: Path, max_steps: int) -> str | None:
     if steps >= max_steps:
         return None
     return (
-        f"{run_dir} ended at step {steps} and kept no checkpoint to continue from (it ran with --save_steps 0), so it "
+        f"{run_dir} ended at step {steps} and kept no checkpoint to continue from (none was due: --save_steps 0, or a "
+        "run shorter than --save_steps), so it "
         f"cannot be trained on to step {max_steps}; start a new --run_name (with --save_steps > 0 to extend it later)"
     )
 
