@@ -308,18 +308,28 @@ def test_ctrl_c_while_a_module_path_imports_is_one_line():
 
 FAKE_LAUNCH = """
 import signal, subprocess, sys, time
-if sys.argv[1] == "launcher":  # like torch's launcher: a signal here would end in a traceback
-    rank = subprocess.Popen([sys.executable, __file__, "rank"])
-    sys.exit(rank.wait())
-signal.signal(signal.SIGINT, lambda *_: (print("rank: checkpoint saved", flush=True), sys.exit(0)))
+if sys.argv[1] == "launcher":  # like torch's launcher: a signal here, or a rank that fails, ends in a traceback
+    rank = subprocess.Popen([sys.executable, __file__, "rank", sys.argv[2]])
+    if rank.wait() != 0:
+        raise RuntimeError("ChildFailedError: a rank ended by the interrupt")
+    sys.exit(0)
+def stop(*_):
+    print("rank: checkpoint saved", flush=True)
+    if sys.argv[2] == "before-training":  # a loop interrupted while it prepares: one line, exit code 130
+        print("loops/mlm.py: interrupted (what finished is kept: rerun the same command to continue)", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(0)
+signal.signal(signal.SIGINT, stop)
 print("rank: training", flush=True)
 time.sleep(60)
 """
 
 
-def test_ctrl_c_in_a_tool_stops_the_launched_ranks_at_a_checkpoint_not_the_launcher(tmp_path):
+@pytest.mark.parametrize("when", ["training", "before-training"])
+def test_ctrl_c_in_a_tool_stops_the_launched_ranks_at_a_checkpoint_not_the_launcher(tmp_path, when):
     """What curve, ablate and check_plan --run do with `accelerate launch`: the interrupt goes to the ranks (they
-    checkpoint and exit), the launcher ends with them instead of printing its own traceback, the tool says one line."""
+    checkpoint and exit), the launcher ends with them, its report of ranks stopped before training (a traceback
+    under torch's multi-process launcher) is not relayed, the loop's one line is, and the tool says one line."""
     import signal
     import time
 
@@ -327,13 +337,17 @@ def test_ctrl_c_in_a_tool_stops_the_launched_ranks_at_a_checkpoint_not_the_launc
     launch.write_text(FAKE_LAUNCH)
     tool = ("import sys\nfrom concept_encoder.common.entry import run_tool\nfrom concept_encoder.common.process_group "
             "import call_interrupting_ranks\n"
-            f"sys.exit(run_tool(lambda a: call_interrupting_ranks([sys.executable, {str(launch)!r}, 'launcher']), 'tool'))")  # fmt: skip
+            f"sys.exit(run_tool(lambda a: call_interrupting_ranks([sys.executable, {str(launch)!r}, 'launcher', "
+            f"{when!r}]), 'tool'))")  # fmt: skip
     process = subprocess.Popen([sys.executable, "-c", tool], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)  # fmt: skip
     assert process.stdout.readline().strip() == "rank: training"
     time.sleep(0.2)
     process.send_signal(signal.SIGINT)  # the terminal's Ctrl-C reaches the tool's process group only
     out, err = process.communicate(timeout=60)
-    assert "rank: checkpoint saved" in out and "Traceback" not in err
-    assert err.strip() == "tool: interrupted (what finished is kept: rerun the same command to continue)"
+    assert "rank: checkpoint saved" in out and "Traceback" not in err and "ChildFailedError" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1] == "tool: interrupted (what finished is kept: rerun the same command to continue)"
+    assert lines[:-1] == (["loops/mlm.py: interrupted (what finished is kept: rerun the same command to continue)"]
+                          if when == "before-training" else [])  # the loop's own line passes, the launcher's not  # fmt: skip
     assert process.returncode == 130

@@ -8,8 +8,10 @@ machine lives. Every multi-process launch of the tools and tests goes through he
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
+import sys
 
 
 def start(command: list[str], **popen_kwargs) -> subprocess.Popen:
@@ -53,13 +55,22 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
     Ctrl-C reaches only the calling tool: the launch runs in its own session. The tool then passes the interrupt
     to the processes the launcher started (the loops' ranks stop as they do on a signal: a checkpoint, then exit),
     not to the launcher itself (torch's launcher answers a signal with a traceback), waits up to `grace` seconds
-    for the launch to end (then ends its whole group) and raises KeyboardInterrupt for the tool to report."""
+    for the launch to end (then ends its whole group) and raises KeyboardInterrupt for the tool to report. The
+    launch's standard error is relayed as it comes (`relay_stderr`)."""
+    import threading
+
     import psutil
 
-    process = start(command)
+    process = start(command, stderr=subprocess.PIPE)
+    interrupted = threading.Event()
+    relay = threading.Thread(target=relay_stderr, args=(process.stderr, interrupted), daemon=True)
+    relay.start()
     try:
-        return process.wait()
+        code = process.wait()
+        relay.join()
+        return code
     except KeyboardInterrupt:
+        interrupted.set()
         try:
             ranks = psutil.Process(process.pid).children(recursive=True)
         except psutil.NoSuchProcess:
@@ -74,4 +85,32 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
         except subprocess.TimeoutExpired:
             pass
         end_group(process)  # whatever is left (a launcher that started nothing yet)
+        relay.join(timeout=5)
         raise
+
+
+# After an interrupt: the loops' own lines (their one-line stop, an error line, their log records) go on
+LOOP_LINES = re.compile(rb"^(\S+: interrupted\b|error: |\S+ \S+ (INFO|WARNING|ERROR) concept_encoder)")
+
+
+def relay_stderr(stream, interrupted) -> None:
+    """Copy a launch's standard error (its ranks write there too) to this process's, as it comes (progress bars
+    included). Once the tool was interrupted only the loops' own lines pass (`LOOP_LINES`): the launcher's report
+    of ranks that ended by the interrupt (torch's multi-process launcher prints a traceback and a FAILED table for
+    ranks stopped before training) is not an error of the user's."""
+    out = getattr(sys.stderr, "buffer", None)
+
+    def write(data: bytes) -> None:
+        if out is not None:
+            out.write(data)
+            out.flush()
+        else:
+            sys.stderr.write(data.decode(errors="replace"))
+
+    pending = b""
+    while chunk := os.read(stream.fileno(), 65536):
+        if not interrupted.is_set():
+            write(chunk)
+            continue
+        *lines, pending = (pending + chunk).split(b"\n")
+        write(b"".join(line + b"\n" for line in lines if LOOP_LINES.match(line)))
