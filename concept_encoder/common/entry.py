@@ -2,8 +2,8 @@
 shells report), never a traceback. What a tool finished stays: runs resume from their checkpoints, curve points,
 ablation runs and fine-tuning seeds are reused by the same command.
 
-`run_tool(main, name)` wraps a tool's `main` (and ends a refused file or path in one line too) (the `python -m concept_encoder` dispatcher, every module's
-`__main__` block, the loops, the launch scripts). `interrupt_in_one_line(name)` covers the seconds before it: the
+`run_tool(main, name)` wraps a tool's `main` (the `python -m concept_encoder` dispatcher, every module's `__main__`
+block, the loops, the launch scripts) and ends a refused file or path in one line too. `interrupt_in_one_line(name)` covers the seconds before it: the
 imports at the top of a module run as `python -m <module>` or as a script (torch alone takes seconds), through
 `sys.excepthook`, which sees only what nothing else caught; other exceptions go on to the previous hook.
 """

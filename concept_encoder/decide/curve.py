@@ -43,7 +43,7 @@ from ..constants import ARCHITECTURES
 from ..data.base import DataSourceError
 from ..data.sources import source_fingerprint
 from ..tasks.loading import load_task
-from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, TrainingArguments, parse_args
+from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from ..training.checkpoint import (
     argument_settings,
     checkpoint_dirs,
@@ -104,7 +104,7 @@ class ArchitecturePlan:
     tokens_per_step: int
     steps: list[int]  # per budget, ascending
     pretrain_argv: list[str] = field(default_factory=list)
-    train_args: TrainingArguments | None = None  # the loop's, as parsed from pretrain_argv
+    loop_args: tuple = ()  # (model, data, training) arguments: pretrain_argv as the loop parses it
 
     def tokens(self, step: int) -> int:
         return step * self.tokens_per_step
@@ -130,8 +130,7 @@ def plan_architecture(architecture: str, budgets: list[int], loop_argv: list[str
         )
     argv = [*loop_argv, "--architecture", architecture, "--run_name", run_name, "--max_steps", str(steps[-1]),
             "--snapshot_steps", ",".join(map(str, steps)), "--resume_from_checkpoint", "auto"]  # fmt: skip
-    parse_args(argv)  # the exact command, checked before anything runs
-    plan = ArchitecturePlan(architecture, run_name, per_step, steps, argv, train_args)
+    plan = ArchitecturePlan(architecture, run_name, per_step, steps, argv, parse_args(argv))  # checked before any run
     return plan, Path(train_args.output_dir) / run_name
 
 
@@ -143,7 +142,8 @@ def extension_problem(plan: ArchitecturePlan, run_dir: Path, finished: int) -> s
     needed = plan.steps[-1]
     start = (f"--tokens: {token_label(plan.tokens(needed))} needs step {needed}, but pretraining run {run_dir} "
              f"finished at step {finished}")  # fmt: skip
-    ran, longer = (dataclasses.replace(plan.train_args, max_steps=steps).schedule for steps in (finished, needed))
+    ran, longer = (dataclasses.replace(plan.loop_args[2], max_steps=steps, snapshot_steps="").schedule
+                   for steps in (finished, needed))  # (the snapshots are checked against the plan's own length)  # fmt: skip
     if ran["decays_to_step"] is not None:
         return (
             f"{start} under a {ran['lr_scheduler_type']} learning-rate schedule that decays to its own last step, so "
@@ -203,7 +203,7 @@ def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan,
             )
     for plan, run_dir in plans:
         if (run_dir / "config.json").is_file():  # a run of that name exists: this curve's only if run as it plans
-            current = argument_settings(*parse_args(plan.pretrain_argv))
+            current = argument_settings(*plan.loop_args)
             saved = run_config_arguments(run_dir, current)
             if changed := differences(saved, current, "the run has", "this curve", keys=sorted(saved)):
                 raise ValueError(
@@ -325,8 +325,8 @@ def pretrain(plan: ArchitecturePlan, run_dir: Path, processes: int) -> dict:
     schedule that does not depend on the run's length (`extension_problem` checked it) that is the run a larger
     budget would have had from the start, so the points measured before stay valid."""
     ended = ended_on_its_own(run_dir)
-    if ended and not stopped_by_gate(run_dir) and finished_steps(run_dir) < plan.steps[-1]:
-        print(f"extending {plan.run_name} from step {finished_steps(run_dir)} to {plan.steps[-1]} (a budget added)")
+    if ended and not stopped_by_gate(run_dir) and (steps := finished_steps(run_dir)) < plan.steps[-1]:
+        print(f"extending {plan.run_name} from step {steps} to {plan.steps[-1]} (a budget added)")
         ended = False
     if not ended:
         code = run_command([*local_launcher(MLM_SCRIPT, processes), *plan.pretrain_argv])

@@ -68,11 +68,12 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
         raise ValueError(f"the DeepSpeed config of this launch is out of range: {'; '.join(problems)}")
     if zero_settings(ds_config)[1] and (stale := stale_op_locks("cpu_adam")):
         raise StaleLockError(stale_lock_message("cpu_adam", stale))  # the optimizer would wait on it forever
+    config = None  # the saved model's config.json, read once for the checks below
     if model_args.model_name_or_path:
-        config_path = Path(model_args.model_name_or_path) / "config.json"
         if problem := model_folder_problem(model_args.model_name_or_path, weights=False):
             raise ValueError(f"--model_name_or_path: {problem}")
-        positions = json.loads(config_path.read_text()).get("max_position_embeddings")
+        config = json.loads((Path(model_args.model_name_or_path) / "config.json").read_text())
+        positions = config.get("max_position_embeddings")
         if positions is not None and data_args.max_seq_length > positions:
             raise ValueError(
                 f"max_seq_length={data_args.max_seq_length} exceeds the model's max_position_embeddings="
@@ -81,24 +82,20 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
         weights = not getattr(model_args, "from_scratch", False)  # a random twin needs the config only
         if weights and (problem := model_folder_problem(model_args.model_name_or_path)):
             raise ValueError(f"--model_name_or_path: {problem}")
-    if not cuda and (problem := host_memory_problem(model_args, data_args, training_args)):
+    if not cuda and (problem := host_memory_problem(model_args, data_args, training_args, config)):
         raise ValueError(problem)
 
 
-def host_memory_problem(model_args, data_args, training_args) -> str | None:
+def host_memory_problem(model_args, data_args, training_args, config: dict | None = None) -> str | None:
     """A line when a CPU run's estimated peak (`accounting.memory`: model states and the activations of one
     micro-batch, attention probabilities kept as the CPU's math kernel does, per process on this machine) is
     beyond the machine's memory: it would fail minutes later allocating it, or swap. None when it fits or
-    cannot be estimated (a model folder whose config the memory model does not know)."""
+    cannot be estimated (a model folder whose config the memory model does not know). `config`: the saved
+    model's, else a fresh preset's fields (with a 30,522-token vocabulary: the tokenizer is not built yet)."""
     import psutil
 
-    path = Path(model_args.model_name_or_path or "") / "config.json"
-    if model_args.model_name_or_path:
-        config = json.loads(path.read_text())
-    else:
-        config = fresh_model_fields(
-            model_args, data_args.max_seq_length, vocab_size=30522
-        )  # the tokenizer is not built yet
+    if config is None:
+        config = fresh_model_fields(model_args, data_args.max_seq_length, vocab_size=30522)
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     stage, offload_optimizer, offload_params = zero_settings(launched_ds_config())
     try:

@@ -99,7 +99,8 @@ def finished_run(run_dir: Path, max_steps: int) -> str | None:
 
 def ended_without_checkpoint(run_dir: Path, max_steps: int) -> str | None:
     """A line refusing `--resume_from_checkpoint auto` over a run that ended (`summary.json`) before `max_steps`
-    and kept no intact checkpoint to go on from (`--save_steps 0`): a fresh start would replace its final model
+    and kept no intact checkpoint to go on from (`--save_steps 0`, or a run shorter than `--save_steps`): a fresh
+    start would replace its final model
     and mix two histories in one metrics file. None when that is not the case."""
     path = Path(run_dir) / "summary.json"
     if not path.is_file() or checkpoint_dirs(Path(run_dir)):
