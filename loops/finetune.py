@@ -57,7 +57,7 @@ from concept_encoder.common.paths import folder_problem, written_aside
 from concept_encoder.data.tokenizer import check_vocab_covers, model_tokenizer_folder
 from concept_encoder.tasks.baselines import split_rows, task_baselines, task_digest
 from concept_encoder.tasks.loading import encode_splits, load_task
-from concept_encoder.tasks.metrics import compute_metrics, metric_sign, predictions_from_logits
+from concept_encoder.tasks.metrics import accuracy_by_position, compute_metrics, metric_sign, predictions_from_logits
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from concept_encoder.training.batches import accumulation_windows
 from concept_encoder.training.checkpoint import (
@@ -159,7 +159,7 @@ def fine_tune(
     )
     # what decides this run's result: a finished run or a checkpoint is reused only under the same settings
     settings = {"model": model_path, "model_sha256": model_digest(model_path, weights=not fargs.from_scratch),
-                "from_scratch": fargs.from_scratch, "task": task.name,
+                "from_scratch": fargs.from_scratch, "extend_positions": fargs.extend_positions, "task": task.name,
                 "task_sha256": task_digest(task), "seed": seed, "learning_rate": rate, "pooling": fargs.pooling,
                 "max_steps": args.max_steps, "world_size": state.num_processes,
                 "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -180,7 +180,7 @@ def fine_tune(
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, run_args.run_name)
     set_seed(seed)
     # 7. model: the checkpoint's encoder with a fresh task head (or fresh weights with --from_scratch)
-    model, note = build_classifier(model_path, task, fargs.from_scratch, fargs.pooling)
+    model, note = build_classifier(model_path, task, fargs.from_scratch, fargs.pooling, extend_to(fargs, task_args))
     logger.info("model %s (seed %d, lr %g): %s", model_path, seed, rate, note)
     counts = log_model_info(model, {"task": task.name, "seed": seed, "learning_rate": rate})
     loaders = make_loaders({k: splits[k] for k in ("train", "dev")}, tokenizer, model, args, seed)  # not validation
@@ -316,9 +316,12 @@ def validate(state, result: dict, task, splits, tokenizer, args) -> dict:
     loader = make_loaders({"validation": splits["validation"]}, tokenizer, model, args, result["seed"])["validation"]
     model, loader = model.to(accelerator.device), accelerator.prepare_data_loader(loader)
     logits, labels = predict(accelerator, model, loader)
-    validation = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)
+    predictions = predictions_from_logits(task.task_type, logits)
+    validation = compute_metrics(task.metric_names, predictions, labels)
     result = {**json.loads((run_dir / "summary.json").read_text()), "validation": validation,
               "rows": {name: split_rows(split) for name, split in splits.items()}}  # fmt: skip
+    if task.validation_positions is not None:  # the loader keeps the split's order (no shuffle; gathered in order)
+        result["validation_by_position"] = accuracy_by_position(predictions, labels, task.validation_positions)
     if accelerator.is_main_process:
         MetricsWriter(run_dir / "metrics.jsonl").write(
             {"kind": "validation", "step": result["best_step"], **validation}
@@ -333,6 +336,11 @@ def validate(state, result: dict, task, splits, tokenizer, args) -> dict:
     accelerator.wait_for_everyone()
     accelerator.free_memory()
     return result
+
+
+def extend_to(fargs, task_args) -> int | None:
+    """The length position tables grow to under `--extend_positions copy` (the task's --max_seq_length)."""
+    return task_args.max_seq_length if fargs.extend_positions == "copy" else None
 
 
 def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, task_args, args, run_base: str):
@@ -363,7 +371,7 @@ def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, task
     return [{**validate(state, run, task, splits, tokenizer, args), "rate_grid": grid} for run in runs]
 
 
-def probe_model(state, model_path: str, task, splits, tokenizer, fargs, args) -> list[dict]:
+def probe_model(state, model_path: str, task, splits, tokenizer, fargs, task_args, args) -> list[dict]:
     """Linear probes on the frozen features of `model_path` (main process; the others wait): one run for
     pretrained weights (the features are deterministic), one per seed for `--from_scratch` (random weights)."""
     results = []
@@ -372,7 +380,9 @@ def probe_model(state, model_path: str, task, splits, tokenizer, fargs, args) ->
         for seed in seeds:
             started = time.perf_counter()
             set_seed(seed)
-            model, _ = build_classifier(model_path, task, fargs.from_scratch, fargs.pooling)
+            model, _ = build_classifier(
+                model_path, task, fargs.from_scratch, fargs.pooling, extend_to(fargs, task_args)
+            )
             model.to(state.device)
             loaders = make_loaders(splits, tokenizer, model, args, seed, shuffle_train=False)
             for features, fit in linear_probe(model, loaders, splits, task, state.device).items():
@@ -452,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         check_vocab_covers(tokenizer, AutoConfig.from_pretrained(model_path).vocab_size)
         splits = encode_splits(task, tokenizer, task_args.max_seq_length)
         if fargs.probe:
-            results += probe_model(state, model_path, task, splits, tokenizer, fargs, args)
+            results += probe_model(state, model_path, task, splits, tokenizer, fargs, task_args, args)
         if fargs.finetune:
             runs = fine_tune_model(state, model_path, task, splits, tokenizer, fargs, task_args, args, run_base)
             if runs is None:  # stopped by a signal, checkpointed: no report from a partial set of runs

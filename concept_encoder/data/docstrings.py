@@ -59,8 +59,9 @@ class SourceFile:
     """One `.py` file to read, with the distribution that installed it."""
 
     path: Path
-    package: str
+    package: str  # the distribution's name, as installed (scikit-learn)
     version: str
+    top_level: str = ""  # the import name its RECORD entry starts with (sklearn)
 
 
 def site_roots(spec: str) -> list[Path]:
@@ -152,7 +153,8 @@ def list_installed_files(roots: list[Path], wanted=is_python_source) -> tuple[li
             if (size := path.stat().st_size) > MAX_FILE_BYTES:
                 notes.append(f"{path}: {size:,} bytes, over the {MAX_FILE_BYTES:,}-byte bound per file: not read")
                 continue
-            files.append(SourceFile(path, name, version))
+            top = Path(str(entry)).parts[0]
+            files.append(SourceFile(path, name, version, top.removesuffix(".py")))
     for note in notes:
         if ": not read" in note:
             logger.warning("%s", note)

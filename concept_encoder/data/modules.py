@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 MIN_COMMENT_WORDS = 4
 MIN_DOCUMENT_WORDS = 800
-RULES = ("modules", 1, MIN_COMMENT_WORDS, MIN_DOCUMENT_WORDS)  # part of the cache key: change with the rules
+RULES = ("modules", 2, MIN_COMMENT_WORDS, MIN_DOCUMENT_WORDS)  # part of the cache key: change with the rules
 DIRECTIVE = re.compile(r"^(!|-\*-|noqa|type:|pragma|fmt:|pylint:|isort:|mypy:|ruff:|coding[:=]|vim:)", re.IGNORECASE)
 
 
@@ -98,10 +98,12 @@ def comment_paragraph(group: list[tuple[int, str]]) -> tuple[int, str]:
 
 
 def extract(files: list[SourceFile]) -> tuple[list[str], dict]:
-    """Documents (see the module docstring) and a manifest: documents, words, files read, what was dropped."""
+    """Documents (see the module docstring) and a manifest: documents, words, files read, what was dropped, and
+    `document_packages`, the distribution each document's file belongs to (the `modules_package` task's labels),
+    and `package_imports`, each such distribution's import names (the words that task removes)."""
     task_keys = task_sentence_keys()
     seen: set[bytes] = set()
-    documents, skipped, packages = [], [], {}
+    documents, origins, skipped, packages, imports = [], [], [], {}, {}
     dropped = {"repeated_paragraphs": 0, "task_sentences": 0, "short_documents": 0}
     words = 0
     for f in tqdm(files, desc="reading modules", unit="file", mininterval=2.0, disable=len(files) < 200):
@@ -122,6 +124,8 @@ def extract(files: list[SourceFile]) -> tuple[list[str], dict]:
             dropped["short_documents"] += bool(kept)
             continue
         documents.append(document)
+        origins.append(f.package)
+        imports.setdefault(f.package, set()).add(f.top_level)
         words += count
         entry = packages.setdefault(f.package, {"version": f.version, "documents": 0})
         entry["documents"] += 1
@@ -129,7 +133,9 @@ def extract(files: list[SourceFile]) -> tuple[list[str], dict]:
         logger.warning("modules corpus: skipped %s", path)
     manifest = {"documents": len(documents), "words": words, "files_read": len(files) - len(skipped),
                 "min_document_words": MIN_DOCUMENT_WORDS, "dropped": dropped, "skipped_files": skipped,
-                "packages": {name: packages[name] for name in sorted(packages, key=str.lower)}}  # fmt: skip
+                "packages": {name: packages[name] for name in sorted(packages, key=str.lower)},
+                "document_packages": origins,
+                "package_imports": {name: sorted(found) for name, found in sorted(imports.items())}}  # fmt: skip
     return documents, manifest
 
 

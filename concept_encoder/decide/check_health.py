@@ -29,10 +29,13 @@ from ..data import DataArguments, DataSourceError, prepare_data
 from ..data.sources import source_fingerprint
 from ..data.tokenizer import check_tokenizer
 from ..model.config import ConceptEncoderConfig
+from ..model.constants import POSITION_EXTENSIONS
 from ..model.heads import ConceptEncoderForMaskedLM
+from ..model.positions import extend_position_tables
 from ..training.evaluation import evaluate, health_of, most_frequent_token
 from ..training.model_folder import ModelFolderError, load_checked
 from ..training.plan import output_file_problem
+from ..training.preflight import beyond_positions
 
 
 def heldout_fingerprint(spec: str) -> str:
@@ -69,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="default: the model folder's own tokenizer")
     parser.add_argument("--max_seq_length", type=at_least(2), default=128)
     parser.add_argument(
+        "--extend_positions",
+        choices=POSITION_EXTENSIONS,
+        default="no",
+        help="a --max_seq_length past the model's position table: refused (no), or the table grown by repeating "
+        "its trained rows (copy): how the model reads past its trained length",
+    )
+    parser.add_argument(
         "--text", help="held-out language check: a .txt/.jsonl/.parquet file, or `licenses`, evaluated whole"
     )
     parser.add_argument("--batches", type=at_least(1), default=None, help="default 4, all of it with --text")
@@ -88,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     tokenizer = args.tokenizer or str(path)
-    seq_len = min(args.max_seq_length, model.config.max_position_embeddings)
+    seq_len, trained = args.max_seq_length, model.config.max_position_embeddings
+    if seq_len > trained:
+        if args.extend_positions == "no":
+            print(f"error: {beyond_positions(seq_len, trained)}", file=sys.stderr)
+            return 2
+        extend_position_tables(model, seq_len)
     try:
         data = prepare_data(
             DataArguments(dataset=args.text or args.dataset, tokenizer=tokenizer, max_seq_length=seq_len),
@@ -111,7 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {path}  ({sum(p.numel() for p in model.parameters()):,} parameters, all finite)")
     print(
         f"probe {args.text or args.dataset}: {n} examples of {seq_len} tokens, C={model.config.concept_num}, "
-        f"H={model.config.hidden_size}\n"
+        f"H={model.config.hidden_size}"
+        + (
+            f"; positions past {trained} are copies of the trained ones (--extend_positions copy)"
+            if seq_len > trained
+            else ""
+        )
+        + "\n"
     )
     table = {
         **health_of(result),
@@ -128,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             "text": source,
             "fingerprint": heldout_fingerprint(source),  # what was read, and how: a changed text is rechecked
             "examples": n,
+            "max_seq_length": seq_len,
+            "trained_positions": trained,
             "masked_tokens": result["eval_masked_tokens"],
             "unigram_token": data.tokenizer.convert_ids_to_tokens(unigram),
             **table,

@@ -13,6 +13,7 @@ VOCAB_CHUNK_ELEMENTS = 2**24
 
 DECODER_TYPES = ("perceiver", "posonly", "weighted")
 CLASSIFIER_POOLINGS = ("weighted", "mean")
+POSITION_EXTENSIONS = ("no", "copy")  # a saved model read past its position table: refused, or copied (positions.py)
 
 
 def token_kv_groups(sharing: str, num_layers: int) -> int:

@@ -6,17 +6,42 @@ from dataclasses import dataclass, field
 
 TASK_TYPES = ("auto", "single_label_classification", "regression", "multi_label_classification")
 EMBEDDED_TASKS = ("embedded", "embedded_pairs")
+NEEDLE_PREFIX = "needle:"
+MODULES_PACKAGE = "modules_package"
+LONG_TASKS = (f"{NEEDLE_PREFIX}<words>", MODULES_PACKAGE)  # tasks/long_documents.py
+MIN_NEEDLE_WORDS = 16
+
+
+def needle_words(task: str) -> int:
+    """N of `needle:N`; ValueError naming the form when it is not a whole number >= MIN_NEEDLE_WORDS."""
+    value = task[len(NEEDLE_PREFIX) :]
+    if not value.isdigit() or int(value) < MIN_NEEDLE_WORDS:
+        raise ValueError(
+            f"task={task!r}: give the haystack's length in words, a whole number >= {MIN_NEEDLE_WORDS}, e.g. "
+            "needle:2048 (about 4k tokens with the default tokenizer)"
+        )
+    return int(value)
+
+
 GLUE_TASKS = ("cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte")
 
 
 @dataclass
 class TaskArguments:
-    """The task: `embedded`, `embedded_pairs`, `glue:<name>` or a local .csv/.tsv/.jsonl file or folder."""
+    """The task: `embedded`, `embedded_pairs`, the long-document tasks `needle:<words>` and `modules_package`,
+    `glue:<name>` or a local .csv/.tsv/.jsonl file or folder."""
 
     task: str = field(
         default="embedded",
         metadata={
-            "help": f"{EMBEDDED_TASKS}, glue:<{'|'.join(GLUE_TASKS)}>, or a local .csv/.tsv/.jsonl file or folder"
+            "help": f"{EMBEDDED_TASKS}, long documents {LONG_TASKS}, glue:<{'|'.join(GLUE_TASKS)}>, or a local "
+            ".csv/.tsv/.jsonl file or folder"
+        },
+    )
+    long_corpus: str = field(
+        default="modules",
+        metadata={
+            "help": "the long-document tasks' text: modules (installed packages) or modules:<site-packages folder>"
         },
     )
     text_fields: str = field(default="text", metadata={"help": "local files: text column(s), `a` or `a,b` for pairs"})
@@ -40,6 +65,10 @@ class TaskArguments:
                 raise ValueError(f"{name}={getattr(self, name)} must be in (0, 0.5)")
         if self.max_seq_length < 4:
             raise ValueError(f"max_seq_length={self.max_seq_length} must be at least 4")
+        if self.task.startswith(NEEDLE_PREFIX):
+            needle_words(self.task)  # raises naming the form
+        if self.long_corpus != "modules" and not self.long_corpus.startswith("modules:"):
+            raise ValueError(f"long_corpus={self.long_corpus!r}: use modules or modules:<site-packages folder>")
         if len(self.text_field_names) not in (1, 2):
             raise ValueError(f"text_fields={self.text_fields!r}: give one column, or two for sentence pairs (a,b)")
 

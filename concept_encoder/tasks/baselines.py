@@ -67,7 +67,8 @@ def task_baselines(task, cache_dir: str | Path | None = None) -> dict:
         baseline_predictions(task.task_type, labels["train"], len(labels["validation"])),
         labels["validation"],
     )
-    tfidf = fit_linear(task.task_type, task.metric_names, tfidf_features(task), labels)
+    tfidf = fit_linear(task.task_type, task.metric_names, tfidf_features(task), labels,
+                       positions=task.validation_positions)  # fmt: skip
     tfidf["rows"] = {name: split_rows(split) for name, split in splits.items()}
     tfidf["name"] = TFIDF_NAME
     result = {"majority": majority, "tfidf": tfidf}

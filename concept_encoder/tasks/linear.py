@@ -12,7 +12,7 @@ import warnings
 
 import numpy as np
 
-from .metrics import compute_metrics, metric_sign
+from .metrics import accuracy_by_position, compute_metrics, metric_sign
 
 C_GRID = (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)  # LogisticRegression's C = 1 / regularisation strength
 ALPHA_GRID = (1000.0, 100.0, 10.0, 1.0, 0.1, 0.01)  # Ridge: alpha, strongest regularisation first
@@ -29,7 +29,9 @@ def estimator(task_type: str, strength: float):
     return OneVsRestClassifier(logistic) if task_type == "multi_label_classification" else logistic
 
 
-def fit_linear(task_type: str, metric_names, features: dict, labels: dict, standardize: bool = False) -> dict:
+def fit_linear(
+    task_type: str, metric_names, features: dict, labels: dict, standardize: bool = False, positions=None
+) -> dict:
     """Fit on `features["train"]` for each value of the grid, keep the value whose main metric (the first of
     `metric_names`) is best on `features["dev"]`, evaluate that fit once on `features["validation"]`.
 
@@ -38,7 +40,8 @@ def fit_linear(task_type: str, metric_names, features: dict, labels: dict, stand
     scales differ, such as a network's hidden states; TF-IDF rows are already normalised).
 
     Returns `{"grid": {value: dev main metric}, "chosen": value, "dev": metrics, "validation": metrics,
-    "parameter": "C" or "alpha"}`.
+    "parameter": "C" or "alpha"}`, and `validation_by_position` (`accuracy_by_position`) when the validation
+    examples' needle `positions` are given.
     """
     features = dict(features)
     if standardize:
@@ -59,13 +62,16 @@ def fit_linear(task_type: str, metric_names, features: dict, labels: dict, stand
         fits[value] = model
     chosen = max(grid, key=lambda v: sign * scores[v][main])  # the first best: ties go to stronger regularisation
     predictions = fits[chosen].predict(features["validation"])
-    return {
+    result = {
         "parameter": "alpha" if task_type == "regression" else "C",
         "grid": {str(v): scores[v][main] for v in grid},
         "chosen": chosen,
         "dev": scores[chosen],
         "validation": compute_metrics(metric_names, predictions, labels["validation"]),
     }
+    if positions is not None:
+        result["validation_by_position"] = accuracy_by_position(predictions, labels["validation"], positions)
+    return result
 
 
 def label_arrays(splits: dict) -> dict[str, np.ndarray]:

@@ -12,9 +12,10 @@ from datasets import Dataset, Sequence, Value, load_dataset
 from ..constants import check_table_covers
 from ..data.base import DataSourceError, ensure_hub
 from ..data.sources import SPLIT_SEED, unreadable_file_message  # SPLIT_SEED: the data layer's fixed hold-out seed
-from .arguments import EMBEDDED_TASKS, GLUE_TASKS, TaskArguments
+from .arguments import EMBEDDED_TASKS, GLUE_TASKS, MODULES_PACKAGE, NEEDLE_PREFIX, TaskArguments
 from .embedded import PACKAGES, embedded_pairs, embedded_sentences
 from .labels import check_present, class_name, class_names, infer_task_type, read_delimited, regression_values
+from .long_documents import modules_package_table, needle_splits
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,11 @@ class TaskData:
     def pair(self) -> bool:
         return "text_b" in self.train.column_names
 
+    @property
+    def validation_positions(self) -> list[float] | None:
+        """Where each validation example's needle starts (fraction of its words; `needle:N` only), else None."""
+        return list(self.validation["needle_position"]) if "needle_position" in self.validation.column_names else None
+
     def sizes(self) -> dict[str, int]:
         return {"train": len(self.train), "dev": len(self.dev), "validation": len(self.validation)}
 
@@ -80,6 +86,15 @@ def load_task(args: TaskArguments) -> TaskData:
             label_names = ["different package", "same package"]
         train, validation = carve(table, args.validation_fraction)
         return finish(args, args.task, "single_label_classification", label_names, None, train, validation)
+    if args.task.startswith(NEEDLE_PREFIX):
+        train, validation, names = needle_splits(
+            args.task, args.long_corpus, lambda t: carve(t, args.validation_fraction)
+        )
+        return finish(args, args.task, "single_label_classification", names, None, train, validation)
+    if args.task == MODULES_PACKAGE:
+        table, names = modules_package_table(args.long_corpus)
+        train, validation = carve(table, args.validation_fraction)
+        return finish(args, args.task, "single_label_classification", names, None, train, validation)
     if args.task.startswith("glue:"):
         name = args.task[5:]
         columns, validation_split, num_labels, metrics = GLUE[name]

@@ -44,6 +44,27 @@ def compute_metrics(names, predictions, labels) -> dict[str, float]:
     return {name: METRICS[name](predictions, labels) for name in names}
 
 
+POSITION_BUCKETS = 8  # a 512-token window over a 4k-token input sees the first of eight
+
+
+def accuracy_by_position(predictions, labels, positions, buckets: int = POSITION_BUCKETS) -> dict[str, dict]:
+    """Accuracy of the examples whose needle starts in each of `buckets` equal ranges of the input
+    (`positions`: fractions in [0, 1], the `needle` task's `needle_position`): `{"0-12%": {"accuracy", "count"}}`,
+    in order; a range without examples is left out."""
+    predictions, labels, positions = np.asarray(predictions), np.asarray(labels), np.asarray(positions, dtype=float)
+    index = np.minimum((positions * buckets).astype(int), buckets - 1)
+    result = {}
+    for bucket in range(buckets):
+        chosen = index == bucket
+        if chosen.any():
+            name = f"{100 * bucket // buckets}-{100 * (bucket + 1) // buckets}%"
+            result[name] = {
+                "accuracy": float((predictions[chosen] == labels[chosen]).mean()),
+                "count": int(chosen.sum()),
+            }
+    return result
+
+
 def baseline_predictions(task_type: str, train_labels, n: int) -> np.ndarray:
     """The trivial predictor fitted on the training labels: the majority class, the mean score, or each
     label's majority (multi-label), repeated `n` times."""

@@ -36,10 +36,20 @@ from ..constants import (
     pretraining_metric_names,
 )
 from ..data.arguments import DataArguments
-from ..model.constants import CLASSIFIER_POOLINGS, DECODER_TYPES, token_kv_groups
+from ..model.constants import CLASSIFIER_POOLINGS, DECODER_TYPES, POSITION_EXTENSIONS, token_kv_groups
 from ..model.presets import PRESETS
 from ..tasks.arguments import TaskArguments
 from .gates import GATE_ACTIONS, GATE_EXIT_CODE, parse_gates
+
+EXTEND_HELP = (
+    f"one of {POSITION_EXTENSIONS}: a saved model whose position table is shorter than --max_seq_length is refused (no), "
+    "or its table grown by repeating the trained rows (copy; model/positions.py)"
+)
+
+
+def check_extension(value: str) -> None:
+    if value not in POSITION_EXTENSIONS:
+        raise ValueError(f"extend_positions={value!r} is unknown; choose one of {POSITION_EXTENSIONS}")
 
 
 @dataclass
@@ -71,8 +81,10 @@ class ModelArguments:
         default="none",
         metadata={"help": "token keys/values: none (per layer), all (computed once, read by every layer) or groups:K"},
     )
+    extend_positions: str = field(default="no", metadata={"help": EXTEND_HELP})
 
     def __post_init__(self):
+        check_extension(self.extend_positions)
         if self.model_name_or_path is None and self.preset not in PRESETS:
             raise ValueError(f"preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}")
         if self.architecture not in ARCHITECTURES:
@@ -320,8 +332,10 @@ class FinetuneArguments:
         default=None,
         metadata={"help": "tokenizer folder for model folders saved without one (save_pretrained of a model alone)"},
     )
+    extend_positions: str = field(default="no", metadata={"help": EXTEND_HELP})
 
     def __post_init__(self):
+        check_extension(self.extend_positions)
         if self.seeds < 1:
             raise ValueError(f"seeds={self.seeds} must be >= 1")
         if self.model_name_or_path is None:

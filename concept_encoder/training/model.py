@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+
 from ..data.tokenizer import check_tokenizer
 from ..model.bert_baseline import BertForSparseMaskedLM, bert_config
 from ..model.config import ConceptEncoderConfig
 from ..model.constants import CLASSIFIER_POOLINGS
 from ..model.heads import ConceptEncoderForMaskedLM
+from ..model.positions import extend_position_tables
 from ..model.summary import parameter_counts
 from .model_folder import check_model_folder, load_checked
 from .plan import fresh_model_fields
+from .preflight import beyond_positions
+
+logger = logging.getLogger(__name__)
 
 
 def construct(model_class, config, seed: int, zero3_config: dict | None = None):
@@ -66,6 +72,15 @@ def build_model(model_args, data_args, tokenizer, objective: str = "mlm", seed: 
     model_class = BertForSparseMaskedLM if bert else ConceptEncoderForMaskedLM
     if model_args.model_name_or_path:
         model = from_pretrained(model_class, model_args.model_name_or_path, zero3_config)
+        if model_args.extend_positions == "copy" and data_args.max_seq_length > model.config.max_position_embeddings:
+            if zero3_config is not None:
+                raise ValueError(
+                    "--extend_positions copy cannot grow a table ZeRO-3 partitions; run it once without ZeRO-3 "
+                    "(a ZeRO-0/1/2 config or none) and continue from that run's model"
+                )
+            trained = extend_position_tables(model, data_args.max_seq_length)
+            logger.info("position tables grown from %d to %d rows (copies of the trained rows)", trained,
+                        data_args.max_seq_length)  # fmt: skip
     elif bert:
         fields = fresh_model_fields(model_args, data_args.max_seq_length, len(tokenizer))
         config = bert_config(fields, len(tokenizer), pad_token_id=tokenizer.pad_token_id)
@@ -84,10 +99,7 @@ def build_model(model_args, data_args, tokenizer, objective: str = "mlm", seed: 
         model = construct(ConceptEncoderForMaskedLM, ConceptEncoderConfig(**fields), seed, zero3_config)
     check_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
     if data_args.max_seq_length > model.config.max_position_embeddings:
-        raise ValueError(
-            f"max_seq_length={data_args.max_seq_length} exceeds the model's max_position_embeddings="
-            f"{model.config.max_position_embeddings}; lower --max_seq_length"
-        )
+        raise ValueError(beyond_positions(data_args.max_seq_length, model.config.max_position_embeddings))
     if objective == "tsdae" and getattr(model.config, "decoder_type", None) == "perceiver":
         raise ValueError(
             f"{model_args.model_name_or_path} has a perceiver decoder, which --objective tsdae cannot train (its "
@@ -138,11 +150,15 @@ def check_pooling(config, pooling: str, where: str) -> dict:
     )
 
 
-def build_classifier(model_path: str, task, from_scratch: bool = False, pooling: str = "auto"):
+def build_classifier(
+    model_path: str, task, from_scratch: bool = False, pooling: str = "auto", extend_to: int | None = None
+):
     """`AutoModelForSequenceClassification` for `task` from a saved folder: a Concept Encoder (its MLM
     decoder is dropped, with a log line saying so) or any HF encoder such as BERT; `from_scratch`
-    builds the same architecture with fresh weights (from torch's global generator: seed it first). Returns (model, what was
-    done, for the log: the dropped tensors and, by full name, every newly initialised parameter)."""
+    builds the same architecture with fresh weights (from torch's global generator: seed it first). `extend_to`:
+    position tables shorter than this grow to it (`extend_position_tables`; a fresh twin's table is sized to it).
+    Returns (model, what was done, for the log: the dropped tensors and, by full name, every newly initialised
+    parameter)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     labels = {}
@@ -156,8 +172,13 @@ def build_classifier(model_path: str, task, from_scratch: bool = False, pooling:
     for key, value in check_pooling(config, pooling, model_path).items():
         setattr(config, key, value)
     if from_scratch:
+        if extend_to is not None and extend_to > config.max_position_embeddings:
+            config.max_position_embeddings = extend_to
         return AutoModelForSequenceClassification.from_config(config), "fresh weights (--from_scratch)"
     model, info = load_checked(AutoModelForSequenceClassification, model_path, config=config)
+    grown = ""
+    if extend_to is not None and extend_to > config.max_position_embeddings:
+        grown = f"; position tables grown from {extend_position_tables(model, extend_to)} to {extend_to} rows"
     dropped = sorted({key.split(".")[0] for key in info["unexpected_keys"]})
     note = (
         f"pretrained weights; dropped {len(info['unexpected_keys'])} tensors of {dropped}"
@@ -165,4 +186,4 @@ def build_classifier(model_path: str, task, from_scratch: bool = False, pooling:
         else "pretrained weights"
     )
     new = sorted(info["missing_keys"])
-    return model, note + (f"; new (randomly initialised): {new}" if new else "")
+    return model, note + grown + (f"; new (randomly initialised): {new}" if new else "")

@@ -74,16 +74,26 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
             raise ValueError(f"--model_name_or_path: {problem}")
         config = json.loads((Path(model_args.model_name_or_path) / "config.json").read_text())
         positions = config.get("max_position_embeddings")
-        if positions is not None and data_args.max_seq_length > positions:
-            raise ValueError(
-                f"max_seq_length={data_args.max_seq_length} exceeds the model's max_position_embeddings="
-                f"{positions}; lower --max_seq_length"
-            )
+        if (
+            positions is not None
+            and data_args.max_seq_length > positions
+            and getattr(model_args, "extend_positions", "no") == "no"
+        ):
+            raise ValueError(beyond_positions(data_args.max_seq_length, positions))
         weights = not getattr(model_args, "from_scratch", False)  # a random twin needs the config only
         if weights and (problem := model_folder_problem(model_args.model_name_or_path)):
             raise ValueError(f"--model_name_or_path: {problem}")
     if not cuda and (problem := host_memory_problem(model_args, data_args, training_args, config)):
         raise ValueError(problem)
+
+
+def beyond_positions(max_seq_length: int, positions: int) -> str:
+    """The refusal of a saved model read past its position table, with both ways out."""
+    return (
+        f"max_seq_length={max_seq_length} exceeds the model's max_position_embeddings={positions}; lower "
+        "--max_seq_length, or pass --extend_positions copy to grow its position table by repeating the trained "
+        "rows (docs/model.md)"
+    )
 
 
 def host_memory_problem(model_args, data_args, training_args, config: dict | None = None) -> str | None:

@@ -63,7 +63,12 @@ def linear_probe(model, loaders: dict, splits: dict, task, device: torch.device)
     feature_sets = per_split["train"].keys()
     return {
         name: fit_linear(
-            task.task_type, task.metric_names, {s: per_split[s][name] for s in per_split}, labels, standardize=True
+            task.task_type,
+            task.metric_names,
+            {s: per_split[s][name] for s in per_split},
+            labels,
+            standardize=True,
+            positions=task.validation_positions,  # the linear probe of the concepts for the needle's class
         )
         for name in feature_sets
     }

@@ -1,0 +1,87 @@
+"""Reading past the trained length (model/positions.py): position tables grown by copying their trained rows, and
+the loops' and tools' `--extend_positions` (refused without it, named in the refusal)."""
+
+import json
+
+import pytest
+import torch
+from test_model import V, random_batch, tiny_config
+from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification
+
+from concept_encoder import ConceptEncoderForMaskedLM, PRESETS
+from concept_encoder.model.bert_baseline import BertForSparseMaskedLM, bert_config
+from concept_encoder.model.positions import extend_position_tables
+
+
+@pytest.mark.parametrize("decoder", ["perceiver", "posonly", "weighted"])
+def test_a_grown_table_repeats_the_trained_rows_and_leaves_short_inputs_unchanged(decoder, tmp_path):
+    torch.manual_seed(0)
+    model = ConceptEncoderForMaskedLM(tiny_config(max_position_embeddings=16, decoder_type=decoder)).eval()
+    ids, labels = random_batch(seq_len=16)[:2]
+    with torch.no_grad():
+        before = model(input_ids=ids, labels=labels).loss
+        trained = model.encoder.embeddings.position_embeddings.weight.clone()
+        assert extend_position_tables(model, 40) == 16 and model.config.max_position_embeddings == 40
+        grown = model.encoder.embeddings.position_embeddings.weight
+        assert grown.shape == (40, trained.shape[1]) and torch.equal(grown, trained[torch.arange(40) % 16])
+        torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, before, rtol=0, atol=0)
+        if decoder == "weighted":  # its mixture logits are indexed by position too
+            assert model.mlm_decoder.mixture_logits.weight.shape[0] == 40
+        long_ids = torch.randint(5, V, (2, 40))
+        assert model(input_ids=long_ids).logits.shape == (2, 40, V)  # reads the new length
+    assert extend_position_tables(model, 32) == 40  # not longer: nothing changes
+    model.save_pretrained(tmp_path / "grown")
+    reloaded = AutoModelForMaskedLM.from_pretrained(tmp_path / "grown").eval()
+    assert reloaded.config.max_position_embeddings == 40
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=long_ids).logits, model(input_ids=long_ids).logits)
+
+
+def test_the_bert_twin_grows_its_table_and_its_id_buffers():
+    model = BertForSparseMaskedLM(bert_config({**PRESETS["micro"], "max_position_embeddings": 16}, V, pad_token_id=0))
+    model.eval()
+    extend_position_tables(model, 48)
+    embeddings = model.bert.embeddings
+    assert embeddings.position_embeddings.weight.shape[0] == 48 and embeddings.position_ids.shape == (1, 48)
+    assert embeddings.token_type_ids.shape == (1, 48) and not embeddings.token_type_ids.any()
+    with torch.no_grad():
+        assert model(input_ids=torch.randint(5, V, (1, 48))).logits.shape == (1, 48, V)
+
+
+def test_fine_tuning_and_its_twin_read_past_the_table_only_when_asked(tmp_path):
+    from concept_encoder.tasks.loading import TaskData
+    from concept_encoder.training.model import build_classifier
+
+    torch.manual_seed(0)
+    ConceptEncoderForMaskedLM(tiny_config(max_position_embeddings=16)).save_pretrained(tmp_path / "short")
+    task = TaskData("t", "single_label_classification", 3, None, ("accuracy",), None, None, None)
+    model, note = build_classifier(str(tmp_path / "short"), task, extend_to=64)
+    assert model.config.max_position_embeddings == 64 and "position tables grown from 16 to 64 rows" in note
+    assert model(input_ids=torch.randint(5, V, (1, 64))).logits.shape == (1, 3)
+    twin, _ = build_classifier(str(tmp_path / "short"), task, from_scratch=True, extend_to=64)
+    assert twin.config.max_position_embeddings == 64  # a fresh twin's table is sized from the length
+    plain, _ = build_classifier(str(tmp_path / "short"), task)
+    assert plain.config.max_position_embeddings == 16
+    plain.save_pretrained(tmp_path / "plain")
+    assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "plain").config.max_position_embeddings == 16
+
+
+def test_a_saved_model_read_past_its_table_is_refused_naming_the_extension(tmp_path, capsys, monkeypatch):
+    from concept_encoder.decide import check_health
+    from concept_encoder.training.args import parse_args
+    from concept_encoder.training.preflight import preflight
+
+    monkeypatch.chdir(tmp_path)
+    ConceptEncoderForMaskedLM(tiny_config(max_position_embeddings=16)).save_pretrained(tmp_path / "short")
+    argv = ["--model_name_or_path", str(tmp_path / "short"), "--max_seq_length", "64", "--output_dir", "out"]
+    model_args, data_args, training_args = parse_args(argv)
+    with pytest.raises(ValueError, match=r"max_seq_length=64 exceeds the model's max_position_embeddings=16; lower "
+                       r"--max_seq_length, or pass --extend_positions copy"):  # fmt: skip
+        preflight(model_args, data_args, training_args, cuda=False)
+    model_args, data_args, training_args = parse_args([*argv, "--extend_positions", "copy"])
+    preflight(model_args, data_args, training_args, cuda=False)  # asked for: accepted
+    with pytest.raises(ValueError, match=r"extend_positions='tile' is unknown; choose one of \('no', 'copy'\)"):
+        parse_args([*argv, "--extend_positions", "tile"])
+    assert check_health.main([str(tmp_path / "short"), "--max_seq_length", "64"]) == 2
+    assert "pass --extend_positions copy" in capsys.readouterr().err
+    assert json.loads((tmp_path / "short" / "config.json").read_text())["max_position_embeddings"] == 16  # untouched
