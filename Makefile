@@ -18,7 +18,7 @@ ARGS      ?=
 LAUNCH    := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
 .PHONY: help install test lint format clean bench gpu-check train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
-	finetune probe reference glue compare ablate curve
+	finetune probe reference glue compare ablate curve long-context
 
 help:  ## this list: every target, one line each
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## (.*)/\1\t\2/' | \
@@ -112,6 +112,20 @@ curve: install  ## downstream score against pretraining tokens (TOKENS), beside 
 		$(if $(REFERENCE),--reference $(REFERENCE)) --finetune_args "--seeds $(SEEDS) $(FT_ARGS)" -- \
 		--preset $(PRESET) --dataset $(CURVE_DATA) --tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) \
 		--per_device_train_batch_size $(BATCH) $(ARGS)
+
+# Long inputs as accuracy (docs/long_context.md): the Concept Encoder reading the whole input against BERT truncated
+# to WINDOW tokens, over WINDOW-token chunks and with full attention, TF-IDF, twins; pretraining on the modules corpus.
+#   make long-context LENGTHS=2048 LC_TOKENS=2M SEEDS=3 LC_TASK=needle   (LC_TASK=modules_spliced: the natural task)
+LENGTHS  ?= 2048
+LC_TOKENS ?= 2M
+LC_TASK  ?= needle
+WINDOW   ?= 512
+LC_NAME  ?= long-context
+LC_BATCH ?= 4
+long-context: install  ## long documents: whole-input Concept Encoder against truncated/chunked/full BERT, TF-IDF
+	$(PY) -m concept_encoder long_context --lengths $(LENGTHS) --tokens $(LC_TOKENS) --task $(LC_TASK) \
+		--window $(WINDOW) --name $(LC_NAME) --finetune_args "--seeds $(SEEDS) $(FT_ARGS)" -- \
+		--preset $(PRESET) --tokenizer $(TOKENIZER) --per_device_train_batch_size $(LC_BATCH) $(ARGS)
 
 # Hardware profiles (launch/profiles.yaml): the plan check runs first and launches only a sound plan.
 #   make train-3080 DATASET=wikitext:wikitext-103-raw-v1 STEPS=20000 ARGS="--run_name wiki --save_steps 1000"

@@ -71,6 +71,7 @@ from concept_encoder.training.checkpoint import (
     save_checkpoint,
     settings_differences,
 )
+from concept_encoder.training.chunked import chunk_problem, read_in_chunks
 from concept_encoder.training.deepspeed_setup import adamw_class, fill_deepspeed_auto_values, launched_zero_stage
 from concept_encoder.training.evaluation import predict
 from concept_encoder.training.faults import NonFiniteLossError, is_disk_full
@@ -159,7 +160,8 @@ def fine_tune(
     )
     # what decides this run's result: a finished run or a checkpoint is reused only under the same settings
     settings = {"model": model_path, "model_sha256": model_digest(model_path, weights=not fargs.from_scratch),
-                "from_scratch": fargs.from_scratch, "extend_positions": fargs.extend_positions, "task": task.name,
+                "from_scratch": fargs.from_scratch, "extend_positions": fargs.extend_positions,
+                "chunk_length": fargs.chunk_length, "task": task.name,
                 "task_sha256": task_digest(task), "seed": seed, "learning_rate": rate, "pooling": fargs.pooling,
                 "max_steps": args.max_steps, "world_size": state.num_processes,
                 "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -180,13 +182,13 @@ def fine_tune(
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, run_args.run_name)
     set_seed(seed)
     # 7. model: the checkpoint's encoder with a fresh task head (or fresh weights with --from_scratch)
-    model, note = build_classifier(model_path, task, fargs.from_scratch, fargs.pooling, extend_to(fargs, task_args))
+    model, note = classifier(model_path, task, fargs, task_args)
     logger.info("model %s (seed %d, lr %g): %s", model_path, seed, rate, note)
     counts = log_model_info(model, {"task": task.name, "seed": seed, "learning_rate": rate})
     loaders = make_loaders({k: splits[k] for k in ("train", "dev")}, tokenizer, model, args, seed)  # not validation
     # 8. attention-kernel probe (main process, attention calls of the model's shape)
     probe_attention_kernels(model.config, next(iter(loaders["dev"])), state, decoder=False)
-    pooling = describe_pooling(model)
+    pooling = describe_pooling(model, fargs.chunk_length)
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
     # 10. run dir: one per model, seed and rate; a resume must continue the same settings
@@ -270,7 +272,7 @@ def fine_tune(
             logger.warning("%s lr %g seed %d: the chosen step %d is the last one evaluated: still improving: train "
                            "longer (--max_steps or --epochs)", tag, rate, seed, best.step)  # fmt: skip
         result = {"model": tag, "method": "fine-tune", "task": task.name, "seed": seed, "learning_rate": rate,
-                  "pooling": pooling, "best_step": best.step, "steps": progress.step,
+                  "pooling": pooling, "parameters": counts["total"], "best_step": best.step, "steps": progress.step,
                   "still_improving": still_improving, "dev": best.dev,
                   "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir), "settings": settings,
                   **({"gates": gates.summary(), "stopped_by_gate": gate_stopped} if args.gate else {})}  # fmt: skip
@@ -304,7 +306,7 @@ def fine_tune(
             run_lock.release()
 
 
-def validate(state, result: dict, task, splits, tokenizer, args) -> dict:
+def validate(state, result: dict, task, splits, tokenizer, fargs, args) -> dict:
     """Step 13: the validation split, evaluated once for a run whose every choice is made: the saved model of
     `result["run_dir"]` (the step chosen on dev) predicts it; the metrics join `result` and its summary.json."""
     run_dir = Path(result["run_dir"])
@@ -312,6 +314,8 @@ def validate(state, result: dict, task, splits, tokenizer, args) -> dict:
         return result
     state.wait_for_everyone()  # the main process saved final/
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "final")
+    if fargs.chunk_length:  # a reading mode, not weights: applied again to the saved model
+        read_in_chunks(model, fargs.chunk_length)
     accelerator = Accelerator()  # only to shard the loader and gather: the model is not wrapped (no DeepSpeed engine)
     loader = make_loaders({"validation": splits["validation"]}, tokenizer, model, args, result["seed"])["validation"]
     model, loader = model.to(accelerator.device), accelerator.prepare_data_loader(loader)
@@ -338,9 +342,15 @@ def validate(state, result: dict, task, splits, tokenizer, args) -> dict:
     return result
 
 
-def extend_to(fargs, task_args) -> int | None:
-    """The length position tables grow to under `--extend_positions copy` (the task's --max_seq_length)."""
-    return task_args.max_seq_length if fargs.extend_positions == "copy" else None
+def classifier(model_path: str, task, fargs, task_args):
+    """`build_classifier` for `model_path` as the arguments ask: position tables grown to the task's
+    --max_seq_length under `--extend_positions copy`, inputs read in chunks under `--chunk_length`."""
+    extend_to = task_args.max_seq_length if fargs.extend_positions == "copy" else None
+    model, note = build_classifier(model_path, task, fargs.from_scratch, fargs.pooling, extend_to)
+    if fargs.chunk_length:
+        read_in_chunks(model, fargs.chunk_length)
+        note += f"; read in chunks of {fargs.chunk_length} tokens, their mean token states averaged"
+    return model, note
 
 
 def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, task_args, args, run_base: str):
@@ -368,7 +378,7 @@ def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, task
         if run is None:
             return None
         runs.append(run)
-    return [{**validate(state, run, task, splits, tokenizer, args), "rate_grid": grid} for run in runs]
+    return [{**validate(state, run, task, splits, tokenizer, fargs, args), "rate_grid": grid} for run in runs]
 
 
 def probe_model(state, model_path: str, task, splits, tokenizer, fargs, task_args, args) -> list[dict]:
@@ -380,15 +390,14 @@ def probe_model(state, model_path: str, task, splits, tokenizer, fargs, task_arg
         for seed in seeds:
             started = time.perf_counter()
             set_seed(seed)
-            model, _ = build_classifier(
-                model_path, task, fargs.from_scratch, fargs.pooling, extend_to(fargs, task_args)
-            )
+            model, _ = classifier(model_path, task, fargs, task_args)
             model.to(state.device)
             loaders = make_loaders(splits, tokenizer, model, args, seed, shuffle_train=False)
             for features, fit in linear_probe(model, loaders, splits, task, state.device).items():
                 results.append({"model": model_tag(model_path, fargs.from_scratch), "method": f"probe: {features}",
                                 "task": task.name, "seed": seed, "pooling": features, "dev": fit["dev"],
                                 "validation": fit["validation"], "probe_grid": fit["grid"], "probe_C": fit["chosen"],
+                                **{k: fit[k] for k in ("validation_by_position",) if k in fit},
                                 "rows": {name: split_rows(split) for name, split in splits.items()},
                                 "seconds": round(time.perf_counter() - started, 1)})  # fmt: skip
                 logger.info("probe of %s (%s, seed %d): C=%g chosen on dev; validation %s", model_path, features, seed,
@@ -436,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in fargs.models:  # each folder what it claims, --pooling one its head has, a tokenizer: before training
         check_model_folder(path, weights=not fargs.from_scratch)
         check_pooling(AutoConfig.from_pretrained(path), fargs.pooling, path)
+        if fargs.chunk_length and (problem := chunk_problem(AutoConfig.from_pretrained(path), fargs.chunk_length)):
+            raise ValueError(f"{path}: {problem}")
         model_tokenizer_folder(path, fargs.tokenizer)
     set_seed(args.seed)
     log_system_info(state)

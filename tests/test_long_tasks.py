@@ -2,6 +2,7 @@
 site-packages tree (the real corpus takes minutes to read)."""
 
 import random
+import re
 from collections import Counter
 
 import numpy as np
@@ -118,3 +119,25 @@ def test_accuracy_by_position_counts_each_bucket():
     assert [b["accuracy"] for b in buckets.values()] == [0.0, 0.0, 1.0, 1.0]
     assert sum(b["count"] for b in buckets.values()) == 400
     assert accuracy_by_position([1], [1], [1.0], buckets=4) == {"75-100%": {"accuracy": 1.0, "count": 1}}
+
+
+def test_modules_spliced_pairs_halves_within_a_package_and_reads_each_half_once(long_site):
+    from concept_encoder.tasks.long_documents import halves
+
+    assert halves("a b c\n\nd e\n\nf g h i j k") == ("a b c\n\nd e", "f g h i j k")  # nearest the middle word
+    assert halves("one paragraph only") is None
+    data = load_task(TaskArguments(task="modules_spliced", long_corpus=long_site))
+    assert data.label_names == ["crossed", "whole"]
+    rows = [*data.train, *data.dev, *data.validation]
+    assert len(rows) == 2 * (2 + 2 + 3)  # 4, 5 and 6 modules a package: 2, 2 and 3 pairs, two examples each
+    heads, tails = Counter(), Counter()
+    for row in rows:
+        head, tail = halves(row["text_a"]) or (None, None)
+        heads[head] += 1
+        tails[tail] += 1
+    assert max(heads.values()) == 1 and max(tails.values()) == 1  # no half read twice
+    for row in rows:  # each paragraph of a generated module ends "number <module seed><two digits>."
+        modules = {int(n) // 100 for n in re.findall(r"number (\d+)\.", row["text_a"])}
+        assert len({m // 1000 for m in modules}) == 1, "both halves come from one package"
+        assert len(modules) == (1 if row["label"] == 1 else 2), "whole: one module; crossed: two"
+    assert {r["label"] for r in rows} == {0, 1}

@@ -85,3 +85,37 @@ def test_a_saved_model_read_past_its_table_is_refused_naming_the_extension(tmp_p
     assert check_health.main([str(tmp_path / "short"), "--max_seq_length", "64"]) == 2
     assert "pass --extend_positions copy" in capsys.readouterr().err
     assert json.loads((tmp_path / "short" / "config.json").read_text())["max_position_embeddings"] == 16  # untouched
+
+
+def test_a_chunked_reading_encodes_each_chunk_alone_and_averages_their_mean_states():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from concept_encoder.training.chunked import read_in_chunks
+    from concept_encoder.training.probe import frozen_features
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                        max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0)  # fmt: skip
+    model = BertForSequenceClassification(config).eval()
+    ids = torch.randint(5, V, (2, 40))
+    mask = torch.ones_like(ids)
+    mask[1, 21:] = 0  # the second input is 21 tokens: two chunks, the second of 5 tokens; the third chunk empty
+    with torch.no_grad():
+        expected = []
+        for row, n in ((0, 40), (1, 21)):
+            chunks = [ids[row, i : min(i + 16, n)] for i in range(0, n, 16)]
+            means = [model.bert(chunk[None]).last_hidden_state.mean(1) for chunk in chunks]  # each chunk alone
+            pooled = model.bert.pooler.activation(model.bert.pooler.dense(torch.cat(means).mean(0, keepdim=True)))
+            expected.append(model.classifier(pooled))
+        read_in_chunks(model, 16)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(logits, torch.cat(expected), rtol=1e-5, atol=1e-5)
+        states = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert states.shape == (2, 40, 32)  # position for position: the probes' masked mean reads it as usual
+        loader = [{"input_ids": ids, "attention_mask": mask}]
+        assert frozen_features(model, loader, torch.device("cpu"))["hidden mean"].shape == (2, 32)
+    with pytest.raises(ValueError, match="--chunk_length 32 is longer than the model's 16 positions"):
+        read_in_chunks(BertForSequenceClassification(config), 32)
+    concept = ConceptEncoderForMaskedLM(tiny_config())
+    with pytest.raises(ValueError, match="a Concept Encoder reads the whole input"):
+        read_in_chunks(concept, 16)

@@ -8,7 +8,8 @@ TASK_TYPES = ("auto", "single_label_classification", "regression", "multi_label_
 EMBEDDED_TASKS = ("embedded", "embedded_pairs")
 NEEDLE_PREFIX = "needle:"
 MODULES_PACKAGE = "modules_package"
-LONG_TASKS = (f"{NEEDLE_PREFIX}<words>", MODULES_PACKAGE)  # tasks/long_documents.py
+MODULES_SPLICED = "modules_spliced"
+LONG_TASKS = (f"{NEEDLE_PREFIX}<words>", MODULES_PACKAGE, MODULES_SPLICED)  # tasks/long_documents.py
 MIN_NEEDLE_WORDS = 16
 
 
@@ -28,7 +29,8 @@ GLUE_TASKS = ("cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte")
 
 @dataclass
 class TaskArguments:
-    """The task: `embedded`, `embedded_pairs`, the long-document tasks `needle:<words>` and `modules_package`,
+    """The task: `embedded`, `embedded_pairs`, the long-document tasks `needle:<words>`, `modules_package` and
+    `modules_spliced`,
     `glue:<name>` or a local .csv/.tsv/.jsonl file or folder."""
 
     task: str = field(

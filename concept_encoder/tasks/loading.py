@@ -12,10 +12,10 @@ from datasets import Dataset, Sequence, Value, load_dataset
 from ..constants import check_table_covers
 from ..data.base import DataSourceError, ensure_hub
 from ..data.sources import SPLIT_SEED, unreadable_file_message  # SPLIT_SEED: the data layer's fixed hold-out seed
-from .arguments import EMBEDDED_TASKS, GLUE_TASKS, MODULES_PACKAGE, NEEDLE_PREFIX, TaskArguments
+from .arguments import EMBEDDED_TASKS, GLUE_TASKS, MODULES_PACKAGE, MODULES_SPLICED, NEEDLE_PREFIX, TaskArguments
 from .embedded import PACKAGES, embedded_pairs, embedded_sentences
 from .labels import check_present, class_name, class_names, infer_task_type, read_delimited, regression_values
-from .long_documents import modules_package_table, needle_splits
+from .long_documents import modules_package_table, modules_spliced_table, needle_splits
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,9 @@ def load_task(args: TaskArguments) -> TaskData:
             args.task, args.long_corpus, lambda t: carve(t, args.validation_fraction)
         )
         return finish(args, args.task, "single_label_classification", names, None, train, validation)
-    if args.task == MODULES_PACKAGE:
-        table, names = modules_package_table(args.long_corpus)
+    if args.task in (MODULES_PACKAGE, MODULES_SPLICED):
+        build = modules_package_table if args.task == MODULES_PACKAGE else modules_spliced_table
+        table, names = build(args.long_corpus)
         train, validation = carve(table, args.validation_fraction)
         return finish(args, args.task, "single_label_classification", names, None, train, validation)
     if args.task.startswith("glue:"):

@@ -12,7 +12,15 @@
   and comments in source order) comes from. Classes are the `PACKAGE_CLASSES` largest packages with at least
   `MIN_CLASS_DOCUMENTS` documents, at most `PER_CLASS` documents each (seeded); every word holding a
   class package's distribution or import name (`PyTorch`, `torch.nn`, `sklearn` for scikit-learn) and every
-  dotted path (`a.b.c`, `obj.method(`) is removed, since either names the answer. Split like a local file without validation (`--validation_fraction`).
+  dotted path (`a.b.c`, `obj.method(`) is removed, since either names the answer. Split like a local file without
+  validation (`--validation_fraction`). A bag of words reads the package from the vocabulary: TF-IDF scores 0.95
+  here (docs/long_context.md), at the ceiling, which is why the long-context driver's natural task is the next one.
+- `modules_spliced`: is this one module's documentation, or the first half of one module joined to the second half
+  of another module of the same package? Documents are paired within their package (seeded); a pair gives two
+  examples, both whole (label 1) or both crossed (label 0), so no half is read twice. Each half is cut at the
+  paragraph boundary nearest the middle. Both halves are on the package's topic: what tells a crossed document
+  apart is order and coherence across the whole input, which a bag of words does not keep and a window of the
+  first 512 tokens does not reach.
 
 Both read `--long_corpus` (default `modules`, or `modules:<site-packages folder>`), cached like the corpus. The
 pretraining corpus is the same text: a model pretrained on `modules` has read the haystacks and the documents (not
@@ -29,7 +37,7 @@ from datasets import Dataset
 
 from ..data.base import DataSourceError
 from ..data.modules import module_corpus
-from .arguments import MODULES_PACKAGE, NEEDLE_PREFIX, needle_words
+from .arguments import MODULES_PACKAGE, MODULES_SPLICED, NEEDLE_PREFIX, needle_words
 from .embedded import embedded_sentences
 
 PACKAGE_CLASSES = 8
@@ -120,3 +128,47 @@ def modules_package_table(corpus: str) -> tuple[Dataset, list[str]]:
     rng.shuffle(order)
     table = {"text_a": [texts[i] for i in order], "label": [labels[i] for i in order], "id": list(range(len(order)))}
     return Dataset.from_dict(table), names
+
+
+def halves(document: str) -> tuple[str, str] | None:
+    """`document` cut at the paragraph boundary nearest its middle word; None for a single paragraph."""
+    paragraphs = document.split("\n\n")
+    if len(paragraphs) < 2:
+        return None
+    counts = [len(p.split()) for p in paragraphs]
+    total, running, best = sum(counts), 0, (float("inf"), 1)
+    for cut in range(1, len(paragraphs)):
+        running += counts[cut - 1]
+        best = min(best, (abs(running - total / 2), cut))
+    cut = best[1]
+    return "\n\n".join(paragraphs[:cut]), "\n\n".join(paragraphs[cut:])
+
+
+def modules_spliced_table(corpus: str) -> tuple[Dataset, list[str]]:
+    """(table with `text_a`, `label`, `id`; class names) of `modules_spliced` (see the module docstring)."""
+    source = module_corpus(corpus)
+    origins = source.manifest.get("document_packages")
+    if origins is None or len(origins) != len(source.documents):
+        raise DataSourceError(f"{corpus}: the cached corpus does not record each document's package; remove it")
+    by_package: dict[str, list[tuple[str, str]]] = {}
+    for document, package in zip(source.documents, origins, strict=True):
+        if (parts := halves(document)) is not None:
+            by_package.setdefault(package, []).append(parts)
+    rng = random.Random(SEED + 1)
+    texts, labels = [], []
+    for package in sorted(by_package):
+        documents = by_package[package]
+        rng.shuffle(documents)
+        for (head_a, tail_a), (head_b, tail_b) in zip(documents[0::2], documents[1::2], strict=False):
+            whole = rng.random() < 0.5
+            texts += [f"{head_a}\n\n{tail_a if whole else tail_b}", f"{head_b}\n\n{tail_b if whole else tail_a}"]
+            labels += [int(whole)] * 2
+    if len(set(labels)) < 2:
+        raise DataSourceError(
+            f"--task {MODULES_SPLICED}: {corpus} has too few long documents of one package to pair ({len(texts)} "
+            "examples); point --long_corpus modules:<folder> at a site-packages folder with more"
+        )
+    order = list(range(len(texts)))
+    rng.shuffle(order)
+    table = {"text_a": [texts[i] for i in order], "label": [labels[i] for i in order], "id": list(range(len(order)))}
+    return Dataset.from_dict(table), ["crossed", "whole"]

@@ -333,9 +333,16 @@ class FinetuneArguments:
         metadata={"help": "tokenizer folder for model folders saved without one (save_pretrained of a model alone)"},
     )
     extend_positions: str = field(default="no", metadata={"help": EXTEND_HELP})
+    chunk_length: int | None = field(
+        default=None,
+        metadata={"help": "token encoders: read inputs in chunks of this many tokens, each encoded alone, their mean "
+                  "token states averaged (the chunked BERT baseline of long documents; training/chunked.py)"},
+    )  # fmt: skip
 
     def __post_init__(self):
         check_extension(self.extend_positions)
+        if self.chunk_length is not None and self.chunk_length < 2:
+            raise ValueError(f"chunk_length={self.chunk_length} must be >= 2 (or unset to read inputs whole)")
         if self.seeds < 1:
             raise ValueError(f"seeds={self.seeds} must be >= 1")
         if self.model_name_or_path is None:

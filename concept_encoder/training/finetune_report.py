@@ -42,7 +42,13 @@ def report_rows(results: list[dict]) -> list[dict]:
             row[f"{metric}_mean"], row[f"{metric}_std"] = mean_std(values)
             row[f"{metric}_seeds"] = values
         row["seconds"] = round(sum(r["seconds"] for r in runs), 1)
+        if all("validation_by_position" in r for r in runs):  # the needle task: accuracy by where the needle was
+            buckets = runs[0]["validation_by_position"]
+            row["accuracy_by_position"] = {
+                name: statistics.fmean(r["validation_by_position"][name]["accuracy"] for r in runs) for name in buckets
+            }
         if row["method"] == "fine-tune":
+            row["parameters"] = runs[0].get("parameters")
             row["learning_rate"] = runs[0]["learning_rate"]
             row["rate_grid"] = runs[0].get("rate_grid", {f"{runs[0]['learning_rate']:g}": None})
             row["best_steps"] = [r["best_step"] for r in runs]

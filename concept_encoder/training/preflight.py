@@ -74,12 +74,10 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
             raise ValueError(f"--model_name_or_path: {problem}")
         config = json.loads((Path(model_args.model_name_or_path) / "config.json").read_text())
         positions = config.get("max_position_embeddings")
-        if (
-            positions is not None
-            and data_args.max_seq_length > positions
-            and getattr(model_args, "extend_positions", "no") == "no"
-        ):
-            raise ValueError(beyond_positions(data_args.max_seq_length, positions))
+        whole = not getattr(model_args, "chunk_length", None)  # chunks: checked against the table by chunk_problem
+        if whole and positions is not None and data_args.max_seq_length > positions:
+            if getattr(model_args, "extend_positions", "no") == "no":
+                raise ValueError(beyond_positions(data_args.max_seq_length, positions))
         weights = not getattr(model_args, "from_scratch", False)  # a random twin needs the config only
         if weights and (problem := model_folder_problem(model_args.model_name_or_path)):
             raise ValueError(f"--model_name_or_path: {problem}")

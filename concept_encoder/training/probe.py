@@ -74,10 +74,12 @@ def linear_probe(model, loaders: dict, splits: dict, task, device: torch.device)
     }
 
 
-def describe_pooling(model) -> str:
+def describe_pooling(model, chunk_length: int | None = None) -> str:
     """How the fine-tuning classifier turns an encoder's output into one vector (a confound of any
-    comparison between architectures, so the report names it)."""
+    comparison between architectures, so the report names it); `chunk_length`: read in chunks (`chunked.py`)."""
     config = model.config
+    if chunk_length:
+        return f"mean token state of each {chunk_length}-token chunk, mean over chunks → pooler dense+tanh"
     if config.model_type == CONCEPT_MODEL_TYPE:
         how = {"weighted": "learned softmax weights over concepts", "mean": "mean of concepts"}
         return f"{how.get(config.classifier_pooling, config.classifier_pooling)} → dense+tanh"

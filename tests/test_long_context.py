@@ -1,0 +1,107 @@
+"""The long-context driver (`python -m concept_encoder long_context`) on `micro` with two tiny lengths, on a
+generated site-packages tree: every row it promises, its report files, reuse on a rerun, bad plans."""
+
+import json
+from pathlib import Path
+
+import pytest
+from accelerate.state import AcceleratorState, GradientState
+from test_docstrings import write_distribution
+from test_long_tasks import long_module
+
+import loops.finetune as finetune
+import loops.mlm as mlm
+from concept_encoder.decide import curve, long_context
+
+PRETRAIN = ["--preset", "micro", "--tokenizer", "train:wordpiece:1000", "--report_to", "none", "--progress_bar",
+            "false", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--eval_steps", "0",
+            "--save_steps", "0", "--max_eval_batches", "1", "--output_dir", "runs"]  # fmt: skip
+FINETUNE = ("--max_steps 2 --eval_steps 1 --learning_rates 1e-3 --seeds 1 --per_device_train_batch_size 8 "
+            "--per_device_eval_batch_size 64 --report_to none --progress_bar false --output_dir ft")  # fmt: skip
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A tree of 36 long modules in three packages, the embedded task cut to 20 sentences a package (180 needles),
+    the working folder `tmp_path`, the loops run in this process."""
+    from concept_encoder.data import modules, stdlib_sentences
+
+    monkeypatch.setattr(modules, "MIN_DOCUMENT_WORDS", 30)
+    monkeypatch.setattr(stdlib_sentences, "PER_PACKAGE", 20)
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "site-packages"
+    for k, name in enumerate(("alpha", "beta", "gamma")):
+        write_distribution(root, name, "1.0", {f"{name}/m{i}.py": long_module(100 * k + i) for i in range(12)})
+    commands = []
+
+    def in_process(command):
+        commands.append(command)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        script = next(c for c in command if c.endswith(".py"))
+        loop = mlm if script == str(curve.MLM_SCRIPT) else finetune
+        return 1 if loop.main(command[command.index(script) + 1 :]) else 0
+
+    monkeypatch.setattr(curve, "run_command", in_process)
+    yield root, commands
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def argv(root, *extra):
+    return ["--lengths", "48,64", "--window", "32", "--tokens", "1536", "--full_attention_max", "48",
+            "--finetune_args", f"{FINETUNE} --long_corpus modules:{root}", *extra,
+            "--", *PRETRAIN, "--dataset", f"modules:{root}"]  # fmt: skip
+
+
+@pytest.mark.loop
+def test_the_driver_writes_every_row_and_reuses_them(site, capsys):
+    root, commands = site
+    assert long_context.main(argv(root)) == 0
+    [report] = Path("Cache/reports").glob("long-context_*.json")
+    assert {p.suffix for p in report.parent.glob(f"{report.stem}.*")} == {".md", ".json", ".png"}
+    rows = json.loads(report.read_text())["rows"]
+    keys = [(r["key"], r["pretrained"]) for r in rows]
+    for length in (48, 64):
+        for key in (f"concept-L{length}", f"bert-trunc-L{length}", f"bert-chunks-L{length}"):
+            assert (key, True) in keys and (key, False) in keys  # each beside its from-scratch twin
+    assert ("bert-full-L48", True) in keys and not any(k.startswith("bert-full-L64") for k, _ in keys)  # capped
+    assert sum(k.startswith("concept-clock") for k, _ in keys) <= 2
+    assert [k for k, _ in keys].count("tfidf-whole") == 2 and [k for k, _ in keys].count("tfidf-first") == 2
+    for row in rows:
+        assert {"model", "max_seq_length", "accuracy_mean", "accuracy_std", "train_seconds", "tokens_per_second"} <= set(row)
+        assert 0 <= row["accuracy_mean"] <= 1 and row["accuracy_by_position"]  # the needle: accuracy by position
+    by_key = {(r["key"], r["pretrained"]): r for r in rows}
+    trunc, chunks = by_key[("bert-trunc-L64", True)], by_key[("bert-chunks-L64", True)]
+    assert (trunc["max_seq_length"], chunks["max_seq_length"], chunks["chunk_length"]) == (32, 64, 32)
+    assert chunks["flops_per_example"] == pytest.approx(2 * trunc["flops_per_example"])  # two windows of 32
+    concept = by_key[("concept-L64", True)]
+    assert concept["pretrain_tokens"] == trunc["pretrain_tokens"] == 1536  # equal tokens
+    assert concept["tokens_per_second"] > 0 and concept["parameters"] > 0
+    assert by_key[("concept-L64", False)]["pretrain_seconds"] is None
+    pretrainings = [c for c in commands if str(curve.MLM_SCRIPT) in c]
+    planned = sorted(int(c[c.index("--max_seq_length") + 1]) for c in pretrainings if "-clock-" not in str(c))
+    assert planned == [32, 48, 48, 64] and all("--document_blocks" in c for c in pretrainings)  # W, L, L, full ≤ 48
+    chunked = [c for c in commands if "--chunk_length" in c]
+    assert chunked and all(c[c.index("--max_seq_length") + 1] in ("48", "64") for c in chunked)
+    first = len(commands)
+    capsys.readouterr()
+    assert long_context.main(argv(root)) == 0  # everything measured: reused, nothing launched
+    assert len(commands) == first and "finished earlier, reused" in capsys.readouterr().out
+    assert len(list(Path("Cache/reports").glob("long-context_*.json"))) == 2
+
+
+def test_bad_plans_are_refused_before_any_run(site, capsys):
+    root, commands = site
+    for extra, message in (
+        (["--lengths", "32"], "every length must be above --window 32"),
+        (["--tokens", "1k,2k"], "give one budget"),
+        (["--words_per_token", "2"], "must be in \\(0, 1\\]"),
+    ):
+        with pytest.raises(SystemExit):
+            long_context.main([*argv(root)[: argv(root).index("--")], *extra, "--", *PRETRAIN])
+        assert pytest.importorskip("re").search(message, capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+        long_context.main([*argv(root), "--max_seq_length", "64"])
+    assert "['--max_seq_length'] are set by the long-context driver" in capsys.readouterr().err
+    assert commands == []
