@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from concept_encoder.accounting import memory
+from concept_encoder.constants import EMBEDDED_DATASET
 from concept_encoder.data.arguments import DataArguments
+from concept_encoder.data.base import DataSourceError
+from concept_encoder.data.docstrings import is_docstrings_spec, site_roots
+from concept_encoder.data.licenses import is_licenses_spec
+from concept_encoder.data.modules import is_modules_spec
 from concept_encoder.training.args import ModelArguments, TrainingArguments
 from concept_encoder.training.checkpoint import CheckpointError, resolve_resume
 from concept_encoder.training.extension_locks import stale_lock_message, stale_op_locks
@@ -397,9 +402,16 @@ def check_paths(plan: Plan) -> list[Check]:
 
 
 def check_dataset(plan: Plan) -> Check:
-    """The embedded corpus, a non-empty local file or folder, or a Hub name (not checked: no network use)."""
-    if plan.data.dataset == "embedded":
+    """A built-in offline corpus, a non-empty local file or folder, or a Hub name (not checked: no network use)."""
+    spec = plan.data.dataset
+    if spec == EMBEDDED_DATASET:
         return Check("dataset", OK, "embedded corpus (no network)")
+    if is_docstrings_spec(spec) or is_licenses_spec(spec) or is_modules_spec(spec):
+        try:
+            roots = site_roots(spec)  # the folder after `<corpus>:` must exist
+        except DataSourceError as error:
+            return Check("dataset", ERROR, str(error), "give an existing site-packages folder")
+        return Check("dataset", OK, f"built-in corpus {spec}: read from {', '.join(map(str, roots))} (no network)")
     if Path(plan.data.dataset).expanduser().exists():
         path = Path(plan.data.dataset).expanduser()
         empty = path.is_file() and path.stat().st_size == 0 or path.is_dir() and not any(path.iterdir())

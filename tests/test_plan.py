@@ -359,3 +359,13 @@ def test_impossible_machines_are_errors_and_run_checks_the_machine_it_is_on(monk
     monkeypatch.setattr(check_plan, "visible_gpus", lambda: [{"name": "RTX 3070", "memory_gb": 8.0, "capability": 8.6}])
     assert check_plan.main(["--profile", "rtx3080_10gb", "--run"]) == 1 and not launched
     assert "this machine has 1 GPU with 8 GB; on this machine: make train-cpu" in capsys.readouterr().err
+
+
+def test_the_built_in_corpora_are_offline_and_their_folders_checked(tmp_path, capsys):
+    for corpus in ("embedded", "docstrings", "licenses", "modules", f"modules:{tmp_path}"):
+        code, out = run(capsys, "--profile", "cpu", "--dataset", corpus, "--json")
+        [check] = [c for c in json.loads(out)["checks"] if c["name"] == "dataset"]
+        assert check["status"] == "OK" and "no network" in check["reason"], (corpus, check)
+    code, out = run(capsys, "--profile", "cpu", "--dataset", f"modules:{tmp_path / 'missing'}", "--json")
+    [check] = [c for c in json.loads(out)["checks"] if c["name"] == "dataset"]
+    assert code == 1 and check["status"] == "ERROR" and "missing" in check["reason"]

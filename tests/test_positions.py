@@ -2,6 +2,7 @@
 the loops' and tools' `--extend_positions` (refused without it, named in the refusal)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,3 +120,37 @@ def test_a_chunked_reading_encodes_each_chunk_alone_and_averages_their_mean_stat
     concept = ConceptEncoderForMaskedLM(tiny_config())
     with pytest.raises(ValueError, match="a Concept Encoder reads the whole input"):
         read_in_chunks(concept, 16)
+
+
+@pytest.mark.loop
+def test_continued_pretraining_reads_past_the_table_only_with_the_extension(tmp_path, monkeypatch):
+    """A model saved with a 32-row table: `loops/mlm.py --max_seq_length 64` from it is refused (naming the flag)
+    and runs with `--extend_positions copy`, saving a 64-row table whose first rows are the trained ones."""
+    import shutil
+
+    import loops.mlm as mlm
+    from loop_runs import COMMON
+    from safetensors.torch import load_file
+
+    monkeypatch.chdir(tmp_path)
+    common = [a if a != "64" else "32" for a in COMMON]  # the shared arguments at 32 tokens
+    assert mlm.main([*common, "--output_dir", "runs", "--run_name", "short", "--max_steps", "2"]) == 0
+    model = AutoModelForMaskedLM.from_pretrained("runs/short/final")
+    table = model.encoder.embeddings.position_embeddings
+    model.encoder.embeddings.position_embeddings = torch.nn.Embedding.from_pretrained(table.weight[:32].clone(),
+                                                                                     freeze=False)  # fmt: skip
+    model.config.max_position_embeddings = 32
+    model.save_pretrained(tmp_path / "trained32")
+    for name in Path("runs/short/final").glob("*token*"):
+        shutil.copy(name, tmp_path / "trained32" / name.name)  # its own tokenizer, as a run's final/ carries it
+    folder_decides = ("--preset", "--tokenizer")  # a model folder has its own shape and tokenizer
+    unshaped = [a for i, a in enumerate(COMMON) if not set(folder_decides) & set(COMMON[max(i - 1, 0) : i + 1])]
+    longer = [*unshaped, "--output_dir", "runs", "--model_name_or_path", "trained32", "--max_steps", "1"]
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=32; lower --max_seq_length, or "
+                       "pass --extend_positions copy"):  # fmt: skip
+        mlm.main([*longer, "--run_name", "refused"])
+    assert mlm.main([*longer, "--run_name", "grown", "--extend_positions", "copy", "--learning_rate", "1e-9"]) == 0
+    grown = load_file("runs/grown/final/model.safetensors")["encoder.embeddings.position_embeddings.weight"]
+    trained = load_file("trained32/model.safetensors")["encoder.embeddings.position_embeddings.weight"]
+    assert grown.shape[0] == 64 and torch.allclose(grown[32:], trained, atol=1e-4)  # copies, barely trained
+    assert json.loads(Path("runs/grown/final/config.json").read_text())["max_position_embeddings"] == 64
