@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from accelerate.state import AcceleratorState, GradientState
 
+import loops.finetune as finetune
 import loops.mlm as mlm
 from concept_encoder.training.metrics_log import read_metrics
 
@@ -44,6 +45,22 @@ def finished_run(workdir):
 
 def run(*extra: str) -> int:
     return mlm.main([*COMMON, "--output_dir", "runs", *extra])
+
+
+def launch_in_process(commands: list):
+    """A stand-in for `curve.run_command`: the loop an `accelerate launch` command names runs in this process
+    (seconds saved per run), and every command is kept in `commands`."""
+    from concept_encoder.decide import curve
+
+    def in_process(command):
+        commands.append(command)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        script = next(c for c in command if c.endswith(".py"))
+        loop = mlm if script == str(curve.MLM_SCRIPT) else finetune
+        return 1 if loop.main(command[command.index(script) + 1 :]) else 0  # as `accelerate launch` reports it
+
+    return in_process
 
 
 def records(run_name: str, kind: str) -> list[dict]:

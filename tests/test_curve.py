@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
-from loop_runs import COMMON, fresh_accelerate, workdir  # noqa: F401 (fixtures: a module work folder, accelerate reset)
+from loop_runs import COMMON, fresh_accelerate, launch_in_process, workdir  # noqa: F401 (fixtures: a module work folder, accelerate reset)
 from safetensors.torch import load_file
 
-import loops.finetune as finetune
 import loops.mlm as mlm
 from concept_encoder.decide import curve
 
@@ -35,16 +33,7 @@ def task():
 def launches(monkeypatch):
     """The loops run in this process instead of `accelerate launch` (seconds saved per run); every command kept."""
     commands = []
-
-    def in_process(command):
-        commands.append(command)
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        script = next(c for c in command if c.endswith(".py"))
-        loop = mlm if script == str(curve.MLM_SCRIPT) else finetune
-        return 1 if loop.main(command[command.index(script) + 1 :]) else 0  # as `accelerate launch` reports it
-
-    monkeypatch.setattr(curve, "run_command", in_process)
+    monkeypatch.setattr(curve, "run_command", launch_in_process(commands))
     return commands
 
 

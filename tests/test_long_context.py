@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 from accelerate.state import AcceleratorState, GradientState
+from loop_runs import launch_in_process
 from test_docstrings import write_distribution
 from test_long_tasks import long_module
 
-import loops.finetune as finetune
-import loops.mlm as mlm
 from concept_encoder.decide import curve, long_context
 
 PRETRAIN = ["--preset", "micro", "--tokenizer", "train:wordpiece:1000", "--report_to", "none", "--progress_bar",
@@ -33,16 +32,7 @@ def site(tmp_path, monkeypatch):
     for k, name in enumerate(("alpha", "beta", "gamma")):
         write_distribution(root, name, "1.0", {f"{name}/m{i}.py": long_module(100 * k + i) for i in range(12)})
     commands = []
-
-    def in_process(command):
-        commands.append(command)
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        script = next(c for c in command if c.endswith(".py"))
-        loop = mlm if script == str(curve.MLM_SCRIPT) else finetune
-        return 1 if loop.main(command[command.index(script) + 1 :]) else 0
-
-    monkeypatch.setattr(curve, "run_command", in_process)
+    monkeypatch.setattr(curve, "run_command", launch_in_process(commands))
     yield root, commands
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -69,7 +59,14 @@ def test_the_driver_writes_every_row_and_reuses_them(site, capsys):
     assert sum(k.startswith("concept-clock") for k, _ in keys) <= 2
     assert [k for k, _ in keys].count("tfidf-whole") == 2 and [k for k, _ in keys].count("tfidf-first") == 2
     for row in rows:
-        assert {"model", "max_seq_length", "accuracy_mean", "accuracy_std", "train_seconds", "tokens_per_second"} <= set(row)
+        assert {
+            "model",
+            "max_seq_length",
+            "accuracy_mean",
+            "accuracy_std",
+            "train_seconds",
+            "tokens_per_second",
+        } <= set(row)
         assert 0 <= row["accuracy_mean"] <= 1 and row["accuracy_by_position"]  # the needle: accuracy by position
     by_key = {(r["key"], r["pretrained"]): r for r in rows}
     trunc, chunks = by_key[("bert-trunc-L64", True)], by_key[("bert-chunks-L64", True)]

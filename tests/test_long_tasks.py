@@ -53,7 +53,9 @@ def test_needle_splits_inherit_embedded_and_hide_each_sentence_once_at_its_recor
     sentences, labels, _ = embedded_sentences()
     for split in ("train", "dev", "validation"):
         hidden, plain = getattr(data, split), getattr(embedded, split)
-        assert list(hidden["id"]) == list(plain["id"]) and list(hidden["label"]) == list(plain["label"])  # the same rows, split alike
+        assert list(hidden["id"]) == list(plain["id"]) and list(hidden["label"]) == list(
+            plain["label"]
+        )  # the same rows, split alike
         for text, row, position in zip(hidden["text_a"], hidden["id"], hidden["needle_position"], strict=True):
             words, sentence = text.split(), sentences[row].split()
             assert len(words) == 64 + len(sentence)  # N words of haystack plus the needle
@@ -74,7 +76,9 @@ def test_needle_positions_are_uniform_seeded_and_independent_of_the_label(long_s
     counts = np.histogram(positions, bins=4, range=(0, 1))[0]
     expected = len(positions) / 4
     assert ((counts - expected) ** 2 / expected).sum() < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
-    by_label = Counter(int(p * 4) for p, y in zip(positions, [*first.train["label"], *first.dev["label"]]) if y == 0)
+    by_label = Counter(
+        int(p * 4) for p, y in zip(positions, [*first.train["label"], *first.dev["label"]], strict=True) if y == 0
+    )
     assert len(by_label) >= 4  # one class's needles are everywhere too
     other = needle("needle:48", long_site)
     assert list(other.train["needle_position"]) != list(first.train["needle_position"])  # another length, other draws

@@ -9,7 +9,7 @@ import torch
 from test_model import V, random_batch, tiny_config
 from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification
 
-from concept_encoder import ConceptEncoderForMaskedLM, PRESETS
+from concept_encoder import PRESETS, ConceptEncoderForMaskedLM
 from concept_encoder.model.bert_baseline import BertForSparseMaskedLM, bert_config
 from concept_encoder.model.positions import extend_position_tables
 
@@ -128,9 +128,10 @@ def test_continued_pretraining_reads_past_the_table_only_with_the_extension(tmp_
     and runs with `--extend_positions copy`, saving a 64-row table whose first rows are the trained ones."""
     import shutil
 
-    import loops.mlm as mlm
     from loop_runs import COMMON
     from safetensors.torch import load_file
+
+    import loops.mlm as mlm
 
     monkeypatch.chdir(tmp_path)
     common = [a if a != "64" else "32" for a in COMMON]  # the shared arguments at 32 tokens

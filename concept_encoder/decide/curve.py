@@ -232,6 +232,19 @@ def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan,
     path.write_text(json.dumps(request, indent=2))
 
 
+def exclusive(folder: Path, what: str) -> FileLock | None:
+    """The lock on `folder` (one invocation measures it at a time), acquired; None, with one line saying so, when
+    another process holds it."""
+    lock = FileLock(folder / ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"error: {what} is being measured by another process ({folder / '.lock'}); wait for it to finish, or "
+              "choose another --name", file=sys.stderr)  # fmt: skip
+        return None
+    return lock
+
+
 def run_command(command: list[str]) -> int:
     """One `accelerate launch` of a loop; its exit code (tests replace this to run the loops in process). Ctrl-C
     stops the loop's ranks at a checkpoint, not the launcher (`process_group.call_interrupting_ranks`)."""
@@ -477,12 +490,18 @@ def check_finetune_argv(finetune_argv: list[str], task: str) -> None:
         raise ValueError(str(error)) from error
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_driver_argv(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple:
+    """A driver's command line: (its own arguments parsed, the pretraining arguments after `--`, its
+    `--finetune_args` split as a shell would)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     own, loop_argv = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    parser = build_parser()
     args = parser.parse_args(own)
-    finetune_argv = shlex.split(args.finetune_args)
+    return args, loop_argv, shlex.split(args.finetune_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, loop_argv, finetune_argv = parse_driver_argv(parser, argv)
     try:  # every check before the first run starts
         budgets = parse_budgets(args.tokens)
         architectures = [a.strip() for a in args.architectures.split(",") if a.strip()]
@@ -506,12 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     def announce(key: str, what: str) -> None:
         print(f"[{next(progress)}/{total}] {key}: {what}", flush=True)
 
-    lock = FileLock(curve.folder / ".lock")  # one invocation per curve: a second would train the same runs
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        print(f"error: curve {args.name} is being measured by another process ({curve.folder / '.lock'}); wait for "
-              "it to finish, or choose another --name", file=sys.stderr)  # fmt: skip
+    lock = exclusive(curve.folder, f"curve {args.name}")  # a second invocation would train the same runs
+    if lock is None:
         return 1
     try:
         for plan, run_dir in plans:

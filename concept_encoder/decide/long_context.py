@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-from filelock import FileLock, Timeout
 
 from ..accounting.flops import mlm_forward_flops
 from ..common.cli_types import at_least
@@ -45,7 +42,17 @@ from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_
 from ..training.faults import written_whole
 from ..training.metrics_log import read_metrics
 from . import curve
-from .curve import Curve, check_finetune_argv, check_reuse, given_flags, parse_budgets, plan_architecture, pretrain
+from .curve import (
+    Curve,
+    check_finetune_argv,
+    check_reuse,
+    exclusive,
+    given_flags,
+    parse_budgets,
+    parse_driver_argv,
+    plan_architecture,
+    pretrain,
+)
 
 WORDS_PER_TOKEN = 0.5  # the modules corpus reads ~1.9 wordpiece tokens per word: N/2 words fill about N tokens
 DRIVER_FLAGS = (*curve.DRIVER_FLAGS, "--max_seq_length", "--document_blocks")
@@ -112,20 +119,17 @@ def forward_flops(config_path: Path, length: int, chunk: int | None) -> float:
     return mlm_forward_flops(config, length, mlm_probability=0.0)
 
 
-def wall_clock_plan(args, base: list[str], concept_run: tuple, window_run: tuple) -> tuple | None:
-    """The Concept Encoder's pretraining for as long as BERT's at the window took (seconds from their finished
-    runs' logged step times), at the whole-input run's length and batch; None when that is the same number of steps
-    as the whole-input run (which then is the equal-wall-clock row too)."""
+def wall_clock_plan(args, base: list[str], length: int, concept_run: tuple, window_run: tuple) -> tuple | None:
+    """The Concept Encoder's pretraining at `length` for as long as BERT's at the window took (seconds from their
+    finished runs' logged step times), with the whole-input run's batch; None when that is the whole-input run's
+    own number of steps (which then is the equal-wall-clock row too)."""
     plan, run_dir = concept_run
     per_step = pretraining_cost(run_dir)["pretrain_seconds"] / plan.steps[-1]
     steps = max(1, round(pretraining_cost(window_run[1])["pretrain_seconds"] / per_step)) if per_step else 0
     if steps in (0, plan.steps[-1]):
         return None
-    length = plan.tokens_per_step // plan.loop_args[2].per_device_train_batch_size  # the run's --max_seq_length
-    length //= plan.loop_args[2].gradient_accumulation_steps * args.num_processes
-    argv = [*base, "--max_seq_length", str(length)]
-    return plan_architecture("concept", [steps * plan.tokens_per_step], argv, f"{args.name}-L{length}-clock",
-                             args.num_processes)  # fmt: skip
+    return plan_architecture("concept", [steps * plan.tokens_per_step], [*base, "--max_seq_length", str(length)],
+                             f"{args.name}-L{length}-clock", args.num_processes)  # fmt: skip
 
 
 def measure_row(folder: Path, row: Row, finetune_argv: list[str], processes: int) -> dict:
@@ -361,11 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own, loop_argv = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = build_parser()
-    args = parser.parse_args(own)
-    finetune_argv = shlex.split(args.finetune_args)
+    args, loop_argv, finetune_argv = parse_driver_argv(parser, argv)
     folder = cache_path(args.runs_dir) / args.name
     try:  # every check before the first run starts
         lengths = parse_lengths(args.lengths, args.window)
@@ -400,12 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         check_report_dir(args.report_dir)
     except (ValueError, ReportFolderError) as error:
         parser.exit(2, f"usage error: {error}\n")
-    lock = FileLock(folder / ".lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        print(f"error: {args.name} is being measured by another process ({folder / '.lock'}); wait for it, or "
-              "choose another --name", file=sys.stderr)  # fmt: skip
+    lock = exclusive(folder, f"long-context {args.name}")
+    if lock is None:
         return 1
     try:
         for pretraining, run_dir in runs:
@@ -424,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             ]  # fmt: skip
             if length in full:
                 rows.append(Row(f"bert-full-L{length}", "BERT, full attention", task, length, length, full[length]))
-            if args.wall_clock and (clock := wall_clock_plan(args, base, concept[length], window_bert)):
+            if args.wall_clock and (clock := wall_clock_plan(args, base, length, concept[length], window_bert)):
                 print(f"pretraining {clock[0].run_name}: the wall-clock of {window_bert[0].run_name}", flush=True)
                 pretrain(*clock, args.num_processes)
                 rows.append(Row(f"concept-clock-L{length}", "Concept Encoder, bert-trunc's pretraining wall-clock",
