@@ -16,7 +16,7 @@ PRETRAIN = ["--preset", "micro", "--tokenizer", "train:wordpiece:1000", "--repor
             "false", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--eval_steps", "0",
             "--save_steps", "0", "--max_eval_batches", "1", "--output_dir", "runs"]  # fmt: skip
 FINETUNE = ("--max_steps 2 --eval_steps 1 --learning_rates 1e-3 --seeds 1 --per_device_train_batch_size 8 "
-            "--per_device_eval_batch_size 64 --report_to none --progress_bar false --output_dir ft")  # fmt: skip
+            "--per_device_eval_batch_size 64 --report_to none --progress_bar false")  # fmt: skip
 
 
 @pytest.fixture
@@ -73,7 +73,10 @@ def test_the_driver_writes_every_row_and_reuses_them(site, capsys):
     assert (trunc["max_seq_length"], chunks["max_seq_length"], chunks["chunk_length"]) == (32, 64, 32)
     assert chunks["flops_per_example"] == pytest.approx(2 * trunc["flops_per_example"])  # two windows of 32
     concept = by_key[("concept-L64", True)]
-    assert concept["pretrain_tokens"] == trunc["pretrain_tokens"] == 1536  # equal tokens
+    for command in [c for c in commands if str(curve.MLM_SCRIPT) in c and "-clock-" not in str(c)]:  # equal budgets
+        steps, length = (int(command[command.index(flag) + 1]) for flag in ("--max_steps", "--max_seq_length"))
+        assert steps * 4 * length == 1536
+    assert 0 < concept["pretrain_tokens"] <= 1536 and 0 < trunc["pretrain_tokens"] <= 1536  # short last blocks
     assert concept["tokens_per_second"] > 0 and concept["parameters"] > 0
     assert by_key[("concept-L64", False)]["pretrain_seconds"] is None
     pretrainings = [c for c in commands if str(curve.MLM_SCRIPT) in c]
@@ -81,6 +84,8 @@ def test_the_driver_writes_every_row_and_reuses_them(site, capsys):
     assert planned == [32, 48, 48, 64] and all("--document_blocks" in c for c in pretrainings)  # W, L, L, full ≤ 48
     chunked = [c for c in commands if "--chunk_length" in c]
     assert chunked and all(c[c.index("--max_seq_length") + 1] in ("48", "64") for c in chunked)
+    tuned = Path("Cache/long_context/long-context/finetune/runs")  # in the driver's folder, named by its --name
+    assert sum(1 for _ in tuned.glob("long-context-*-seed42")) == len([r for r in rows if r["pretrained"] is not None])
     first = len(commands)
     capsys.readouterr()
     assert long_context.main(argv(root)) == 0  # everything measured: reused, nothing launched
@@ -94,6 +99,7 @@ def test_bad_plans_are_refused_before_any_run(site, capsys):
         (["--lengths", "32"], "every length must be above --window 32"),
         (["--tokens", "1k,2k"], "give one budget"),
         (["--words_per_token", "2"], "must be in \\(0, 1\\]"),
+        (["--rows", "concept,bert"], "--rows 'concept,bert': \\['bert'\\] unknown; choose from"),
     ):
         with pytest.raises(SystemExit):
             long_context.main([*argv(root)[: argv(root).index("--")], *extra, "--", *PRETRAIN])

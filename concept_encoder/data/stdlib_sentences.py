@@ -11,6 +11,7 @@ paragraph is one of them, so the task's text cannot leak into pretraining.
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import sysconfig
 from pathlib import Path
@@ -28,7 +29,13 @@ def first_paragraph(text: str) -> str:
 
 def docstring_paragraphs(package: str) -> list[str]:
     """First paragraphs (5-60 words, whitespace collapsed) of every docstring in `package`'s source, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"]) / package
+    return list(read_paragraphs(str(Path(sysconfig.get_paths()["stdlib"]) / package)))
+
+
+@functools.cache  # the standard library does not change under a running process; parsing it takes a second or two
+def read_paragraphs(folder: str) -> tuple[str, ...]:
+    """`docstring_paragraphs` of the package at `folder`, read once per process (every task load asks)."""
+    root = Path(folder)
     found = set()
     for path in sorted(root.rglob("*.py")):
         if {"test", "tests", "idle_test"} & set(path.relative_to(root).parts):
@@ -44,7 +51,7 @@ def docstring_paragraphs(package: str) -> list[str]:
                     first = first_paragraph(doc.strip())
                     if 5 <= len(first.split()) <= 60:
                         found.add(first)
-    return sorted(found)
+    return tuple(sorted(found))
 
 
 def embedded_sentences() -> tuple[list[str], list[int], list[str]]:

@@ -54,6 +54,7 @@ from .curve import (
     pretrain,
 )
 
+ROWS = ("concept", "trunc", "chunks", "full", "clock")  # --rows: which readings to measure (all by default)
 WORDS_PER_TOKEN = 0.5  # the modules corpus reads ~1.9 wordpiece tokens per word: N/2 words fill about N tokens
 DRIVER_FLAGS = (*curve.DRIVER_FLAGS, "--max_seq_length", "--document_blocks")
 FINETUNE_DRIVER_FLAGS = (*curve.FINETUNE_DRIVER_FLAGS, "--max_seq_length", "--chunk_length", "--extend_positions")
@@ -195,7 +196,7 @@ def positions_of(buckets: dict | None) -> dict | None:
     return {name: value["accuracy"] if isinstance(value, dict) else value for name, value in buckets.items()}
 
 
-def assemble(measured: list[dict], tasks: dict, finetune_argv: list[str], args, window_model: Path) -> dict:
+def assemble(measured: list[dict], tasks: dict, finetune_argv: list[str], args, tokenizer_folder: Path) -> dict:
     """The report: one row per model and reading (pretrained and twin), TF-IDF rows per task, and the goal lines."""
     rows, by_task = [], {}
     for found in measured:
@@ -224,7 +225,7 @@ def assemble(measured: list[dict], tasks: dict, finetune_argv: list[str], args, 
                 "parameters": tuned.get("parameters"),
             })  # fmt: skip
     for task_name, whole in by_task.items():
-        rows += tfidf_rows(task_name, whole, finetune_argv, window_model, args.window)
+        rows += tfidf_rows(task_name, whole, finetune_argv, tokenizer_folder, args.window)  # the runs share one
     return {"title": f"Long inputs: {args.task} at {', '.join(str(n) for n in sorted(set(tasks)))} tokens, "
                      f"{args.tokens} pretraining tokens per model", "task": args.task, "window": args.window,
             "tokens": args.tokens, "full_attention_max": args.full_attention_max, "rows": rows,
@@ -259,7 +260,12 @@ def goal_lines(rows: list[dict], args) -> list[str]:
                 f"{full['train_seconds']:.0f} s: {ratio:.1f}x (goal 3x: {'met' if ratio >= 3 else 'missed'})"
             )
         else:
-            line += f"; BERT with full attention not run (length above --full_attention_max {args.full_attention_max})"
+            why = (
+                "left out by --rows"
+                if "full" not in args.rows
+                else f"above --full_attention_max {args.full_attention_max}"
+            )
+            line += f"; BERT with full attention not run ({why})"
         lines.append(line)
     return lines
 
@@ -356,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="BERT with full attention only at lengths up to this (its cost grows as L²)")  # fmt: skip
     parser.add_argument("--wall_clock", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                         help="also the Concept Encoder pretrained for bert-trunc's wall-clock (default true)")  # fmt: skip
+    parser.add_argument("--rows", default=",".join(ROWS),
+                        help=f"the readings to measure, comma-separated from {ROWS} (concept is always measured)")  # fmt: skip
     parser.add_argument("--finetune_args", default="", help='arguments for loops/finetune.py, e.g. "--seeds 3"')
     parser.add_argument("--name", default="long-context")
     parser.add_argument("--runs_dir", default="Cache/long_context", help="where the runs' points are kept")
@@ -378,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"pretraining arguments {taken} are set by the long-context driver; leave them out")
         if taken := given_flags(finetune_argv, FINETUNE_DRIVER_FLAGS):
             raise ValueError(f"--finetune_args: {taken} are set by the long-context driver; leave them out")
+        chosen = {r.strip() for r in args.rows.split(",") if r.strip()} | {"concept"}
+        if unknown := sorted(chosen - set(ROWS)):
+            raise ValueError(f"--rows {args.rows!r}: {unknown} unknown; choose from {ROWS}")
         if not 0 < args.words_per_token <= 1:
             raise ValueError(f"--words_per_token {args.words_per_token} must be in (0, 1]")
         tasks = {length: task_for(args.task, length, args.words_per_token) for length in lengths}
@@ -390,13 +401,14 @@ def main(argv: list[str] | None = None) -> int:
             argv = [*base, "--max_seq_length", str(length)]
             return plan_architecture(architecture, [budget], argv, f"{args.name}-{tag}", args.num_processes)
 
-        window_bert = plan("bert", args.window, f"W{args.window}")
+        window_bert = plan("bert", args.window, f"W{args.window}") if chosen & {"trunc", "chunks", "clock"} else None
         concept = {length: plan("concept", length, f"L{length}") for length in lengths}
-        full = {length: plan("bert", length, f"L{length}") for length in lengths if length <= args.full_attention_max}
-        runs = [window_bert, *concept.values(), *full.values()]
+        full = {length: plan("bert", length, f"L{length}") for length in lengths
+                if "full" in chosen and length <= args.full_attention_max}  # fmt: skip
+        runs = [*([window_bert] if window_bert else []), *concept.values(), *full.values()]
         request = {"lengths": lengths, "tokens": budget, "task": args.task, "window": args.window,
                    "words_per_token": args.words_per_token, "finetune_args": finetune_argv, "pretrain_args": base,
-                   "num_processes": args.num_processes}  # fmt: skip
+                   "num_processes": args.num_processes, "rows": sorted(chosen)}  # fmt: skip
         check_reuse(folder, request, runs)
         check_report_dir(args.report_dir)
     except (ValueError, ReportFolderError) as error:
@@ -412,27 +424,36 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for length in lengths:
             task = tasks[length]
-            rows += [
-                Row(f"concept-L{length}", "Concept Encoder, whole input", task, length, length, concept[length]),
-                Row(f"bert-trunc-L{length}", f"BERT, first {args.window} tokens", task, length, args.window,
-                    window_bert),
-                Row(f"bert-chunks-L{length}", f"BERT, {args.window}-token chunks mean-pooled", task, length, length,
-                    window_bert, chunk=args.window),
-            ]  # fmt: skip
+            rows.append(
+                Row(f"concept-L{length}", "Concept Encoder, whole input", task, length, length, concept[length])
+            )
+            if "trunc" in chosen:
+                rows.append(Row(f"bert-trunc-L{length}", f"BERT, first {args.window} tokens", task, length, args.window,
+                                window_bert))  # fmt: skip
+            if "chunks" in chosen:
+                rows.append(Row(f"bert-chunks-L{length}", f"BERT, {args.window}-token chunks mean-pooled", task,
+                                length, length, window_bert, chunk=args.window))  # fmt: skip
             if length in full:
                 rows.append(Row(f"bert-full-L{length}", "BERT, full attention", task, length, length, full[length]))
-            if args.wall_clock and (clock := wall_clock_plan(args, base, length, concept[length], window_bert)):
+            clock = "clock" in chosen and args.wall_clock and wall_clock_plan(args, base, length, concept[length],
+                                                                              window_bert)  # fmt: skip
+            if clock:
                 print(f"pretraining {clock[0].run_name}: the wall-clock of {window_bert[0].run_name}", flush=True)
                 pretrain(*clock, args.num_processes)
                 rows.append(Row(f"concept-clock-L{length}", "Concept Encoder, bert-trunc's pretraining wall-clock",
                                 task, length, length, clock, twin=False))  # fmt: skip
-        measured = [measure_row(folder, row, finetune_argv, args.num_processes) for row in rows]
+        # the fine-tuning runs live in this driver's folder (unless --output_dir says otherwise): their names come
+        # from --name, so two drivers of one name under other --runs_dir would otherwise meet in Cache/finetune
+        own = (
+            [] if given_flags(finetune_argv, ("--output_dir",)) else ["--output_dir", str(folder / "finetune" / "runs")]
+        )
+        measured = [measure_row(folder, row, [*finetune_argv, *own], args.num_processes) for row in rows]
     except RuntimeError as error:  # a run failed: finished runs and points stay, the same command continues
         print(f"error: {error}", file=sys.stderr)
         return 1
     finally:
         lock.release()
-    report = assemble(measured, tasks, finetune_argv, args, model_folder(*window_bert))
+    report = assemble(measured, tasks, finetune_argv, args, model_folder(*concept[lengths[0]]))
     paths = write_report(report, args.report_dir)
     print(paths["md"].read_text())
     print(f"report: {paths['md']}, {paths['json']}, {paths['png']}")
