@@ -38,6 +38,8 @@ from ..common.cli_types import at_least
 from ..common.paths import cache_path
 from ..common.report_files import ReportFolderError, check_report_dir, claim_report_stem
 from ..tasks.arguments import MODULES_PACKAGE, MODULES_SPLICED
+from ..tasks.baselines import task_baselines
+from ..tasks.loading import TaskData, load_task
 from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from ..training.faults import written_whole
 from ..training.metrics_log import read_metrics
@@ -154,7 +156,6 @@ def measure_row(folder: Path, row: Row, finetune_argv: list[str], processes: int
 
 def first_tokens(task, tokenizer, window: int):
     """`task` with every text cut after its first `window` tokens (special tokens included), as truncated BERT reads it."""
-    from ..tasks.loading import TaskData
 
     def cut(split):
         texts = list(split["text_a"])
@@ -171,9 +172,6 @@ def tfidf_rows(
 ) -> list[dict]:
     """TF-IDF on the whole text (the points' own baseline) and on the first `window` tokens (fitted here, cached)."""
     from transformers import AutoTokenizer
-
-    from ..tasks.baselines import task_baselines
-    from ..tasks.loading import load_task
 
     _, task_args, _ = parse_args(["--model_name_or_path", ".", "--task", task_name, *finetune_argv],
                                  classes=FINETUNE_ARGUMENT_CLASSES, defaults=FINETUNE_DEFAULTS)  # fmt: skip
