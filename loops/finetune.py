@@ -444,8 +444,9 @@ def main(argv: list[str] | None = None) -> int:
         tags[tag], folders[folder] = path, path
     for path in fargs.models:  # each folder what it claims, --pooling one its head has, a tokenizer: before training
         check_model_folder(path, weights=not fargs.from_scratch)
-        check_pooling(AutoConfig.from_pretrained(path), fargs.pooling, path)
-        if fargs.chunk_length and (problem := chunk_problem(AutoConfig.from_pretrained(path), fargs.chunk_length)):
+        config = AutoConfig.from_pretrained(path)
+        check_pooling(config, fargs.pooling, path)
+        if fargs.chunk_length and (problem := chunk_problem(config, fargs.chunk_length)):
             raise ValueError(f"{path}: {problem}")
         model_tokenizer_folder(path, fargs.tokenizer)
     set_seed(args.seed)

@@ -99,8 +99,8 @@ def name_pattern(names: list[str]) -> re.Pattern:
     return re.compile("|".join(sorted(map(re.escape, variants), key=len, reverse=True)), re.IGNORECASE)
 
 
-def modules_package_table(corpus: str) -> tuple[Dataset, list[str]]:
-    """(table with `text_a`, `label`, `id`; class names) of `modules_package` from the `corpus` documents."""
+def documents_by_package(corpus: str) -> tuple[dict[str, list[str]], dict]:
+    """The `corpus` documents grouped by the package each comes from (in corpus order), and its manifest."""
     source = module_corpus(corpus)
     origins = source.manifest.get("document_packages")
     if origins is None or len(origins) != len(source.documents):
@@ -108,6 +108,20 @@ def modules_package_table(corpus: str) -> tuple[Dataset, list[str]]:
     by_package: dict[str, list[str]] = {}
     for document, package in zip(source.documents, origins, strict=True):
         by_package.setdefault(package, []).append(document)
+    return by_package, source.manifest
+
+
+def shuffled_table(texts: list[str], labels: list[int], rng: random.Random) -> Dataset:
+    """`text_a`, `label` and `id` (the row) of the examples in an order drawn from `rng`."""
+    order = list(range(len(texts)))
+    rng.shuffle(order)
+    table = {"text_a": [texts[i] for i in order], "label": [labels[i] for i in order], "id": list(range(len(order)))}
+    return Dataset.from_dict(table)
+
+
+def modules_package_table(corpus: str) -> tuple[Dataset, list[str]]:
+    """(table with `text_a`, `label`, `id`; class names) of `modules_package` from the `corpus` documents."""
+    by_package, manifest = documents_by_package(corpus)
     large = sorted(
         (p for p, d in by_package.items() if len(d) >= MIN_CLASS_DOCUMENTS), key=lambda p: (-len(by_package[p]), p)
     )
@@ -117,17 +131,14 @@ def modules_package_table(corpus: str) -> tuple[Dataset, list[str]]:
             f"--task {MODULES_PACKAGE}: {corpus} has {len(names)} package(s) with {MIN_CLASS_DOCUMENTS}+ long "
             "documents; the task needs two; point --long_corpus modules:<folder> at a site-packages folder with more"
         )
-    imports = source.manifest.get("package_imports", {})
+    imports = manifest.get("package_imports", {})
     rng, pattern = random.Random(SEED), name_pattern([*names, *(i for n in names for i in imports.get(n, []))])
     texts, labels = [], []
     for label, package in enumerate(names):
         chosen = rng.sample(by_package[package], min(PER_CLASS, len(by_package[package])))
         texts += [removed_names(document, pattern) for document in chosen]
         labels += [label] * len(chosen)
-    order = list(range(len(texts)))
-    rng.shuffle(order)
-    table = {"text_a": [texts[i] for i in order], "label": [labels[i] for i in order], "id": list(range(len(order)))}
-    return Dataset.from_dict(table), names
+    return shuffled_table(texts, labels, rng), names
 
 
 def halves(document: str) -> tuple[str, str] | None:
@@ -146,14 +157,8 @@ def halves(document: str) -> tuple[str, str] | None:
 
 def modules_spliced_table(corpus: str) -> tuple[Dataset, list[str]]:
     """(table with `text_a`, `label`, `id`; class names) of `modules_spliced` (see the module docstring)."""
-    source = module_corpus(corpus)
-    origins = source.manifest.get("document_packages")
-    if origins is None or len(origins) != len(source.documents):
-        raise DataSourceError(f"{corpus}: the cached corpus does not record each document's package; remove it")
-    by_package: dict[str, list[tuple[str, str]]] = {}
-    for document, package in zip(source.documents, origins, strict=True):
-        if (parts := halves(document)) is not None:
-            by_package.setdefault(package, []).append(parts)
+    documents, _ = documents_by_package(corpus)
+    by_package = {package: [p for d in found if (p := halves(d)) is not None] for package, found in documents.items()}
     rng = random.Random(SEED + 1)
     texts, labels = [], []
     for package in sorted(by_package):
@@ -168,7 +173,4 @@ def modules_spliced_table(corpus: str) -> tuple[Dataset, list[str]]:
             f"--task {MODULES_SPLICED}: {corpus} has too few long documents of one package to pair ({len(texts)} "
             "examples); point --long_corpus modules:<folder> at a site-packages folder with more"
         )
-    order = list(range(len(texts)))
-    rng.shuffle(order)
-    table = {"text_a": [texts[i] for i in order], "label": [labels[i] for i in order], "id": list(range(len(order)))}
-    return Dataset.from_dict(table), ["crossed", "whole"]
+    return shuffled_table(texts, labels, rng), ["crossed", "whole"]
