@@ -51,7 +51,7 @@ clean:  ## remove .venv and the tool caches
 # Main job: pretraining on the embedded offline corpus (CPU is fine: a few minutes) with the default
 # recipe, MLM + concept losses (docs/results.md: the decision table); ARGS="--concept_losses none" for plain MLM.
 train: install  ## pretrain on the embedded offline corpus (PRESET, STEPS, DATASET, TOKENIZER, SEQ_LEN, BATCH, ARGS)
-	$(LAUNCH) loops/mlm.py --preset $(PRESET) --max_steps $(STEPS) --dataset $(DATASET) \
+	$(LAUNCH) loops/mlm.py --preset $(PRESET) --max_steps $(STEPS) --dataset '$(DATASET)' \
 		--tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)
 
 # Fine-tuning (loops/finetune.py): the newest `make train` model on the embedded task, offline, 3 seeds, the
@@ -96,9 +96,9 @@ compare: install  ## compare RUNS side by side: settings that differ, metrics, c
 
 ablate: install  ## vary one setting (VARY=name=v1,v2) and let a metric (DECIDE) pick
 	$(if $(VARY),,$(error name one setting and its values: make ablate VARY=concept_loss_weight=0,0.1,1.0))
-	$(PY) -m concept_encoder ablate --vary $(VARY) --decide $(DECIDE) $(if $(HELDOUT),--heldout $(HELDOUT)) \
+	$(PY) -m concept_encoder ablate --vary '$(VARY)' --decide $(DECIDE) $(if $(HELDOUT),--heldout $(HELDOUT)) \
 		$(if $(ABLATE_NAME),--name $(ABLATE_NAME)) -- --preset $(PRESET) --max_steps $(STEPS) \
-		--dataset $(DATASET) --tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)
+		--dataset '$(DATASET)' --tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)
 
 # Learning curve: downstream score against pretraining tokens for the Concept Encoder and BERT of the same shape,
 # beside their from-scratch twins, TF-IDF and the reference encoder (when `make reference` fetched it); resumable.
@@ -110,7 +110,7 @@ REFERENCE  ?= $(wildcard Cache/models/all-MiniLM-L6-v2)
 curve: install  ## downstream score against pretraining tokens (TOKENS), beside twins and TF-IDF; resumable
 	$(PY) -m concept_encoder curve --tokens $(TOKENS) --task $(TASK) --name $(CURVE_NAME) \
 		$(if $(REFERENCE),--reference $(REFERENCE)) --finetune_args "--seeds $(SEEDS) $(FT_ARGS)" -- \
-		--preset $(PRESET) --dataset $(CURVE_DATA) --tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) \
+		--preset $(PRESET) --dataset '$(CURVE_DATA)' --tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) \
 		--per_device_train_batch_size $(BATCH) $(ARGS)
 
 # Long inputs as accuracy (docs/long_context.md): the Concept Encoder reading the whole input against BERT truncated
@@ -130,7 +130,7 @@ long-context: install  ## long documents: whole-input Concept Encoder against tr
 # Hardware profiles (launch/profiles.yaml): the plan check runs first and launches only a sound plan.
 #   make train-3080 DATASET=wikitext:wikitext-103-raw-v1 STEPS=20000 ARGS="--run_name wiki --save_steps 1000"
 PLAN      := $(PY) launch/check_plan.py
-PLAN_RUN   = $(PLAN) --run --dataset $(DATASET) --tokenizer $(TOKENIZER) --max_steps $(STEPS) $(ARGS)
+PLAN_RUN   = $(PLAN) --run --dataset '$(DATASET)' --tokenizer $(TOKENIZER) --max_steps $(STEPS) $(ARGS)
 
 train-cpu: install  ## plan-check, then pretrain with the cpu profile
 	$(PLAN_RUN) --profile cpu
@@ -148,7 +148,7 @@ train-multigpu: install  ## plan-check, then pretrain on GPUS GPUs of this machi
 # Check a plan without launching: make plan PROFILE=rtx3080_10gb ARGS="--preset large --suggest"
 PROFILE ?= rtx3080_10gb
 plan: install  ## check a launch plan without launching (PROFILE, ARGS)
-	$(PLAN) --profile $(PROFILE) --dataset $(DATASET) --tokenizer $(TOKENIZER) $(ARGS)
+	$(PLAN) --profile $(PROFILE) --dataset '$(DATASET)' --tokenizer $(TOKENIZER) $(ARGS)
 
 # ZeRO memory comparison: make zero-compare ZC_ARGS="--preset large --max_seq_length 512 --memory_budget 10GB"
 # (its own flags plus any loop flag; see launch/zero_compare.py --help)

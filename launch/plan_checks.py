@@ -27,6 +27,7 @@ from concept_encoder.data.arguments import DataArguments
 from concept_encoder.data.base import DataSourceError
 from concept_encoder.data.docstrings import is_docstrings_spec, site_roots
 from concept_encoder.data.licenses import is_licenses_spec
+from concept_encoder.data.mixture import is_mixture, parse_mixture
 from concept_encoder.data.modules import is_modules_spec
 from concept_encoder.training.args import ModelArguments, TrainingArguments
 from concept_encoder.training.checkpoint import CheckpointError, resolve_resume
@@ -402,8 +403,25 @@ def check_paths(plan: Plan) -> list[Check]:
 
 
 def check_dataset(plan: Plan) -> Check:
-    """A built-in offline corpus, a non-empty local file or folder, or a Hub name (not checked: no network use)."""
-    spec = plan.data.dataset
+    """A built-in offline corpus, a non-empty local file or folder, a Hub name (not checked: no network use), or a
+    mixture of them and tasks' training texts (each part checked; the worst verdict stands)."""
+    if not is_mixture(plan.data.dataset):
+        return check_source(plan.data.dataset)
+    parts = parse_mixture(plan.data.dataset)  # the loop's parser accepted it: well formed, its tasks known
+    found = [
+        Check("dataset", OK, f"{part.spec}: the task's training texts (no network)") if part.task is not None
+        else check_source(part.spec)
+        for part in parts
+    ]  # fmt: skip
+    worst = next((c for level in (ERROR, WARNING) for c in found if c.status == level), None)
+    weights = ", ".join(f"{p.spec} x{p.weight:g}" for p in parts)
+    if worst is not None:
+        return Check("dataset", worst.status, f"mixture ({weights}): {worst.reason}", worst.fix)
+    return Check("dataset", OK, f"mixture ({weights}): every part offline or local (no network)")
+
+
+def check_source(spec: str) -> Check:
+    """One source of `--dataset`: see check_dataset."""
     if spec == EMBEDDED_DATASET:
         return Check("dataset", OK, "embedded corpus (no network)")
     if is_docstrings_spec(spec) or is_licenses_spec(spec) or is_modules_spec(spec):
@@ -412,24 +430,24 @@ def check_dataset(plan: Plan) -> Check:
         except DataSourceError as error:
             return Check("dataset", ERROR, str(error), "give an existing site-packages folder")
         return Check("dataset", OK, f"built-in corpus {spec}: read from {', '.join(map(str, roots))} (no network)")
-    if Path(plan.data.dataset).expanduser().exists():
-        path = Path(plan.data.dataset).expanduser()
+    if Path(spec).expanduser().exists():
+        path = Path(spec).expanduser()
         empty = path.is_file() and path.stat().st_size == 0 or path.is_dir() and not any(path.iterdir())
         if empty:
             return Check("dataset", ERROR, f"{path} is empty", "point --dataset at text files")
         return Check("dataset", OK, f"local {path}")
-    if plan.data.dataset.startswith((".", "/", "~")) or Path(plan.data.dataset).suffix in (
+    if spec.startswith((".", "/", "~")) or Path(spec).suffix in (
         ".txt",
         ".jsonl",
         ".json",
         ".parquet",
     ):
-        return Check("dataset", ERROR, f"{plan.data.dataset}: no such file or folder", "fix the path")
+        return Check("dataset", ERROR, f"{spec}: no such file or folder", "fix the path")
     offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
     return Check(
         "dataset",
         WARNING,
-        f"Hub dataset {plan.data.dataset}: not checked by the plan check{' (offline mode is on)' if offline else ''}",
+        f"Hub dataset {spec}: not checked by the plan check{' (offline mode is on)' if offline else ''}",
         "make sure the training machine can reach the Hub, or pass a local path",
     )
 

@@ -54,6 +54,7 @@ from concept_encoder.common.paths import written_aside
 from concept_encoder.concepts.health import format_health_table
 from concept_encoder.data import collator_for, prepare_data
 from concept_encoder.data.objectives import build_corruption, evaluation_corruptions, model_inputs
+from concept_encoder.tasks.loading import training_texts
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.batches import accumulation_windows
 from concept_encoder.training.checkpoint import (
@@ -317,10 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     system = log_system_info(state)
     log_data_config(data_args, args.per_device_train_batch_size, args.objective)  # warns if masks can come out empty
     # 5. tokenizer + datasets (a resume uses the run's own tokenizer: trained ones differ between trainings; a start
-    #    from a model folder uses the folder's, the one its weights were trained with)
+    #    from a model folder uses the folder's, the one its weights were trained with; a mixture's task:<name>
+    #    sources are the task's training texts)
     kept = starting_tokenizer(resume, model_args.model_name_or_path, data_args.tokenizer)
     data = prepare_data(data_args, cache_dir="Cache", seed=args.seed + state.process_index,  # own masks per rank
-                        tokenizer_folder=kept if kept is not None and kept.is_dir() else None)  # fmt: skip
+                        tokenizer_folder=kept if kept is not None and kept.is_dir() else None,
+                        task_texts=training_texts)  # fmt: skip
     corruption = build_corruption(
         args.objective, data.collator, data.tokenizer, args, seed=args.seed + state.process_index
     )

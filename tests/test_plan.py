@@ -369,3 +369,12 @@ def test_the_built_in_corpora_are_offline_and_their_folders_checked(tmp_path, ca
     code, out = run(capsys, "--profile", "cpu", "--dataset", f"modules:{tmp_path / 'missing'}", "--json")
     [check] = [c for c in json.loads(out)["checks"] if c["name"] == "dataset"]
     assert code == 1 and check["status"] == "ERROR" and "missing" in check["reason"]
+
+
+def test_a_mixture_is_checked_part_by_part(tmp_path, capsys):
+    code, out = run(capsys, "--profile", "cpu", "--dataset", "docstrings,task:embedded*8", "--json")
+    [check] = [c for c in json.loads(out)["checks"] if c["name"] == "dataset"]
+    assert check["status"] == "OK" and "docstrings x1, task:embedded x8" in check["reason"], check
+    code, out = run(capsys, "--profile", "cpu", "--dataset", "embedded,./no/such.txt*2", "--json")
+    [check] = [c for c in json.loads(out)["checks"] if c["name"] == "dataset"]
+    assert code == 1 and check["status"] == "ERROR" and "./no/such.txt: no such file or folder" in check["reason"]

@@ -32,6 +32,14 @@ class ArgumentSet(tuple):
         return instance
 
 
+def imply_defaults(instances, values: dict) -> None:
+    """Record that another argument of the set (a recipe) made `values` the defaults of these fields: `to_argv` then
+    names a field only where it differs from them (the other argument, named too, brings them back)."""
+    for instance in instances:
+        names = {f.name for f in fields(instance)}
+        instance.__dict__.setdefault("_implied_defaults", {}).update({k: v for k, v in values.items() if k in names})
+
+
 def resolve_default(instance, name: str, value) -> None:
     """Set a default that depends on other arguments, and remember it was not given (`to_argv` leaves it out)."""
     setattr(instance, name, value)
@@ -171,9 +179,10 @@ def to_argv(*instances) -> list[str]:
     argv: list[str] = []
     for instance in instances:
         resolved = instance.__dict__.get("_resolved_defaults", set())
+        implied = instance.__dict__.get("_implied_defaults", {})
         for f in fields(instance):
             value = getattr(instance, f.name)
-            if not f.init or value == field_default(f) or f.name in resolved:
+            if not f.init or value == implied.get(f.name, field_default(f)) or f.name in resolved:
                 continue
             if isinstance(value, list):
                 argv += [f"--{f.name}", *value]

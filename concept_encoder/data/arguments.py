@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..constants import EMBEDDED_DATASET, MASKING_STRATEGIES
+from .mixture import TASK_SOURCE, is_mixture, parse_mixture
 
 
 @dataclass
@@ -16,7 +17,9 @@ class DataArguments:
         metadata={
             "help": "`embedded` (offline built-in corpus), `docstrings[:folder]` / `licenses[:folder]` / "
             "`modules[:folder]` (the installed packages' docstrings / license texts / one long document per module "
-            "file), a local file/folder, or a Hub `name[:config]`"
+            "file), a local file/folder, a Hub `name[:config]`, or a mixture of them and "
+            f"{TASK_SOURCE}<task> (a fine-tuning task's training texts), each weighted by *<times per epoch>, e.g. "
+            f"docstrings,{TASK_SOURCE}embedded*8"
         },
     )
     text_field: str = field(default="text", metadata={"help": "column holding the text (json/jsonl/parquet/Hub)"})
@@ -58,6 +61,10 @@ class DataArguments:
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "processes for tokenisation"})
 
     def __post_init__(self):
+        if is_mixture(self.dataset):
+            parse_mixture(self.dataset)  # a malformed mixture fails here, naming what is wrong
+            if self.streaming:
+                raise ValueError(f"dataset={self.dataset!r} is a mixture, read whole: leave out --streaming")
         if self.masking not in MASKING_STRATEGIES:
             raise ValueError(f"masking={self.masking!r} is unknown; choose one of {MASKING_STRATEGIES}")
         if self.streaming_validation_documents < 1:

@@ -14,7 +14,7 @@ from .arguments import DataArguments
 from .collators import build_collator
 from .docstrings import docstring_corpus, is_docstrings_spec
 from .processing import preprocess
-from .sources import load_raw_dataset, source_fingerprint
+from .sources import TaskTexts, load_raw_dataset, source_fingerprint
 from .tokenizer import load_tokenizer
 
 TOKENIZER_TRAINING_DOCS = 200_000  # enough for a good vocabulary; bounds the cost on huge corpora
@@ -40,11 +40,13 @@ def prepare_data(
     seed: int | None = None,
     tokenizer_folder: Path | None = None,
     held_out: bool = False,
+    task_texts: TaskTexts | None = None,
 ) -> PreparedData:
     """Load the source, load/train the tokenizer, tokenise + pack (cached), build the collator.
     `tokenizer_folder`: use this saved tokenizer instead of `args.tokenizer` (a resumed run's own copy).
     `held_out`: the whole source is one `validation` split, packed in order (`train` is None): text a model
-    is evaluated on, never trained on, however short (the held-out language check)."""
+    is evaluated on, never trained on, however short (the held-out language check). `task_texts`: how a
+    `task:<name>` source of a mixture is read (`tasks.loading.training_texts`; the data layer knows no tasks)."""
     cache_dir = cache_path(cache_dir)  # `Cache` is the project's (paths.py)
     raw = load_raw_dataset(
         args.dataset,
@@ -53,6 +55,7 @@ def prepare_data(
         args.streaming,
         args.streaming_validation_documents,
         cache_dir,
+        task_texts,
     )
     if held_out:
         raw = DatasetDict({"validation": concatenate_datasets([raw["train"], raw["validation"]])})
@@ -61,7 +64,7 @@ def prepare_data(
         for batch in itertools.islice(next(iter(raw.values())).iter(batch_size=1000), TOKENIZER_TRAINING_DOCS // 1000):
             yield from batch["text"]
 
-    content = source_fingerprint(args.dataset)  # replacing a file at the same path rebuilds both caches
+    content = source_fingerprint(args.dataset, task_texts)  # replacing a file at the same path rebuilds both caches
     tokenizer = load_tokenizer(
         str(tokenizer_folder) if tokenizer_folder is not None else args.tokenizer,
         texts=training_texts(),

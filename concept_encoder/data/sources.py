@@ -16,15 +16,17 @@ import math
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
-from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, IterableDatasetDict, concatenate_datasets, load_dataset
 from datasets.exceptions import DatasetsError
 
 from ..constants import DOCSTRINGS_DATASET, EMBEDDED_DATASET, LICENSES_DATASET
 from .base import DataSourceError, ensure_hub, group_paragraphs, paragraphs_of, unreachable_message
 from .docstrings import docstring_corpus, is_docstrings_spec, site_fingerprint
 from .licenses import is_licenses_spec, license_documents, licenses_fingerprint
+from .mixture import TASK_SOURCE, is_mixture, parse_mixture, repetition
 from .modules import RULES as MODULE_RULES
 from .modules import is_modules_spec, module_corpus
 
@@ -33,6 +35,14 @@ logger = logging.getLogger(__name__)
 LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SPLIT_SEED = 1234  # fixed: the held-out split must not move when the training seed changes
 VALIDATION_SPLIT_NAMES = ("validation", "valid", "dev")
+TaskTexts = Callable[[str], list[str]]  # a task's name → its training split's texts (`tasks.loading.training_texts`)
+
+
+def needs_task_texts(spec: str) -> DataSourceError:
+    return DataSourceError(
+        f"--dataset {spec!r}: {TASK_SOURCE}<name> sources are read by the pretraining loop (loops/mlm.py) and "
+        "check_health, which know the tasks; this tool reads text sources only"
+    )
 
 
 def embedded_documents(min_words: int = 120) -> list[str]:
@@ -104,11 +114,22 @@ def local_files(path: Path) -> tuple[str, dict[str, list[str]]]:
     return builders.pop(), splits
 
 
-def source_fingerprint(spec: str) -> str:
+def source_fingerprint(spec: str, task_texts: TaskTexts | None = None) -> str:
     """What identifies the content of `spec` beside its name, for cache keys: each local file's path,
     size and modification time (replacing a file at the same path changes it), the Python version for
     the embedded corpus (it is CPython's own documentation), the digest of every file read for the
-    docstring corpus and the license texts, nothing for a Hub name."""
+    docstring corpus and the license texts, nothing for a Hub name; for a mixture, its parts' (a task's: the
+    digest of its training texts, read through `task_texts`)."""
+    if is_mixture(spec):
+        parts = []
+        for part in parse_mixture(spec):
+            if part.task is None:
+                parts.append(source_fingerprint(part.spec))
+            elif task_texts is None:
+                raise needs_task_texts(spec)
+            else:
+                parts.append(hashlib.sha1("\0".join(task_texts(part.task)).encode()).hexdigest()[:12])
+        return hashlib.sha1(json.dumps(parts).encode()).hexdigest()[:12]
     if spec == EMBEDDED_DATASET:
         return f"py{sys.version_info.major}.{sys.version_info.minor}"
     if spec.startswith(DOCSTRINGS_DATASET):
@@ -156,6 +177,7 @@ def load_raw_dataset(
     streaming: bool = False,
     streaming_validation_documents: int = 1000,
     cache_dir: str | Path | None = None,
+    task_texts: TaskTexts | None = None,
 ) -> DatasetDict | IterableDatasetDict:
     """Load documents from `spec` as `{train, validation}` with one `text` column.
 
@@ -164,10 +186,15 @@ def load_raw_dataset(
     (e.g. `wikitext:wikitext-103-raw-v1`, `JeanKaddour/minipile`). Without a validation split,
     `validation_split_percentage` of the documents are held out at random, or when streaming (the
     size is unknown) the first `streaming_validation_documents`. `validation_split_percentage=None`: nothing is held
-    out (a text read whole, e.g. the held-out language check, however few its documents).
+    out (a text read whole, e.g. the held-out language check, however few its documents). A mixture
+    (`docstrings,task:embedded*8`, `mixture.py`) is read by `load_mixture`.
     """
     if validation_split_percentage is not None and not 0 < validation_split_percentage < 100:
         raise ValueError(f"validation_split_percentage={validation_split_percentage} must be in (0, 100)")
+    if is_mixture(spec):
+        if streaming:
+            raise DataSourceError(f"--dataset {spec!r}: a mixture is read whole; leave out --streaming")
+        return load_mixture(spec, text_field, validation_split_percentage, cache_dir, task_texts)
     documents = offline_documents(spec, cache_dir)
     if documents is not None:
         raw = DatasetDict({"train": Dataset.from_dict({"text": documents})})
@@ -191,6 +218,37 @@ def load_raw_dataset(
         except Exception as error:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
             raise DataSourceError(unreachable_message("dataset", spec, f"{type(error).__name__}: {error}")) from error
     return select_text_and_split(raw, text_field, validation_split_percentage, spec, streaming_validation_documents)
+
+
+def load_mixture(
+    spec: str, text_field: str, percentage: float | None, cache_dir, task_texts: TaskTexts | None
+) -> DatasetDict:
+    """Each part split on its own (`task:` parts: their training texts, of which `percentage` are held out like
+    any source's), its training documents repeated by its weight, the parts' training documents shuffled together
+    (a fixed seed: packing must not put a document's copies side by side); validation: every part's, once."""
+    trains, validations = [], []
+    for part in parse_mixture(spec):
+        if part.task is None:
+            split = load_raw_dataset(part.spec, text_field, percentage, cache_dir=cache_dir)
+        elif task_texts is None:
+            raise needs_task_texts(spec)
+        else:
+            raw = DatasetDict({"train": Dataset.from_dict({"text": task_texts(part.task)})})
+            split = select_text_and_split(raw, "text", percentage, part.spec, 1)
+        picked = repetition(len(split["train"]), part.weight, SPLIT_SEED)
+        if not picked:
+            raise DataSourceError(
+                f"--dataset {spec!r}: weight {part.weight:g} of {part.spec} keeps none of its "
+                f"{len(split['train'])} training document(s); raise the weight"
+            )
+        trains.append(split["train"].select(picked))
+        validations.append(split["validation"])
+    return DatasetDict(
+        {
+            "train": concatenate_datasets(trains).shuffle(seed=SPLIT_SEED),
+            "validation": concatenate_datasets(validations),
+        }
+    )
 
 
 def offline_documents(spec: str, cache_dir: str | Path | None) -> list[str] | None:

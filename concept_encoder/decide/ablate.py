@@ -45,7 +45,9 @@ from .compare import compare, lower_is_better
 
 
 def parse_vary(texts: list[str]) -> tuple[str, list[str]]:
-    """`["name=v1,v2"]` → ("name", ["v1", "v2"]); ValueError for two axes, a missing `=`, or < 2 values."""
+    """`["name=v1,v2"]` → ("name", ["v1", "v2"]); values that hold commas themselves (a `--dataset` mixture) are
+    separated by `|` instead: `["dataset=docstrings|docstrings,task:embedded*8"]`. ValueError for two axes, a
+    missing `=`, or < 2 values."""
     if len(texts) != 1:
         axes = ", ".join(text.split("=")[0] for text in texts)
         raise ValueError(
@@ -53,7 +55,7 @@ def parse_vary(texts: list[str]) -> tuple[str, list[str]]:
             "run one ablation per setting (a grid confounds the axes)"
         )
     name, sep, values = texts[0].partition("=")
-    options = [v.strip() for v in values.split(",") if v.strip()]
+    options = [v.strip() for v in values.split("|" if "|" in values else ",") if v.strip()]
     if not sep or not name.strip():
         raise ValueError(f"--vary {texts[0]!r}: write name=value1,value2,...")
     if len(options) < 2:
@@ -84,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run loops/mlm.py once per value of ONE setting, compare the runs, name the winner.",
         epilog="Everything after `--` is passed to loops/mlm.py unchanged (except the varied setting and --run_name).",
     )
-    parser.add_argument("--vary", action="append", required=True, help="setting=value1,value2,... (exactly once)")
+    parser.add_argument("--vary", action="append", required=True,
+                        help="setting=value1,value2,... (exactly once); values separated by | where they hold commas, "
+                        "e.g. 'dataset=docstrings|docstrings,task:embedded*8'")  # fmt: skip
     parser.add_argument("--decide", required=True, help="the deciding metric of summary.json, e.g. eval_loss")
     parser.add_argument("--direction", choices=("lower", "higher"), help="which is better (default: by the name)")
     parser.add_argument("--name", default="ablate", help="prefix of the run names (default: ablate)")

@@ -32,6 +32,7 @@ from ..model.config import ConceptEncoderConfig
 from ..model.constants import POSITION_EXTENSIONS
 from ..model.heads import ConceptEncoderForMaskedLM
 from ..model.positions import extend_position_tables
+from ..tasks.loading import training_texts
 from ..training.evaluation import evaluate, health_of, most_frequent_token
 from ..training.model_folder import ModelFolderError, load_checked
 from ..training.plan import output_file_problem
@@ -41,7 +42,7 @@ from ..training.preflight import beyond_positions
 def heldout_fingerprint(spec: str) -> str:
     """What a held-out check's result depends on besides the model: the text's content and how it is read (whole,
     in document order); `ablate --heldout` reuses a check only when it is equal."""
-    return f"{source_fingerprint(spec)}:whole"
+    return f"{source_fingerprint(spec, training_texts)}:whole"
 
 
 def not_a_model_folder(path: Path) -> str | None:
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             cache_dir=args.cache_dir,
             seed=0,
             held_out=bool(args.text),  # the whole file is held out: one split, packed in order
+            task_texts=training_texts,  # a mixture's task: sources
         )
         check_tokenizer(data.tokenizer, vocab_size=model.config.vocab_size)  # every id has an embedding row
     except (DataSourceError, ValueError, OSError) as error:

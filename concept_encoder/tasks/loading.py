@@ -111,6 +111,18 @@ def load_task(args: TaskArguments) -> TaskData:
     return load_local(args)
 
 
+def training_texts(name: str) -> list[str]:
+    """The texts of task `name`'s training split, as unlabelled documents: what `--dataset task:<name>` pretrains on
+    (task-adaptive pretraining). The splits are the ones fine-tuning makes with its default fractions (dev and
+    validation carved off first); a pair's two texts are two documents; a text that also stands in the dev or
+    validation split (a sentence in two pairs) is left out, so no text a model is selected or scored on is read."""
+    task = load_task(TaskArguments(task=name))
+    columns = ("text_a", "text_b") if task.pair else ("text_a",)
+    held = {text for split in (task.dev, task.validation) for column in columns for text in split[column]}
+    texts = [text for column in columns for text in task.train[column] if text not in held]
+    return list(dict.fromkeys(texts))  # each text once, in the split's order
+
+
 def load_local(args: TaskArguments) -> TaskData:
     path = Path(args.task).expanduser()
     if not path.exists():
@@ -287,4 +299,4 @@ def encode_splits(task: TaskData, tokenizer, max_seq_length: int) -> dict[str, D
     }
 
 
-__all__ = ["GLUE", "PACKAGES", "TaskData", "encode_splits", "load_task"]
+__all__ = ["GLUE", "PACKAGES", "TaskData", "encode_splits", "load_task", "training_texts"]

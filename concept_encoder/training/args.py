@@ -15,13 +15,18 @@ there too, with the same message.
 
 from __future__ import annotations
 
+import argparse
 import re
+import sys
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from ..common.dataclass_args import (
     ArgumentSet,
     field_default,
+    imply_defaults,
     parse_dataclasses,
+    read_yaml_mapping,
     resolve_default,
 )
 from ..common.paths import cache_path
@@ -36,9 +41,10 @@ from ..constants import (
     pretraining_metric_names,
 )
 from ..data.arguments import DataArguments
+from ..data.mixture import TASK_SOURCE, is_mixture, parse_mixture
 from ..model.constants import CLASSIFIER_POOLINGS, DECODER_TYPES, POSITION_EXTENSIONS, token_kv_groups
 from ..model.presets import PRESETS
-from ..tasks.arguments import TaskArguments
+from ..tasks.arguments import EMBEDDED_TASKS, LONG_TASKS, MODULES_PACKAGE, MODULES_SPLICED, NEEDLE_PREFIX, TaskArguments
 from .gates import GATE_ACTIONS, GATE_EXIT_CODE, parse_gates
 
 EXTEND_HELP = (
@@ -180,6 +186,13 @@ class TrainingArguments:
         default="mlm",
         metadata={"help": f"pretraining objective: one of {OBJECTIVES} (concept_encoder.data.objectives)"},
     )
+    recipe: str = field(
+        default="default",
+        metadata={"help": "pretraining recipe: default, or budget (the small-budget recipe of Cramming and the "
+                  "academic-budget BERT, RECIPES: rate 1e-3 decayed linearly to 0 at the last step after a warm-up "
+                  "of 0.06 of the steps, masking rate 0.25, no dropout); flags and --config values given beside it "
+                  "win"},
+    )  # fmt: skip
     t_min: float = field(default=0.1, metadata={"help": "diffusion: masking rates t ~ U(t_min, 1), 0 < t_min < 1"})
     diffusion_weighting: str = field(
         default="elbo", metadata={"help": f"diffusion: {DIFFUSION_WEIGHTINGS}; elbo weights each masked token by 1/t"}
@@ -240,6 +253,8 @@ class TrainingArguments:
             raise ValueError(f"cuda_memory_budget_gb={self.cuda_memory_budget_gb} must be > 0 (or unset)")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective={self.objective!r} is unknown; choose one of {OBJECTIVES}")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe={self.recipe!r} is unknown; choose one of {sorted(RECIPES)}")
         if not 0 < self.t_min < 1:
             raise ValueError(f"t_min={self.t_min} must be in (0, 1): diffusion draws masking rates t ~ U(t_min, 1)")
         if self.diffusion_weighting not in DIFFUSION_WEIGHTINGS:
@@ -387,16 +402,50 @@ DEFAULT_RECIPE = {
     "hidden_dropout_prob": 0.0,
 }
 
+# `--recipe budget`: what the small-budget literature found pays when compute is short. Cramming (Geiping &
+# Goldstein 2022: peak rate 1e-3, decayed to zero over the budget, no dropout, 25% masking, length 128) and the
+# academic-budget BERT (Izsak et al. 2021: rate 1e-3, 6% warm-up, linear decay to zero). The values are argument
+# defaults under the recipe (a flag or --config value given beside it wins); dropout 0 also for BERT, in
+# `check_pretraining_combination` (a model folder keeps its own). A decaying schedule ends at the run's own last
+# step: a learning curve under it measures each budget as a run of its own (one --tokens per curve).
+RECIPES = {
+    "default": {},
+    "budget": {"learning_rate": 1e-3, "lr_scheduler_type": "linear", "warmup_ratio": 0.06, "mlm_probability": 0.25},
+}
+
 
 # What a saved model's config.json decides when a run starts from it: given beside --model_name_or_path they
 # would be ignored while the run's config.json recorded them.
 FOLDER_DECIDES = ("preset", "concept_num", "decoder_type", "hidden_dropout_prob", "token_kv_sharing")
 
 
+def check_task_sources(dataset: str) -> None:
+    """Each `task:<name>` of a `--dataset` mixture names a task fine-tuning knows, or an existing local task file
+    or folder (ValueError naming it), before anything loads."""
+    if not is_mixture(dataset):
+        return
+    for part in parse_mixture(dataset):
+        if part.task is None:
+            continue
+        TaskArguments(task=part.task)  # its own rules: needle:<words>, glue:<name>
+        known = part.task in (*EMBEDDED_TASKS, MODULES_PACKAGE, MODULES_SPLICED) or part.task.startswith(
+            (NEEDLE_PREFIX, "glue:")
+        )
+        if not known and not Path(part.task).expanduser().exists():
+            raise ValueError(
+                f"dataset={dataset!r}: {TASK_SOURCE}{part.task} is no task: use {TASK_SOURCE}<one of "
+                f"{[*EMBEDDED_TASKS, *LONG_TASKS]}>, {TASK_SOURCE}glue:<name> or {TASK_SOURCE}<local task file or folder>"
+            )
+
+
 def check_pretraining_combination(model_args: ModelArguments, data_args: DataArguments, args: TrainingArguments):
     """The pretraining set's rules between the model and the objective (ValueError naming the conflict and the
     fix); resolves the defaults that depend on them: the decoder (`posonly` for tsdae, `perceiver` otherwise), and
-    for a Concept Encoder the concept losses and dropout of `DEFAULT_RECIPE`. (`data_args`: no rule yet.)"""
+    for a Concept Encoder the concept losses and dropout of `DEFAULT_RECIPE`. The tasks a `--dataset` mixture
+    reads must exist."""
+    check_task_sources(data_args.dataset)
+    if args.recipe == "budget" and model_args.model_name_or_path is None and model_args.hidden_dropout_prob is None:
+        resolve_default(model_args, "hidden_dropout_prob", 0.0)  # no dropout, BERT too (see RECIPES)
     if model_args.model_name_or_path is not None:  # the folder's config.json decides the model's shape
         shaped = [f"--{name}" for name in FOLDER_DECIDES
                   if getattr(model_args, name) != ModelArguments.__dataclass_fields__[name].default]  # fmt: skip
@@ -446,7 +495,7 @@ def check_pretraining_combination(model_args: ModelArguments, data_args: DataArg
 
 # Training arguments only pretraining reads: fine-tuning refuses any of them set, instead of ignoring it while the
 # run's config.json records it (a fine-tuning run that claims a diffusion objective).
-PRETRAINING_ONLY = ("objective", "t_min", "diffusion_weighting", "deletion_rate", "concept_losses", "loss_weighting",
+PRETRAINING_ONLY = ("objective", "recipe", "t_min", "diffusion_weighting", "deletion_rate", "concept_losses", "loss_weighting",
                     "concept_loss_weight", "concept_loss_warmup_steps", "snapshot_steps")  # fmt: skip
 
 
@@ -482,12 +531,29 @@ FINETUNE_DEFAULTS = {
 }  # fmt: skip
 
 
+def recipe_named(argv: list[str]) -> str | None:
+    """The `--recipe` of `argv`, or of its `--config` file; None when neither names one (an unknown name is
+    `TrainingArguments`' error)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--recipe")
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if known.recipe is None and known.config:
+        return read_yaml_mapping(known.config, "--config").get("recipe")
+    return known.recipe
+
+
 def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, defaults: dict | None = None) -> tuple:
     """Parse `argv` (default `sys.argv[1:]`) into one instance of each dataclass in `classes` (`ARGUMENT_CLASSES`
     for pretraining, `FINETUNE_ARGUMENT_CLASSES` for fine-tuning; each set checks its own rules): see
     `parse_dataclasses` for the precedence of defaults, `defaults` (e.g. a hardware profile's), `--config` and
-    flags. `Cache/...` output folders then mean the project's `Cache/`, wherever the command starts."""
-    parsed = parse_dataclasses(argv, classes, defaults)
+    flags. `Cache/...` output folders then mean the project's `Cache/`, wherever the command starts. A `--recipe`
+    (flag or --config key) sets its `RECIPES` values as defaults, above a profile's, below --config and flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    recipe = RECIPES.get(recipe_named(argv)) if classes is ARGUMENT_CLASSES else None
+    parsed = parse_dataclasses(argv, classes, {**(defaults or {}), **(recipe or {})})
+    if recipe:
+        imply_defaults(parsed, recipe)
     for instance in parsed:  # `Cache/...` means the project's Cache/, wherever the command starts (paths.py)
         for name in ("output_dir", "report_dir"):
             value = getattr(instance, name, None)
