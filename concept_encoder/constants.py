@@ -25,8 +25,9 @@ CONCEPT_LOSS_NAMES = (
 LOSS_WEIGHTING_NAMES = ("fixed", "learnable", "kendall_gal")
 
 # Pretraining (`loops/mlm.py`): what the model learns from and which network learns it.
-OBJECTIVES = ("mlm", "diffusion", "tsdae")
+OBJECTIVES = ("mlm", "diffusion", "tsdae", "distill")  # distill: MLM + a teacher's embeddings
 DIFFUSION_WEIGHTINGS = ("elbo", "none")
+DISTILL_LOSSES = ("cosine", "mse")  # distill: 1 - cos, or mean squared error, to the teacher's embedding
 EVAL_MASK_RATES = (0.15, 0.5, 0.9)  # masked diffusion is also evaluated at these fixed masking rates
 ARCHITECTURES = ("concept", "bert")
 LOSS_NORMALIZER = "loss_normalizer"  # batch key: the token count a step's summed loss is divided by
@@ -65,6 +66,8 @@ def eval_suffixes(objective: str) -> tuple[str, ...]:
 def pretraining_metric_names(objective: str, architecture: str) -> tuple[str, ...]:
     """Every key an evaluation of `loops/mlm.py` reports for this objective and architecture."""
     extras = tuple(f"{key}_{suffix}" for suffix in eval_suffixes(objective) for key in EVAL_KEYS)
+    if objective == "distill":
+        extras += ("eval_distill_cosine",)
     health = tuple(f"health/{key}" for key in HEALTH_KEYS) if architecture == "concept" else ()
     return EVAL_KEYS + health + extras
 

@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from concept_encoder.accounting.flops import training_flops_per_token
-from concept_encoder.common.paths import written_aside
+from concept_encoder.common.paths import cache_path, written_aside
 from concept_encoder.concepts.health import format_health_table
 from concept_encoder.data import collator_for, prepare_data
 from concept_encoder.data.objectives import build_corruption, evaluation_corruptions, model_inputs
@@ -74,6 +74,7 @@ from concept_encoder.training.deepspeed_setup import (
     outside_zero3,
     zero3_construction_config,
 )
+from concept_encoder.training.distill import Distillation, attach_teacher, carried, init_word_embeddings, with_doc_index
 from concept_encoder.training.evaluation import evaluate, health_of, most_frequent_token
 from concept_encoder.training.faults import NonFiniteLossError, RunFolderError, is_disk_full
 from concept_encoder.training.gates import (
@@ -152,33 +153,39 @@ def train_step(
     max_grad_norm: float,
     concept: ConceptObjective | None = None,
     step: int = 0,
+    distill: Distillation | None = None,
 ) -> dict:
     """One optimizer step over `window` (the corrupted micro-batches of one accumulation window).
 
     Each micro-batch's loss is its (weighted) CE *sum* divided by the loss normaliser of the whole
     window on all ranks (`objectives.model_inputs`: masked tokens, or diffusion's eligible tokens),
     times `world × accumulation` to undo the averaging that gradient accumulation and data
-    parallelism apply; the gradient is then exactly that of the step's token-normalised loss.
+    parallelism apply; the gradient is then exactly that of the step's token-normalised loss. With `distill`, the
+    MLM term is weighted and the distillation term (a mean over the micro-batch) added (`training/distill.py`).
     Returns global sums for logging.
     """
-    window = [model_inputs(batch) for batch in window]  # [(inputs, normaliser [], tokens [])]
-    counts = torch.stack([normalizer for _, normalizer, _ in window]).sum().float()
+    window = [(batch, *model_inputs(batch)) for batch in window]  # [(batch, inputs, normaliser [], tokens [])]
+    counts = torch.stack([normalizer for _, _, normalizer, _ in window]).sum().float()
     labelled = accelerator.reduce(counts, reduction="sum")  # 0 when no rank masked a token (reported as such)
     window_labelled = labelled.clamp(min=1)
     scale = accelerator.num_processes * len(window) / window_labelled
     loss_sum = torch.zeros((), device=accelerator.device)
     tokens = torch.zeros((), device=accelerator.device)
     terms: dict[str, torch.Tensor] = {}
-    for batch, _, batch_tokens in window:
+    for whole, batch, _, batch_tokens in window:
         with accelerator.accumulate(model):
             out = model(**batch, return_logits=False)  # loss without the [L,V] logits
             ce_sum = out.loss_sum.float()
             objective = ce_sum * scale
+            micro_terms = {}
+            if distill is not None:
+                objective, distilled = distill(objective, out, whole)
+                micro_terms.update({f"distill/{name}": value for name, value in distilled.items()})
             if concept is not None and concept.active:
-                objective, micro_terms = concept(objective, out.concepts, step)
-                for name, value in micro_terms.items():
-                    if name != "mlm":
-                        terms[name] = terms.get(name, 0.0) + value / len(window)
+                objective, regularised = concept(objective, out.concepts, step)
+                micro_terms.update({f"concept/{name}": value for name, value in regularised.items() if name != "mlm"})
+            for name, value in micro_terms.items():
+                terms[name] = terms.get(name, 0.0) + value / len(window)
             accelerator.backward(objective)
             loss_sum += ce_sum.detach()
             tokens += batch_tokens
@@ -198,6 +205,8 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     if concept is not None:
         concept.step(accelerator, apply=math.isfinite(loss))
+    if distill is not None:
+        distill.step(accelerator, apply=math.isfinite(loss))
     return {
         "terms": terms,
         "loss": loss,
@@ -313,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     # 4. preflight (nothing heavy built yet), seed, system info, data config
     preflight(model_args, data_args, args, cuda=state.device.type == "cuda")
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, args.run_name)  # checked, not loaded
+    if args.teacher_embedding_init and zero3_construction_config(args, state.num_processes) is not None:
+        raise ValueError(
+            "--teacher_embedding_init writes the student's embedding table before training, which ZeRO-3 holds in "
+            "shards from construction on: use ZeRO 0-2 (ds_configs/zero2.json) for a run that starts from it"
+        )
     set_seed(args.seed)
     apply_memory_budget(args.cuda_memory_budget_gb, state)
     system = log_system_info(state)
@@ -327,11 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     corruption = build_corruption(
         args.objective, data.collator, data.tokenizer, args, seed=args.seed + state.process_index
     )
+    distilling = args.objective == "distill"  # the teacher embeds every document once (cached), before the model
+    targets = attach_teacher(data, args, data_args.max_seq_length, cache_path("Cache")) if distilling else None
     # 6. dataset sizes after load/filter/packing
     log_dataset_sizes(data)
     # 7. model config, loss config, model (partitioned as it is built under ZeRO-3)
     zero3_config = zero3_construction_config(args, state.num_processes)
     model = build_model(model_args, data_args, data.tokenizer, args.objective, args.seed, zero3_config)
+    if args.teacher_embedding_init:
+        init_word_embeddings(model, args.teacher, data.tokenizer)
     held = held_parameters(model)
     if zero3_config is not None:
         logger.info("ZeRO-3 partitioned model: this process holds %d of %d parameter elements", held["local"],
@@ -346,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         args.t_min, args.deletion_rate,
     )  # fmt: skip
     concept = build_concept_objective(args, model.config, state.device)
+    distill = Distillation(targets, model.config.hidden_size, args, state.device) if distilling else None
     # 8. attention-kernel probe (main process, attention calls of the model's shape; the model stays put)
     eval_collator = collator_for(data_args, data.tokenizer, seed=args.seed + 1)  # same masks at every eval
     eval_collator_state = eval_collator.state_dict()
@@ -420,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         train_source,
         batch_size=args.per_device_train_batch_size,
         drop_last=True,
-        collate_fn=data.collator.collate,  # padding only: masks are drawn when a batch is consumed
+        collate_fn=with_doc_index(data.collator.collate) if distilling else data.collator.collate,  # padding only
         num_workers=args.dataloader_num_workers,
         generator=torch.Generator().manual_seed(args.seed),  # keeps loader seeding off the global RNG
         **order,
@@ -428,13 +447,15 @@ def main(argv: list[str] | None = None) -> int:
     eval_loader = DataLoader(
         data.validation,
         batch_size=args.per_device_eval_batch_size,
-        collate_fn=eval_collator.collate,
+        collate_fn=with_doc_index(eval_collator.collate) if distilling else eval_collator.collate,
         generator=torch.Generator().manual_seed(args.seed),
     )
     model, optimizer = accelerator.prepare(model, optimizer)
     train_loader = accelerator.prepare_data_loader(train_loader, device_placement=False)  # masked on CPU first
     eval_loader = accelerator.prepare_data_loader(eval_loader, device_placement=False)
     shared, per_rank = {"scheduler": scheduler, "concept": concept}, {"collator": corruption}  # checkpointed
+    if distill is not None:
+        shared["distill"] = distill
     progress_state = TrainState()
     gates = GateMonitor(args.gates)
     if resume is not None:
@@ -457,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         train_loader,
         args.gradient_accumulation_steps,
         progress_state,
-        lambda batch: send_to_device(corruption.mask(batch), accelerator.device),
+        lambda batch: send_to_device({**corruption.mask(batch), **carried(batch)}, accelerator.device),
     )
     interval = {"loss": 0.0, "labelled": 0, "tokens": 0, "steps": 0, "time": 0.0}
     unlabelled_steps = 0
@@ -469,7 +490,14 @@ def main(argv: list[str] | None = None) -> int:
     while progress_state.step < args.max_steps:
         started = time.perf_counter()
         step = train_step(
-            accelerator, model, optimizer, next(window_source), args.max_grad_norm, concept, progress_state.step
+            accelerator,
+            model,
+            optimizer,
+            next(window_source),
+            args.max_grad_norm,
+            concept,
+            progress_state.step,
+            distill,
         )
         if math.isfinite(step["loss"]):
             scheduler.step()
@@ -510,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                 **throughput(interval, flops_per_token, accelerator.num_processes, args.peak_tflops),
                 "step_time_s": interval["time"] / interval["steps"],
                 "tokens_seen": progress_state.tokens_seen,
-                **{f"concept/{k}": v for k, v in step["terms"].items()},
+                **step["terms"],  # concept/<loss>, distill/<loss>
                 **peak_memory_over_ranks(accelerator),
             }
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
@@ -538,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
                     accelerator, model, eval_loader, extra, extra_eval_states[name], args.max_eval_batches, health=False
                 )
                 last_eval.update({f"eval_{key.removeprefix('eval_')}_{name}": v for key, v in results.items()})
+            if distill is not None:  # the projected student against the teacher, on the clean validation texts
+                last_eval.update(distill.evaluate(accelerator, model, eval_loader, args.max_eval_batches))
             if metrics:
                 metrics.write({"kind": "eval", "step": progress_state.step, **last_eval})
             logger.info("eval at step %d: %s", progress_state.step, last_eval)

@@ -1,11 +1,13 @@
 """Shared by the loop's test modules: the tiny run's arguments, in-process runs, their records, a finished run."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from accelerate.state import AcceleratorState, GradientState
 
 import loops.finetune as finetune
@@ -61,6 +63,38 @@ def launch_in_process(commands: list):
         return 1 if loop.main(command[command.index(script) + 1 :]) else 0  # as `accelerate launch` reports it
 
     return in_process
+
+
+def sigterm_after(monkeypatch, calls: int):
+    real = mlm.train_step
+    count = {"n": 0}
+
+    def step_then_signal(*args, **kwargs):
+        out = real(*args, **kwargs)
+        count["n"] += 1
+        if count["n"] == calls:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(mlm, "train_step", step_then_signal)
+    return real
+
+
+def tiny_teacher(folder: Path) -> Path:
+    """A distillation teacher: a 2-layer BERT of width 32 with its own WordPiece vocabulary (400 tokens, not the
+    student's), saved in `folder`."""
+    from transformers import BertConfig, BertModel
+
+    from concept_encoder.data.sources import embedded_documents
+    from concept_encoder.data.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer("wordpiece", 400, iter(embedded_documents()))
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128)  # fmt: skip
+    BertModel(config).save_pretrained(folder)
+    return folder
 
 
 def records(run_name: str, kind: str) -> list[dict]:

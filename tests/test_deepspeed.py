@@ -173,6 +173,21 @@ def test_simulated_two_node_zero3_matches_single_node(workdir):
 
 
 @pytest.mark.loop
+def test_distillation_under_zero3_trains_the_sharded_student_and_the_ranks_agree(workdir):
+    """The teacher's targets are computed before the engine exists; the projection is the objective's own."""
+    from loop_runs import tiny_teacher
+
+    teacher = tiny_teacher(workdir / "teacher")
+    finish(launch(workdir, "zero3", "--run_name", "z3distil", "--max_steps", "4", "--objective", "distill",
+                  "--packing", "false", "--teacher", str(teacher), "--learning_rate", "3e-3"))  # fmt: skip
+    records = [json.loads(x) for x in (workdir / "runs/z3distil/metrics.jsonl").read_text().splitlines()]
+    distilled = [r["distill/cosine"] for r in records if r["kind"] == "train"]
+    assert len(distilled) == 4 and distilled[-1] < distilled[0]
+    ranks = [json.loads((workdir / f"runs/z3distil/ranks/rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["eval_loss"] == ranks[1]["eval_loss"]
+
+
+@pytest.mark.loop
 def test_zero_compare_writes_csv_markdown_and_plot(workdir, tmp_path):
     cmd = [
         sys.executable, str(ROOT / "launch/zero_compare.py"), "--configs", "zero0,zero2_offload",

@@ -5,7 +5,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from loop_runs import COMMON, ROOT, fresh_accelerate, load_without_the_package, records, run, train_losses, workdir  # noqa: F401 (fixtures)
+from loop_runs import (  # noqa: F401 (fixtures)
+    COMMON,
+    ROOT,
+    fresh_accelerate,
+    load_without_the_package,
+    records,
+    run,
+    sigterm_after,
+    train_losses,
+    workdir,
+)
 from transformers import AutoModelForMaskedLM
 
 import loops.mlm as mlm
@@ -39,21 +48,6 @@ def test_tiny_run_learns_and_saves_a_loadable_model():
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 60 and not summary["preempted"] and math.isfinite(summary["eval_loss"])
     assert list(Path("Cache/logs").glob("mlm-*.log"))
-
-
-def sigterm_after(monkeypatch, calls: int):
-    real = mlm.train_step
-    count = {"n": 0}
-
-    def step_then_signal(*args, **kwargs):
-        out = real(*args, **kwargs)
-        count["n"] += 1
-        if count["n"] == calls:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-
-    monkeypatch.setattr(mlm, "train_step", step_then_signal)
-    return real
 
 
 @pytest.mark.loop

@@ -157,8 +157,8 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
 
 
 def build_corruption(objective: str, mlm_collator, tokenizer, args, seed: int | None):
-    """The training corruption of `objective` in `OBJECTIVES` (`mlm`: `mlm_collator` itself)."""
-    if objective == "mlm":
+    """The training corruption of `objective` in `OBJECTIVES` (`mlm`, `distill`: `mlm_collator` itself)."""
+    if objective in ("mlm", "distill"):  # distill: the student reads the MLM view (training/distill.py)
         return mlm_collator
     if objective == "diffusion":
         return MaskedDiffusion(tokenizer, t_min=args.t_min, weighting=args.diffusion_weighting, seed=seed)

@@ -27,6 +27,7 @@ class PreparedData:
     validation: Any
     collator: Any
     stats: dict
+    documents: Any = None  # the raw splits' `text` (not streamed): example i of a split is document i when unpacked
 
     @property
     def streaming(self) -> bool:
@@ -88,7 +89,8 @@ def prepare_data(
     if is_docstrings_spec(args.dataset):  # which packages (and versions) the corpus was read from
         stats = {**stats, "source": docstring_corpus(args.dataset, cache_dir).manifest}
     collator = collator_for(args, tokenizer, seed)
-    return PreparedData(tokenizer, processed.get("train"), processed["validation"], collator, stats)
+    documents = None if args.streaming else raw
+    return PreparedData(tokenizer, processed.get("train"), processed["validation"], collator, stats, documents)
 
 
 def collator_for(args: DataArguments, tokenizer, seed: int | None):

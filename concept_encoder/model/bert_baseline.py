@@ -60,12 +60,12 @@ class BertForSparseMaskedLM(BertForMaskedLM):
         `input_ids`, `attention_mask`, `labels`, `label_weights`: `[B,N]` →
         with labels, `loss []`, `loss_sum []`, `num_labelled []` and `logits [L,V]` at the L labelled
         positions in row-major order (None when `return_logits=False`); without labels, `logits [B,N,V]`.
-        `concepts` is None (BERT has none).
+        `concepts` is None (BERT has none); `token_states [B,N,H]` are the last hidden states (distillation pools them).
         """
         hidden = self.bert(input_ids, attention_mask=attention_mask).last_hidden_state  # [B,N,H]
         head = self.cls.predictions
         if labels is None:
-            return ConceptMaskedLMOutput(logits=head.decoder(head.transform(hidden)))
+            return ConceptMaskedLMOutput(logits=head.decoder(head.transform(hidden)), token_states=hidden)
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
         keep = labels.ne(IGNORE_INDEX)  # [B,N]
@@ -75,7 +75,11 @@ class BertForSparseMaskedLM(BertForMaskedLM):
         logits, loss_sum = labelled_loss(head.decoder, states, targets, weights, return_logits)
         num_labelled = keep.sum()
         return ConceptMaskedLMOutput(
-            loss=loss_sum / num_labelled.clamp(min=1), loss_sum=loss_sum, logits=logits, num_labelled=num_labelled
+            loss=loss_sum / num_labelled.clamp(min=1),
+            loss_sum=loss_sum,
+            logits=logits,
+            num_labelled=num_labelled,
+            token_states=hidden,
         )
 
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -41,6 +41,7 @@ class ConceptMaskedLMOutput(ModelOutput):
             `labels` are given; `[B,N,V]` for every position otherwise.
         concepts: `[B,C,H]` final concept states (for concept losses and health metrics).
         num_labelled: `[]` number L of labelled positions (to normalise losses across micro-batches).
+        token_states: `[B,N,H]` the BERT baseline's last hidden states (a Concept Encoder has concepts instead).
     """
 
     loss: torch.FloatTensor | None = None
@@ -48,6 +49,7 @@ class ConceptMaskedLMOutput(ModelOutput):
     logits: torch.FloatTensor | None = None
     concepts: torch.FloatTensor | None = None
     num_labelled: torch.LongTensor | None = None
+    token_states: torch.FloatTensor | None = None
 
 
 class DecoderLayer(nn.Module):

@@ -34,6 +34,7 @@ from ..constants import (
     ARCHITECTURES,
     CONCEPT_LOSS_NAMES,
     DIFFUSION_WEIGHTINGS,
+    DISTILL_LOSSES,
     LOSS_WEIGHTING_NAMES,
     OBJECTIVES,
     TASK_METRIC_NAMES,
@@ -200,6 +201,23 @@ class TrainingArguments:
     deletion_rate: float = field(
         default=0.6, metadata={"help": "tsdae: fraction of each sample's tokens deleted from the encoder's view"}
     )
+    teacher: str | None = field(
+        default=None,
+        metadata={"help": "distill: the teacher, a local model folder (e.g. Cache/models/all-MiniLM-L6-v2 from make "
+                  "reference) whose mean-pooled last hidden states the pooled student learns (training/distill.py)"},
+    )  # fmt: skip
+    distill_loss: str = field(
+        default="cosine", metadata={"help": f"distill: one of {DISTILL_LOSSES} (1 - cosine, or mean squared error)"}
+    )
+    distill_weight: float = field(default=1.0, metadata={"help": "distill: weight of the distillation loss"})
+    mlm_weight: float = field(
+        default=1.0, metadata={"help": "distill: weight of the MLM loss beside it (0: distillation alone)"}
+    )
+    teacher_embedding_init: bool = field(
+        default=False,
+        metadata={"help": "distill: start the student's word embeddings from the teacher's, projected to its width "
+                  "(needs the teacher's vocabulary: --tokenizer <teacher folder>)"},
+    )  # fmt: skip
     gate: list[str] = field(
         default_factory=list,
         metadata={"help": 'decision gate "metric>=threshold@step", checked at every evaluation from that step '
@@ -259,6 +277,13 @@ class TrainingArguments:
             raise ValueError(f"t_min={self.t_min} must be in (0, 1): diffusion draws masking rates t ~ U(t_min, 1)")
         if self.diffusion_weighting not in DIFFUSION_WEIGHTINGS:
             raise ValueError(f"diffusion_weighting={self.diffusion_weighting!r}: choose one of {DIFFUSION_WEIGHTINGS}")
+        if self.distill_loss not in DISTILL_LOSSES:
+            raise ValueError(f"distill_loss={self.distill_loss!r} is unknown; choose one of {DISTILL_LOSSES}")
+        if not self.distill_weight > 0 or self.mlm_weight < 0:
+            raise ValueError(
+                f"distill_weight={self.distill_weight} must be > 0 and mlm_weight={self.mlm_weight} >= 0 (0: "
+                "distillation alone)"
+            )
         if not 0 <= self.deletion_rate < 1:
             raise ValueError(f"deletion_rate={self.deletion_rate} must be in [0, 1): tsdae must keep some tokens")
         if self.gate_action not in GATE_ACTIONS:
@@ -438,12 +463,46 @@ def check_task_sources(dataset: str) -> None:
             )
 
 
+DISTILL_ONLY = ("teacher", "distill_loss", "distill_weight", "mlm_weight", "teacher_embedding_init")
+
+
+def check_distillation(data_args: DataArguments, args: TrainingArguments) -> None:
+    """`--objective distill` needs a local teacher folder and one document or sentence per example; its settings
+    mean nothing under another objective (ValueError naming the fix)."""
+    given = [
+        f"--{name}"
+        for name in DISTILL_ONLY
+        if getattr(args, name) != TrainingArguments.__dataclass_fields__[name].default
+    ]
+    if args.objective != "distill":
+        if given:
+            raise ValueError(f"{given} apply to --objective distill only: add it, or leave them out")
+        return
+    if args.teacher is None:
+        raise ValueError(
+            "--objective distill needs --teacher <model folder>, e.g. Cache/models/all-MiniLM-L6-v2 (make reference)"
+        )
+    if not (cache_path(args.teacher).expanduser() / "config.json").is_file():
+        raise ValueError(
+            f"--teacher {args.teacher}: no config.json there; give a local model folder written by save_pretrained "
+            "(a teacher is never downloaded), e.g. Cache/models/all-MiniLM-L6-v2 from make reference"
+        )
+    if data_args.packing:
+        raise ValueError(
+            "--objective distill learns one teacher embedding per document or sentence: add --packing false (a "
+            "packed block glues several documents together)"
+        )
+    if data_args.streaming:
+        raise ValueError("--objective distill embeds every document with the teacher first: leave out --streaming")
+
+
 def check_pretraining_combination(model_args: ModelArguments, data_args: DataArguments, args: TrainingArguments):
     """The pretraining set's rules between the model and the objective (ValueError naming the conflict and the
     fix); resolves the defaults that depend on them: the decoder (`posonly` for tsdae, `perceiver` otherwise), and
     for a Concept Encoder the concept losses and dropout of `DEFAULT_RECIPE`. The tasks a `--dataset` mixture
-    reads must exist."""
+    reads must exist; distillation's settings (`check_distillation`)."""
     check_task_sources(data_args.dataset)
+    check_distillation(data_args, args)
     if args.recipe == "budget" and model_args.model_name_or_path is None and model_args.hidden_dropout_prob is None:
         resolve_default(model_args, "hidden_dropout_prob", 0.0)  # no dropout, BERT too (see RECIPES)
     if model_args.model_name_or_path is not None:  # the folder's config.json decides the model's shape
@@ -495,7 +554,7 @@ def check_pretraining_combination(model_args: ModelArguments, data_args: DataArg
 
 # Training arguments only pretraining reads: fine-tuning refuses any of them set, instead of ignoring it while the
 # run's config.json records it (a fine-tuning run that claims a diffusion objective).
-PRETRAINING_ONLY = ("objective", "recipe", "t_min", "diffusion_weighting", "deletion_rate", "concept_losses", "loss_weighting",
+PRETRAINING_ONLY = (*DISTILL_ONLY, "objective", "recipe", "t_min", "diffusion_weighting", "deletion_rate", "concept_losses", "loss_weighting",
                     "concept_loss_weight", "concept_loss_warmup_steps", "snapshot_steps")  # fmt: skip
 
 
@@ -555,7 +614,7 @@ def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, defaults
     if recipe:
         imply_defaults(parsed, recipe)
     for instance in parsed:  # `Cache/...` means the project's Cache/, wherever the command starts (paths.py)
-        for name in ("output_dir", "report_dir"):
+        for name in ("output_dir", "report_dir", "teacher"):
             value = getattr(instance, name, None)
             if isinstance(value, str) and (resolved := str(cache_path(value))) != value:
                 default = field_default(next(f for f in fields(instance) if f.name == name))

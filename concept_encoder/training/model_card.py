@@ -14,6 +14,9 @@ OBJECTIVE_TEXT = {
     "mlm": "masked-language modelling: {masking} masking of {mlm_probability:.0%} of tokens",
     "diffusion": "masked diffusion: rates t ~ U({t_min}, 1), every chosen token `[MASK]`, weighting {diffusion_weighting}",
     "tsdae": "TSDAE: {deletion_rate:.0%} of tokens deleted, every token reconstructed",
+    "distill": "distillation from the teacher `{teacher}`: the pooled student, through a linear projection, learns "
+    "its mean-pooled sentence embeddings ({distill_loss}, weight {distill_weight:g}), beside masked-language "
+    "modelling of {mlm_probability:.0%} of tokens (weight {mlm_weight:g})",
 }
 
 

@@ -63,6 +63,8 @@ OBJECTIVE_LOSSES = {
     "{diffusion_weighting} (elbo: 1/t, divided by the eligible tokens of the step)",
     "tsdae": "TSDAE: {deletion_rate:.0%} of tokens deleted, cross-entropy of every token of the original "
     "(mean over the step's tokens)",
+    "distill": "{mlm_weight:g} x sparse masked-token cross-entropy + {distill_weight:g} x distillation ({distill_loss}) "
+    "of the pooled student, projected, to {teacher}'s sentence embeddings",
 }
 
 

@@ -48,7 +48,7 @@ def fresh_model_fields(model_args, max_seq_length: int, vocab_size: int, **speci
 def decoded_fraction(training_args, mlm_probability: float) -> float:
     """The largest fraction of a sequence's positions the objective decodes in one step (what memory
     must hold): `mlm_probability` for mlm; 1 for diffusion (a sample's rate t can reach 1) and tsdae."""
-    return mlm_probability if training_args.objective == "mlm" else 1.0
+    return mlm_probability if training_args.objective in ("mlm", "distill") else 1.0
 
 
 def deepspeed_batch_values(training_args, world_size: int) -> dict[str, int]:
