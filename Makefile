@@ -18,7 +18,7 @@ ARGS      ?=
 LAUNCH    := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
 .PHONY: help install test lint format clean bench gpu-check train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
-	finetune probe reference glue compare ablate curve long-context
+	finetune probe reference glue compare ablate curve long-context recipes
 
 help:  ## this list: every target, one line each
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## (.*)/\1\t\2/' | \
@@ -126,6 +126,19 @@ long-context: install  ## long documents: whole-input Concept Encoder against tr
 	$(PY) -m concept_encoder long_context --lengths $(LENGTHS) --tokens $(LC_TOKENS) --task $(LC_TASK) \
 		--window $(WINDOW) --name $(LC_NAME) --finetune_args "--seeds $(SEEDS) $(FT_ARGS)" -- \
 		--preset $(PRESET) --tokenizer $(TOKENIZER) --per_device_train_batch_size $(LC_BATCH) $(ARGS)
+
+# Which pretraining pays at a small budget (docs/recipes.md): recipe arms (default, task-adaptive, budget recipe,
+# distillation from TEACHER, with embedding initialisation) per architecture, each beside its from-scratch twin.
+#   make recipes RECIPE_TOKENS=2M SEEDS=3 RECIPE_ARMS=default,tapt,budget   (the distillation arms need make reference)
+RECIPE_TOKENS ?= 2M
+RECIPE_ARMS  ?= default,tapt,budget,distill,distill-init
+RECIPE_TASKS ?= embedded,embedded_pairs
+TEACHER      ?= Cache/models/all-MiniLM-L6-v2
+RECIPE_NAME  ?= recipes
+recipes: install  ## pretraining recipes against their from-scratch twins on RECIPE_TASKS (fair protocol)
+	$(PY) -m concept_encoder recipes --tokens $(RECIPE_TOKENS) --tasks $(RECIPE_TASKS) \
+		--arms $(RECIPE_ARMS) --teacher $(TEACHER) --name $(RECIPE_NAME) --finetune_args "--seeds $(SEEDS) $(FT_ARGS)" \
+		-- --preset $(PRESET) --tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)
 
 # Hardware profiles (launch/profiles.yaml): the plan check runs first and launches only a sound plan.
 #   make train-3080 DATASET=wikitext:wikitext-103-raw-v1 STEPS=20000 ARGS="--run_name wiki --save_steps 1000"

@@ -22,6 +22,7 @@ TOOLS = {
     "ablate": ("concept_encoder.decide.ablate", "vary one setting, train each value, let a metric decide"),
     "curve": ("concept_encoder.decide.curve", "downstream score against pretraining tokens, beside twins"),
     "long_context": ("concept_encoder.decide.long_context", "long documents: whole-input reading against BERT's ways"),
+    "recipes": ("concept_encoder.decide.recipes", "pretraining recipes (task-adaptive, budget, distillation) vs twins"),
     "reference": ("concept_encoder.decide.reference", "the positive control's model folder, offline from a wheel"),
     "finetune_report": ("concept_encoder.training.finetune_report", "merge fine-tuning reports into one"),
 }

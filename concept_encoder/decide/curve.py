@@ -168,7 +168,7 @@ def extension_problem(plan: ArchitecturePlan, run_dir: Path, finished: int) -> s
 
 REQUEST = "request.json"  # in the curve's folder: what its points and pretraining runs were measured under
 # all a curve (or the long-context driver, which keeps its fine-tuning runs in `finetune/`) writes
-CURVE_ENTRIES = {REQUEST, ".lock", "points", "reports", "finetune", "curve.md", "curve.png", "curve.json"}
+CURVE_ENTRIES = {REQUEST, ".lock", "points", "reports", "finetune", "tasks", "curve.md", "curve.png", "curve.json"}
 
 
 def curve_request(args, loop_argv: list[str], finetune_argv: list[str]) -> dict:
