@@ -39,6 +39,7 @@ from filelock import FileLock, Timeout
 from ..common import process_group
 from ..common.cli_types import at_least
 from ..common.paths import PROJECT_ROOT, cache_path, folder_problem
+from ..common.report_files import claim_report_stem
 from ..constants import ARCHITECTURES
 from ..data.base import DataSourceError
 from ..data.sources import source_fingerprint
@@ -51,6 +52,7 @@ from ..training.checkpoint import (
     run_config_arguments,
     step_of,
 )
+from ..training.faults import written_whole
 from ..training.metrics_log import read_metrics
 from ..training.model_folder import model_digest, model_folder_problem
 from ..training.plan import local_launcher
@@ -244,6 +246,18 @@ def exclusive(folder: Path, what: str) -> FileLock | None:
               "choose another --name", file=sys.stderr)  # fmt: skip
         return None
     return lock
+
+
+def write_report_files(report: dict, report_dir: str, prefix: str, markdown, plot) -> dict[str, Path]:
+    """A driver's report as `<prefix>_<time>.{md,json,png}` under `report_dir` (`markdown(report)` → text,
+    `plot(report, path)`), written whole: a failure leaves none of them."""
+    stem = claim_report_stem(report_dir, prefix)
+    paths = {ext: Path(f"{stem}.{ext}") for ext in ("md", "json", "png")}
+    with written_whole(list(paths.values()), f"the report {stem.name}.*"):
+        paths["md"].write_text(markdown(report))
+        paths["json"].write_text(json.dumps(report, indent=2, default=str))
+        plot(report, paths["png"])
+    return paths
 
 
 def run_command(command: list[str]) -> int:
@@ -453,6 +467,15 @@ def plot(summary: dict, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def add_report_driver_arguments(parser: argparse.ArgumentParser, name: str, runs_dir: str) -> None:
+    """What every driver that writes `Cache/reports/<name>_<time>.*` from fine-tuned points takes beside its own."""
+    parser.add_argument("--finetune_args", default="", help='arguments for loops/finetune.py, e.g. "--seeds 3"')
+    parser.add_argument("--name", default=name)
+    parser.add_argument("--runs_dir", default=runs_dir, help="where the runs' points are kept")
+    parser.add_argument("--report_dir", default="Cache/reports")
+    parser.add_argument("--num_processes", type=at_least(1), default=1, help="processes per run (accelerate launch)")
 
 
 def build_parser() -> argparse.ArgumentParser:

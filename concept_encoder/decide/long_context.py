@@ -36,16 +36,16 @@ from pathlib import Path
 from ..accounting.flops import mlm_forward_flops
 from ..common.cli_types import at_least
 from ..common.paths import cache_path
-from ..common.report_files import ReportFolderError, check_report_dir, claim_report_stem
+from ..common.report_files import ReportFolderError, check_report_dir
 from ..tasks.arguments import MODULES_PACKAGE, MODULES_SPLICED
 from ..tasks.baselines import task_baselines
 from ..tasks.loading import TaskData, load_task
 from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
-from ..training.faults import written_whole
 from ..training.metrics_log import read_metrics
 from . import curve
 from .curve import (
     Curve,
+    add_report_driver_arguments,
     check_finetune_argv,
     check_reuse,
     exclusive,
@@ -54,6 +54,7 @@ from .curve import (
     parse_driver_argv,
     plan_architecture,
     pretrain,
+    write_report_files,
 )
 
 ROWS = ("concept", "trunc", "chunks", "full", "clock")  # --rows: which readings to measure (all by default)
@@ -329,17 +330,6 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(report: dict, report_dir: str) -> dict[str, Path]:
-    """`long-context_<time>.{md,json,png}` under `report_dir`, written whole (a failure leaves none of them)."""
-    stem = claim_report_stem(report_dir, "long-context")
-    paths = {ext: Path(f"{stem}.{ext}") for ext in ("md", "json", "png")}
-    with written_whole(list(paths.values()), f"the report {stem.name}.*"):
-        paths["md"].write_text(format_markdown(report))
-        paths["json"].write_text(json.dumps(report, indent=2, default=str))
-        plot(report, paths["png"])
-    return paths
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m concept_encoder long_context",
@@ -362,11 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also the Concept Encoder pretrained for bert-trunc's wall-clock (default true)")  # fmt: skip
     parser.add_argument("--rows", default=",".join(ROWS),
                         help=f"the readings to measure, comma-separated from {ROWS} (concept is always measured)")  # fmt: skip
-    parser.add_argument("--finetune_args", default="", help='arguments for loops/finetune.py, e.g. "--seeds 3"')
-    parser.add_argument("--name", default="long-context")
-    parser.add_argument("--runs_dir", default="Cache/long_context", help="where the runs' points are kept")
-    parser.add_argument("--report_dir", default="Cache/reports")
-    parser.add_argument("--num_processes", type=at_least(1), default=1)
+    add_report_driver_arguments(parser, "long-context", "Cache/long_context")
     return parser
 
 
@@ -452,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         lock.release()
     report = assemble(measured, tasks, finetune_argv, args, model_folder(*concept[lengths[0]]))
-    paths = write_report(report, args.report_dir)
+    paths = write_report_files(report, args.report_dir, "long-context", format_markdown, plot)
     print(paths["md"].read_text())
     print(f"report: {paths['md']}, {paths['json']}, {paths['png']}")
     return 0

@@ -36,16 +36,15 @@ import math
 import sys
 from pathlib import Path
 
-from ..common.cli_types import at_least
 from ..common.paths import cache_path
-from ..common.report_files import ReportFolderError, check_report_dir, claim_report_stem
+from ..common.report_files import ReportFolderError, check_report_dir
 from ..constants import ARCHITECTURES
-from ..training.faults import written_whole
 from ..training.model_folder import model_folder_problem
 from . import curve
 from .ablate import safe_name
 from .curve import (
     Curve,
+    add_report_driver_arguments,
     check_finetune_argv,
     check_reuse,
     exclusive,
@@ -54,6 +53,7 @@ from .curve import (
     parse_driver_argv,
     plan_architecture,
     pretrain,
+    write_report_files,
 )
 from .long_context import model_folder
 
@@ -203,16 +203,6 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(report: dict, report_dir: str) -> dict[str, Path]:
-    stem = claim_report_stem(report_dir, "recipes")
-    paths = {ext: Path(f"{stem}.{ext}") for ext in ("md", "json", "png")}
-    with written_whole(list(paths.values()), f"the report {stem.name}.*"):
-        paths["md"].write_text(format_markdown(report))
-        paths["json"].write_text(json.dumps(report, indent=2, default=str))
-        plot(report, paths["png"])
-    return paths
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m concept_encoder recipes",
@@ -229,11 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--task_weight", type=float, default=8.0,
                         help="tapt: times per epoch the task's training texts enter beside the corpus")  # fmt: skip
     parser.add_argument("--teacher", default=DEFAULT_TEACHER, help="the distillation arms' teacher (a model folder)")
-    parser.add_argument("--finetune_args", default="", help='arguments for loops/finetune.py, e.g. "--seeds 3"')
-    parser.add_argument("--name", default="recipes")
-    parser.add_argument("--runs_dir", default="Cache/recipes", help="where the points are kept")
-    parser.add_argument("--report_dir", default="Cache/reports")
-    parser.add_argument("--num_processes", type=at_least(1), default=1)
+    add_report_driver_arguments(parser, "recipes", "Cache/recipes")
     return parser
 
 
@@ -318,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     baselines = {r["task"]: {"tfidf": r["tfidf"], "majority": r["majority"]} for r in rows}
     report = {"title": f"Pretraining recipes at {args.tokens} tokens ({args.name})", "tokens": budgets[0],
               "rows": rows, "baselines": baselines, "goals": goal_lines(rows)}  # fmt: skip
-    paths = write_report(report, args.report_dir)
+    paths = write_report_files(report, args.report_dir, "recipes", format_markdown, plot)
     print(paths["md"].read_text())
     print(f"report: {paths['md']}, {paths['json']}, {paths['png']}")
     return 0

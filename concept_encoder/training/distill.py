@@ -33,11 +33,13 @@ from accelerate.utils import send_to_device
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import AutoModel, AutoTokenizer
 
 from ..common.paths import written_aside
 from ..constants import DISTILL_LOSSES
 from ..data.objectives import model_inputs
 from ..model.constants import IGNORE_INDEX
+from .objective import step_own_parameters
 
 logger = logging.getLogger("concept_encoder")
 
@@ -62,8 +64,6 @@ def teacher_identity(folder: Path) -> str:
 
 def load_teacher(folder: str | Path):
     """The teacher's encoder (`AutoModel`, frozen, eval mode) and its own tokenizer, from a local folder only."""
-    from transformers import AutoModel, AutoTokenizer
-
     model = AutoModel.from_pretrained(folder, local_files_only=True).eval()
     model.requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -152,12 +152,7 @@ class Distillation:
         return self.mlm_weight * mlm_objective + self.weight * term, {self.loss_name: term.detach()}
 
     def step(self, accelerator, apply: bool) -> None:
-        for param in self.projection.parameters():
-            if param.grad is not None:
-                param.grad = accelerator.reduce(param.grad, reduction="mean")
-        if apply:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        step_own_parameters(accelerator, self.projection.parameters(), self.optimizer, apply)
 
     @torch.no_grad()
     def evaluate(self, accelerator, model, loader, max_batches: int | None) -> dict:

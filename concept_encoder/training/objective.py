@@ -11,6 +11,17 @@ from ..concepts.weighting import ConceptRegularizedLoss
 logger = logging.getLogger("concept_encoder")
 
 
+def step_own_parameters(accelerator, parameters, optimizer, apply: bool) -> None:
+    """Step parameters a loss owns outside the model (DDP and DeepSpeed average and step the model's only): their
+    gradients averaged over ranks, then `optimizer` stepped when `apply` (a finite step), gradients cleared."""
+    for param in parameters:
+        if param.grad is not None:
+            param.grad = accelerator.reduce(param.grad, reduction="mean")
+    if apply:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 class ConceptObjective:
     """Adds the concept losses to each micro-batch objective and trains the learned loss weights.
 
@@ -34,14 +45,8 @@ class ConceptObjective:
         return self.loss(objective, concepts, step)
 
     def step(self, accelerator, apply: bool) -> None:
-        if self.optimizer is None:
-            return
-        for param in self.loss.parameters():
-            if param.grad is not None:
-                param.grad = accelerator.reduce(param.grad, reduction="mean")
-        if apply:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            step_own_parameters(accelerator, self.loss.parameters(), self.optimizer, apply)
 
     def state_dict(self) -> dict:
         # "manager" holds the weighting's own parameters under their plain names ("log_vars", ...):
