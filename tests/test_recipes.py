@@ -32,9 +32,12 @@ def workspace(tmp_path, monkeypatch):
     GradientState._reset_state()
 
 
+ARMS = "default,tapt,budget,distill-init"  # distill alone: distill-init without the init (arm_arguments, below)
+
+
 def argv(teacher, *extra):
     return ["--tokens", "256", "--tasks", "embedded", "--architectures", "concept", "--corpus", "embedded",
-            "--teacher", str(teacher), "--finetune_args", FINETUNE, *extra, "--", *PRETRAIN]  # fmt: skip
+            "--arms", ARMS, "--teacher", str(teacher), "--finetune_args", FINETUNE, *extra, "--", *PRETRAIN]  # fmt: skip
 
 
 @pytest.mark.loop
@@ -44,20 +47,23 @@ def test_every_arm_is_pretrained_as_named_and_stands_beside_its_twin(workspace, 
     [report] = Path("Cache/reports").glob("recipes_*.json")
     assert {p.suffix for p in report.parent.glob(f"{report.stem}.*")} == {".md", ".json", ".png"}
     rows = json.loads(report.read_text())["rows"]
-    assert [r["arm"] for r in rows] == list(recipes.ARMS) and all(r["task"] == "embedded" for r in rows)
+    assert [r["arm"] for r in rows] == ARMS.split(",") and all(r["task"] == "embedded" for r in rows)
     for r in rows:
         assert 0 <= r["accuracy_mean"] <= 1 and len(r["accuracy_seeds"]) == 1 and "accuracy_mean" in r["twin"]
         assert r["gain"] == pytest.approx(r["accuracy_mean"] - r["twin"]["accuracy_mean"])
     settings = {r["arm"]: json.loads((Path(r["model"]).parents[1] / "config.json").read_text()) for r in rows}
     assert settings["tapt"]["data_args"]["dataset"] == "embedded,task:embedded*8"
     assert settings["budget"]["training_args"]["recipe"] == "budget"
-    assert settings["distill"]["training_args"]["teacher"] == str(teacher)
+    assert settings["distill-init"]["training_args"]["teacher"] == str(teacher)
     assert settings["distill-init"]["training_args"]["teacher_embedding_init"] is True
     assert settings["distill-init"]["data_args"]["tokenizer"] == str(teacher)
-    # default, budget and distill read the corpus' tokenizer: one twin; tapt and distill-init have their own
+    # default and budget read the corpus' tokenizer: one twin; tapt and distill-init have their own
     twins = sorted(p.stem for p in Path("Cache/recipes/recipes/tasks/embedded/points").glob("concept-twin-*.json"))
     assert len(twins) == 3 and len({r["twin"]["accuracy_seeds"][0] for r in rows}) <= 3
     assert any("goal (+2 points, > 2 SE on every task)" in line for line in json.loads(report.read_text())["goals"])
+    assert recipes.arm_arguments("distill-init", "c", "t", 8, "T")[:-3] == recipes.arm_arguments(
+        "distill", "c", "t", 8, "T"
+    )
     launched = len(commands)
     assert recipes.main(argv(teacher)) == 0 and len(commands) == launched  # a rerun reuses every run and point
 

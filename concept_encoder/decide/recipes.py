@@ -296,18 +296,25 @@ def main(argv: list[str] | None = None) -> int:
                              **compare(pretrained, twin), "tokens_seen": summary["tokens_seen"],
                              "eval_loss": summary.get("eval_loss"),
                              "unigram_ratio": summary.get("eval_accuracy_over_unigram"), "model": str(model)})  # fmt: skip
+            if task != tasks[-1]:  # hours may pass before the next task's report: this one's rows now
+                report_rows(rows, args, budgets[0], final=False)
     except RuntimeError as error:  # a run failed: finished runs and points stay, the same command continues
         print(f"error: {error}", file=sys.stderr)
         return 1
     finally:
         lock.release()
+    report_rows(rows, args, budgets[0], final=True)
+    return 0
+
+
+def report_rows(rows: list[dict], args, tokens: int, final: bool) -> None:
+    """The report of the rows measured so far (after each task; the last one holds every task), printed."""
     baselines = {r["task"]: {"tfidf": r["tfidf"], "majority": r["majority"]} for r in rows}
-    report = {"title": f"Pretraining recipes at {args.tokens} tokens ({args.name})", "tokens": budgets[0],
-              "rows": rows, "baselines": baselines, "goals": goal_lines(rows)}  # fmt: skip
+    report = {"title": f"Pretraining recipes at {args.tokens} tokens ({args.name})", "tokens": tokens,
+              "rows": rows, "baselines": baselines, "goals": goal_lines(rows), "complete": final}  # fmt: skip
     paths = write_report_files(report, args.report_dir, "recipes", format_markdown, plot)
     print(paths["md"].read_text())
-    print(f"report: {paths['md']}, {paths['json']}, {paths['png']}")
-    return 0
+    print(f"report{'' if final else ' so far'}: {paths['md']}, {paths['json']}, {paths['png']}", flush=True)
 
 
 if __name__ == "__main__":
