@@ -135,6 +135,7 @@ class Distillation:
         self.loss_name, self.weight, self.mlm_weight = args.distill_loss, args.distill_weight, args.mlm_weight
         teacher_width = self.targets["train"].shape[1]
         self.projection = nn.Linear(student_width, teacher_width).to(device)
+        # at the peak rate, unscheduled, like the learned concept-loss weights (objective.ConceptObjective)
         self.optimizer = torch.optim.AdamW(self.projection.parameters(), lr=args.learning_rate, weight_decay=0.0)
 
     def loss(self, features: torch.Tensor, doc_index: torch.Tensor, split: str = "train") -> torch.Tensor:
