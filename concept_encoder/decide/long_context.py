@@ -271,8 +271,9 @@ def goal_lines(rows: list[dict], args) -> list[str]:
 
 def format_markdown(report: dict) -> str:
     buckets = list(dict.fromkeys(b for r in report["rows"] for b in (r.get("accuracy_by_position") or {})))
-    out = [f"# {report['title']}", "", "Validation accuracy, mean ± std over seeds (rate and step chosen on dev); "
-           "`by needle position`: accuracy of the examples whose needle lies in each eighth of the input.", "",
+    positions = "; by needle position: accuracy of the examples whose needle lies in each eighth of the input" if (
+        buckets) else ""  # fmt: skip
+    out = [f"# {report['title']}", "", f"Validation accuracy, mean ± std over seeds (rate and step chosen on dev){positions}.", "",
            "| model | task | reads | accuracy | best probe | " + " | ".join(buckets) + (" | " if buckets else "")
            + "fine-tune s/seed | pretrain s | tokens/s | peak GB | GFLOP/example | parameters |",
            "|---|---|---|---|---|" + "---|" * len(buckets) + "---|---|---|---|---|---|"]  # fmt: skip
