@@ -309,6 +309,14 @@ class Curve:
         self.point_file(key).write_text(json.dumps(point, indent=2))
         return point
 
+    def reused_or_measured(self, key: str, model: str, extra: list[str], info: dict, what: str) -> dict:
+        """The point `key`: read when measured before, else measured (`measure`); one line says which."""
+        if self.done(key):
+            print(f"{key}: finished earlier, reused", flush=True)
+            return json.loads(self.point_file(key).read_text())
+        print(f"{key}: {what}", flush=True)
+        return self.measure(key, model, extra, info)
+
     def points(self) -> list[dict]:
         """The points measured (a damaged file is left out: `done` names it)."""
         return [

@@ -144,14 +144,10 @@ def measure_row(folder: Path, row: Row, finetune_argv: list[str], processes: int
     result = {"row": row}
     for kind in ("pretrained", "twin") if row.twin else ("pretrained",):
         key = row.key if kind == "pretrained" else f"{row.key}-twin"
-        if points.done(key):
-            print(f"{key}: finished earlier, reused", flush=True)
-            result[kind] = json.loads(points.point_file(key).read_text())
-            continue
-        print(f"{key}: {row.label}{', from scratch' if kind == 'twin' else ''}, fine-tuning and probes on {row.task}",
-              flush=True)  # fmt: skip
         extra = [*row.finetune_extra(), *(["--from_scratch"] if kind == "twin" else [])]
-        result[kind] = points.measure(key, model, extra, {"kind": "line", "label": row.label, "variant": kind})
+        what = f"{row.label}{', from scratch' if kind == 'twin' else ''}, fine-tuning and probes on {row.task}"
+        result[kind] = points.reused_or_measured(key, model, extra, {"kind": "line", "label": row.label,
+                                                                     "variant": kind}, what)  # fmt: skip
     return result
 
 

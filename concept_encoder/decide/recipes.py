@@ -284,12 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                 measured = {}
                 for kind, key, extra in (("pretrained", f"{architecture}-{arm}", []),
                                          ("twin", f"{architecture}-twin-{tokenizer_digest(model)}", ["--from_scratch"])):  # fmt: skip
-                    if points.done(key):
-                        measured[kind] = json.loads(points.point_file(key).read_text())
-                        continue
-                    print(f"{key}: {'from-scratch twin' if kind == 'twin' else arm}, fine-tuning and probes on {task}",
-                          flush=True)  # fmt: skip
-                    measured[kind] = points.measure(key, str(model), extra, {"kind": kind, "arm": arm})
+                    what = f"{'from-scratch twin' if kind == 'twin' else arm}, fine-tuning and probes on {task}"
+                    measured[kind] = points.reused_or_measured(key, str(model), extra, {"kind": kind, "arm": arm}, what)
                 pretrained, twin = summary_row(measured["pretrained"], task), summary_row(measured["twin"], task)
                 summary = json.loads((run_dir / "summary.json").read_text())
                 rows.append({"task": task, "architecture": architecture, "arm": arm, **pretrained, "twin": twin,
