@@ -56,6 +56,7 @@ import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Aut
 from concept_encoder.common.paths import folder_problem, written_aside
 from concept_encoder.data.tokenizer import check_vocab_covers, model_tokenizer_folder
 from concept_encoder.tasks.baselines import split_rows, task_baselines, task_digest
+from concept_encoder.tasks.leakage import pretraining_overlap
 from concept_encoder.tasks.loading import encode_splits, load_task
 from concept_encoder.tasks.metrics import accuracy_by_position, compute_metrics, metric_sign, predictions_from_logits
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
@@ -453,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     log_system_info(state)
     # 5-6. the task's splits (train, dev carved with a fixed seed, validation), sizes logged; its baselines
     task = load_task(task_args)
+    for path in [] if fargs.from_scratch else fargs.models:  # pretrained on task text held out here: refused
+        if problem := pretraining_overlap(path, AutoConfig.from_pretrained(path), task):
+            raise ValueError(problem)
     parse_gates(args.gate, task.metric_names, f"task {task.name}'s dev split")  # the task's own metrics
     logger.info("task %s (%s, %d labels): %s", task.name, task.task_type, task.num_labels, task.sizes())
     if fargs.epochs is not None:  # the length in passes over the training split, as optimizer steps

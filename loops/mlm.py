@@ -54,6 +54,7 @@ from concept_encoder.common.paths import cache_path, written_aside
 from concept_encoder.concepts.health import format_health_table
 from concept_encoder.data import collator_for, prepare_data
 from concept_encoder.data.objectives import build_corruption, evaluation_corruptions, model_inputs
+from concept_encoder.tasks.leakage import record_task_texts
 from concept_encoder.tasks.loading import training_texts
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.batches import accumulation_windows
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     # 7. model config, loss config, model (partitioned as it is built under ZeRO-3)
     zero3_config = zero3_construction_config(args, state.num_processes)
     model = build_model(model_args, data_args, data.tokenizer, args.objective, args.seed, zero3_config)
+    record_task_texts(model.config, data_args.dataset)  # so fine-tuning refuses to score it on text it read
     if args.teacher_embedding_init:
         init_word_embeddings(model, args.teacher, data.tokenizer)
     held = held_parameters(model)

@@ -5,18 +5,21 @@ import json
 import math
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from loop_runs import fresh_accelerate, records, run, workdir  # noqa: F401 (fixtures)
 
+import loops.finetune as finetune
 from concept_encoder.common.dataclass_args import to_argv
 from concept_encoder.data.base import DataSourceError
 from concept_encoder.data.mixture import repetition
-from concept_encoder.data.sources import load_raw_dataset
+from concept_encoder.data.sources import load_raw_dataset, texts_digest
 from concept_encoder.decide.ablate import parse_vary
 from concept_encoder.decide.curve import plan_architecture
 from concept_encoder.tasks.arguments import TaskArguments
+from concept_encoder.tasks.leakage import held_out_texts, pretraining_overlap, task_text_record
 from concept_encoder.tasks.loading import load_task, training_texts
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, parse_args
 from concept_encoder.training.optim import build_scheduler
@@ -134,3 +137,29 @@ def test_a_task_adaptive_budget_run_trains_on_the_mixture_and_ends_at_rate_zero(
     embedded, task = len(load_raw_dataset("embedded")["train"]), len(training_texts("embedded"))
     assert config["data_stats"]["train"]["documents"] == embedded + 2 * (task - math.ceil(0.05 * task))  # 5% held
     assert records("tapt", "train")[-1]["lr"] == 0.0
+    final = Path("runs/tapt/final")  # the model says which task texts it read; fine-tuning checks them
+    saved = json.loads((final / "config.json").read_text())["pretraining_task_texts"]
+    assert saved == {"embedded": texts_digest(training_texts("embedded"))}
+    common = ["--model_name_or_path", str(final), "--max_steps", "2", "--report_to", "none", "--output_dir", "ft"]
+    with pytest.raises(ValueError, match=r"runs/tapt/final was pretrained on the training texts of task embedded .*"
+                       r"stand in the dev or validation split of embedded .* default --dev_fraction"):  # fmt: skip
+        finetune.main([*common, "--task", "embedded", "--dev_fraction", "0.2"])
+    with pytest.raises(ValueError, match="split of embedded_pairs .* pretrain on task:embedded_pairs instead"):
+        finetune.main([*common, "--task", "embedded_pairs"])
+    assert not Path("ft").exists()  # refused before any run folder
+
+
+def test_the_held_out_check_names_what_overlaps_and_passes_the_splits_pretraining_left_out(caplog):
+    record = task_text_record("embedded,task:embedded*2")
+    assert record == {"embedded": texts_digest(training_texts("embedded"))} and task_text_record("embedded") == {}
+    config = SimpleNamespace(pretraining_task_texts=record)
+    assert pretraining_overlap("m", config, load_task(TaskArguments(task="embedded"))) is None
+    assert pretraining_overlap("m", SimpleNamespace(), load_task(TaskArguments(task="embedded_pairs"))) is None
+    for fractions in ({"dev_fraction": 0.2}, {"validation_fraction": 0.3}):  # other splits hold read texts
+        task = load_task(TaskArguments(task="embedded", **fractions))
+        shared = held_out_texts(task) & set(training_texts("embedded"))
+        assert shared and f"{len(shared)} of them stand in" in pretraining_overlap("m", config, task)
+    own = ["a sentence only this task has", "another one"]  # a task's texts that changed since: a warning
+    changed = SimpleNamespace(pretraining_task_texts={"own": "0123456789ab"})
+    assert pretraining_overlap("m", changed, load_task(TaskArguments(task="embedded")), lambda name: own) is None
+    assert "differ from those it was pretrained on (digest 0123456789ab" in caplog.text

@@ -114,6 +114,11 @@ def local_files(path: Path) -> tuple[str, dict[str, list[str]]]:
     return builders.pop(), splits
 
 
+def texts_digest(texts: list[str]) -> str:
+    """A short digest of a list of texts, in order (a task source's content in cache keys and model configs)."""
+    return hashlib.sha1("\0".join(texts).encode()).hexdigest()[:12]
+
+
 def source_fingerprint(spec: str, task_texts: TaskTexts | None = None) -> str:
     """What identifies the content of `spec` beside its name, for cache keys: each local file's path,
     size and modification time (replacing a file at the same path changes it), the Python version for
@@ -128,7 +133,7 @@ def source_fingerprint(spec: str, task_texts: TaskTexts | None = None) -> str:
             elif task_texts is None:
                 raise needs_task_texts(spec)
             else:
-                parts.append(hashlib.sha1("\0".join(task_texts(part.task)).encode()).hexdigest()[:12])
+                parts.append(texts_digest(task_texts(part.task)))
         return hashlib.sha1(json.dumps(parts).encode()).hexdigest()[:12]
     if spec == EMBEDDED_DATASET:
         return f"py{sys.version_info.major}.{sys.version_info.minor}"
