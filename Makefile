@@ -31,6 +31,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==$(TORCH_VERSION)
 	$(PIP) install -e ".[dev]"
+	$(PY) launch/build_ops.py  # DeepSpeed's CPU ops, compiled once here rather than in the first DeepSpeed run
 	touch $@
 
 test: install  ## ruff, then the test suite (CPU, no GPU; pytest -m 'not loop' for the fast subset)

@@ -231,3 +231,15 @@ def test_zero3_construction_config_resolves_autos_as_accelerate_does(monkeypatch
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "cpu")
     flags = zero3_construction_config(args, world_size=1)
     assert flags["zero_optimization"]["stage"] == 3 and flags["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+def test_make_install_builds_the_deepspeed_ops_a_run_would_compile_first(capsys):
+    """`launch/build_ops.py` (run by `make install`) leaves CPU Adam and the CPU collectives built: a load
+    afterwards finds them (seconds, not the minute and a half of a build)."""
+    import launch.build_ops as build_ops
+    from concept_encoder.training.extension_locks import extensions_root
+
+    assert build_ops.main() == 0
+    out = capsys.readouterr().out
+    assert "DeepSpeed op cpu_adam: ready" in out and "DeepSpeed op deepspeed_shm_comm: ready" in out
+    assert list(extensions_root().glob("**/cpu_adam/cpu_adam.so")) and list(extensions_root().glob("**/*shm_comm.so"))

@@ -392,10 +392,13 @@ def test_a_stale_cpu_adam_lock_is_named_not_waited_on(workdir, tmp_path, monkeyp
         assert held and stale_op_locks("cpu_adam", settle_s=0) == []
     assert stale_op_locks("cpu_adam", settle_s=0) == [lock]
 
+    import launch.build_ops as build_ops
     import launch.check_plan as check_plan
 
     assert check_plan.main(["--profile", "rtx3080_10gb"]) == 1
     assert f"rm {lock}" in capsys.readouterr().out
+    assert build_ops.main() == 1  # make install's build of the ops: named, not waited on either
+    assert f"rm {lock}" in capsys.readouterr().err
 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "launch/cpu.yaml"),
            "--num_processes", "1", "--main_process_port", "29651",
