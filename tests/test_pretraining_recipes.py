@@ -19,7 +19,7 @@ from concept_encoder.data.sources import load_raw_dataset, texts_digest
 from concept_encoder.decide.ablate import parse_vary
 from concept_encoder.decide.curve import plan_architecture
 from concept_encoder.tasks.arguments import TaskArguments
-from concept_encoder.tasks.leakage import held_out_texts, pretraining_overlap, task_text_record
+from concept_encoder.tasks.leakage import held_out_texts, planned_overlap, pretraining_overlap, task_text_record
 from concept_encoder.tasks.loading import load_task, training_texts
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, parse_args
 from concept_encoder.training.optim import build_scheduler
@@ -159,7 +159,8 @@ def test_the_held_out_check_names_what_overlaps_and_passes_the_splits_pretrainin
         task = load_task(TaskArguments(task="embedded", **fractions))
         shared = held_out_texts(task) & set(training_texts("embedded"))
         assert shared and f"{len(shared)} of them stand in" in pretraining_overlap("m", config, task)
+    assert planned_overlap("embedded,task:embedded", task) and not planned_overlap("embedded", task)  # drivers
     own = ["a sentence only this task has", "another one"]  # a task's texts that changed since: a warning
     changed = SimpleNamespace(pretraining_task_texts={"own": "0123456789ab"})
     assert pretraining_overlap("m", changed, load_task(TaskArguments(task="embedded")), lambda name: own) is None
-    assert "differ from those it was pretrained on (digest 0123456789ab" in caplog.text
+    assert "differ from those pretraining read (digest 0123456789ab" in caplog.text

@@ -75,6 +75,11 @@ def test_every_arm_is_pretrained_as_named_and_stands_beside_its_twin(workspace, 
         (["--tokens", "256,512"], [], "give one budget"),
         (["--teacher", "nowhere"], [], "make reference fetches the default teacher"),
         ([], ["--recipe", "budget"], "['--recipe'] are set per arm by the recipes driver"),
+        (
+            ["--arms", "tapt", "--finetune_args", "--seeds 1 --dev_fraction 0.2"],
+            [],  # dev would hold read text
+            "pretraining on --dataset 'embedded,task:embedded*8' reads the training texts of task embedded",
+        ),
     ],
 )
 def test_bad_plans_are_refused_before_any_run(tmp_path, monkeypatch, capsys, extra, loop_extra, message):

@@ -31,6 +31,7 @@ import json
 import re
 import shlex
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from ..common.report_files import claim_report_stem
 from ..constants import ARCHITECTURES
 from ..data.base import DataSourceError
 from ..data.sources import source_fingerprint
+from ..tasks.leakage import planned_overlap
 from ..tasks.loading import load_task
 from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from ..training.checkpoint import (
@@ -509,17 +511,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_finetune_argv(finetune_argv: list[str], task: str) -> None:
-    """The fine-tuning arguments as the loop will see them (a placeholder model), before anything runs."""
+def check_finetune_argv(finetune_argv: list[str], task: str, datasets: Iterable[str] = ()) -> None:
+    """The fine-tuning arguments as the loop will see them (a placeholder model), before anything runs; and that
+    no pretraining on `datasets` reads a text the task's dev or validation split holds (`task:` sources)."""
     taken = given_flags(finetune_argv, FINETUNE_DRIVER_FLAGS)
     if taken:
         raise ValueError(f"--finetune_args: {taken} are set by the curve driver; leave them out")
     _, task_args, _ = parse_args(["--model_name_or_path", ".", "--task", task, *finetune_argv],
                                  classes=FINETUNE_ARGUMENT_CLASSES, defaults=FINETUNE_DEFAULTS)  # fmt: skip
     try:  # the task must load before hours of pretraining are spent on it
-        load_task(task_args)
+        data = load_task(task_args)
     except DataSourceError as error:
         raise ValueError(str(error)) from error
+    for dataset in dict.fromkeys(datasets):
+        if problem := planned_overlap(dataset, data):
+            raise ValueError(problem)
 
 
 def parse_driver_argv(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple:
@@ -542,10 +548,10 @@ def main(argv: list[str] | None = None) -> int:
         taken = given_flags(loop_argv, DRIVER_FLAGS)
         if taken:
             raise ValueError(f"pretraining arguments {taken} are set by the curve driver; leave them out")
-        check_finetune_argv(finetune_argv, args.task)
         if args.reference and (problem := model_folder_problem(args.reference)):
             raise ValueError(f"--reference: {problem} (make reference fetches the positive control)")
         plans = [plan_architecture(a, budgets, loop_argv, args.name, args.num_processes) for a in architectures]
+        check_finetune_argv(finetune_argv, args.task, [plan.loop_args[1].dataset for plan, _ in plans])
         check_reuse(cache_path(args.curves_dir) / args.name, curve_request(args, loop_argv, finetune_argv), plans)
     except ValueError as error:
         parser.exit(2, f"usage error: {error}\n")

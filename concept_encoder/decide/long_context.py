@@ -373,8 +373,6 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.words_per_token <= 1:
             raise ValueError(f"--words_per_token {args.words_per_token} must be in (0, 1]")
         tasks = {length: task_for(args.task, length, args.words_per_token) for length in lengths}
-        for task in dict.fromkeys(tasks.values()):
-            check_finetune_argv(finetune_argv, task)  # loads it: hours of pretraining need a task that loads
         base = [*loop_argv, *([] if given_flags(loop_argv, ("--dataset",)) else ["--dataset", "modules"])]
         base.append("--document_blocks")
 
@@ -387,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         full = {length: plan("bert", length, f"L{length}") for length in lengths
                 if "full" in chosen and length <= args.full_attention_max}  # fmt: skip
         runs = [*([window_bert] if window_bert else []), *concept.values(), *full.values()]
+        for task in dict.fromkeys(tasks.values()):  # loads it (hours of pretraining need a task that loads), and
+            check_finetune_argv(finetune_argv, task, [p.loop_args[1].dataset for p, _ in runs])  # no held-out text read
         request = {"lengths": lengths, "tokens": budget, "task": args.task, "window": args.window,
                    "words_per_token": args.words_per_token, "finetune_args": finetune_argv, "pretrain_args": base,
                    "num_processes": args.num_processes, "rows": sorted(chosen)}  # fmt: skip

@@ -249,8 +249,6 @@ def main(argv: list[str] | None = None) -> int:
         if set(arms) & set(DISTILL_ARMS) and (problem := model_folder_problem(teacher)):
             raise ValueError(f"--teacher: {problem}; make reference fetches the default teacher, or leave the "
                              f"distillation arms out (--arms {','.join(a for a in ARMS if a not in DISTILL_ARMS)})")  # fmt: skip
-        for task in tasks:
-            check_finetune_argv(finetune_argv, task)  # the task must load before hours of pretraining
         plans = {}  # (architecture, arm, task or None) → (plan, run_dir); tapt pretrains once per task
         for architecture in architectures:
             for arm in arms:
@@ -260,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                     plans[architecture, arm, task if arm == "tapt" else None] = plan_architecture(
                         architecture, budgets, [*loop_argv, *extra], f"{args.name}-{tag}", args.num_processes
                     )
+        for task in tasks:  # the task must load, and no arm read its held-out texts, before hours of pretraining
+            datasets = [plan.loop_args[1].dataset for (_, _, own), (plan, _) in plans.items() if own in (None, task)]
+            check_finetune_argv(finetune_argv, task, datasets)
         request = {"tokens": budgets[0], "tasks": tasks, "arms": arms, "architectures": architectures,
                    "corpus": args.corpus, "task_weight": args.task_weight, "teacher": teacher,
                    "finetune_args": finetune_argv, "pretrain_args": loop_argv, "num_processes": args.num_processes}  # fmt: skip

@@ -43,28 +43,45 @@ def held_out_texts(task: TaskData) -> set[str]:
     return {text for split in (task.dev, task.validation) for column in columns for text in split[column]}
 
 
-def pretraining_overlap(model: str, config, task: TaskData, task_texts: TaskTexts = training_texts) -> str | None:
-    """Why `model` (its `config`) may not be fine-tuned or probed on `task`: the task texts it was pretrained on
-    include some of the task's dev or validation texts; None when they include none (or it read no task text).
-    When a task's texts no longer digest as they did in pretraining (another Python's docstrings, an edited
-    file), the texts read then are unknown: a warning says so and today's texts are checked."""
-    record = getattr(config, CONFIG_KEY, None) or {}
+def shared_held_out(record: dict[str, str], task: TaskData, task_texts: TaskTexts) -> tuple[str, list[str]] | None:
+    """(name, texts) of the first recorded task whose training texts stand in `task`'s dev or validation split.
+    When a task's texts no longer digest as recorded (another Python's docstrings, an edited file), the texts
+    read in pretraining are unknown: a warning says so and today's texts are checked."""
     held = held_out_texts(task)
     for name, digest in record.items():
         texts = task_texts(name)
-        if texts_digest(texts) != digest:
-            logger.warning("%s: the training texts of task %s differ from those it was pretrained on (digest %s, "
-                           "now %s): the held-out check reads today's", model, name, digest, texts_digest(texts))  # fmt: skip
+        if digest is not None and texts_digest(texts) != digest:
+            logger.warning("the training texts of task %s differ from those pretraining read (digest %s, now %s): "
+                           "the held-out check reads today's", name, digest, texts_digest(texts))  # fmt: skip
         if shared := sorted(held.intersection(texts)):
-            if name == task.name:
-                how = ("fine-tune it with the default --dev_fraction and --validation_fraction, which carve the "
-                       "splits its pretraining left out")  # fmt: skip
-            else:
-                how = f"pretrain on task:{task.name} instead, whose held-out splits are left out"
-            return (
-                f"{model} was pretrained on the training texts of task {name} (--dataset ...,task:{name}), and "
-                f"{len(shared)} of them stand in the dev or validation split of {task.name} as carved now (e.g. "
-                f"{shared[0][:60]!r}): it would be selected and scored on text it has read; {how} (its twin, "
-                "--from_scratch, read nothing)"
-            )
+            return name, shared
     return None
+
+
+def overlap_message(subject: str, name: str, shared: list[str], task: TaskData) -> str:
+    if name == task.name:
+        how = ("fine-tune with the default --dev_fraction and --validation_fraction, which carve the splits "
+               "task-text pretraining leaves out")  # fmt: skip
+    else:
+        how = f"pretrain on task:{task.name} instead, whose held-out splits are left out"
+    return (
+        f"{subject} the training texts of task {name} (task:{name}), and {len(shared)} of them stand in the dev or "
+        f"validation split of {task.name} as carved here (e.g. {shared[0][:60]!r}): the model would be selected "
+        f"and scored on text it has read; {how} (a --from_scratch twin reads nothing and is not checked)"
+    )
+
+
+def pretraining_overlap(model: str, config, task: TaskData, task_texts: TaskTexts = training_texts) -> str | None:
+    """Why `model` (its `config`) may not be fine-tuned or probed on `task`: the task texts it was pretrained on
+    include some of the task's dev or validation texts; None when they include none (or it read no task text)."""
+    found = shared_held_out(getattr(config, CONFIG_KEY, None) or {}, task, task_texts)
+    return found and overlap_message(f"{model} was pretrained on", *found, task)
+
+
+def planned_overlap(dataset: str, task: TaskData, task_texts: TaskTexts = training_texts) -> str | None:
+    """The same, for a pretraining on `dataset` not yet run (a driver checks it before hours of pretraining)."""
+    if not is_mixture(dataset):
+        return None
+    record = {p.task: None for p in parse_mixture(dataset) if p.task is not None}
+    found = shared_held_out(record, task, task_texts)
+    return found and overlap_message(f"pretraining on --dataset {dataset!r} reads", *found, task)
