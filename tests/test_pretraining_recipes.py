@@ -19,7 +19,13 @@ from concept_encoder.data.sources import load_raw_dataset, texts_digest
 from concept_encoder.decide.ablate import parse_vary
 from concept_encoder.decide.curve import plan_architecture
 from concept_encoder.tasks.arguments import TaskArguments
-from concept_encoder.tasks.leakage import held_out_texts, planned_overlap, pretraining_overlap, task_text_record
+from concept_encoder.tasks.leakage import (
+    held_out_texts,
+    planned_overlap,
+    pretraining_overlap,
+    record_task_texts,
+    task_text_record,
+)
 from concept_encoder.tasks.loading import load_task, training_texts
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, parse_args
 from concept_encoder.training.optim import build_scheduler
@@ -152,6 +158,9 @@ def test_a_task_adaptive_budget_run_trains_on_the_mixture_and_ends_at_rate_zero(
 def test_the_held_out_check_names_what_overlaps_and_passes_the_splits_pretraining_left_out(caplog):
     record = task_text_record("embedded,task:embedded*2")
     assert record == {"embedded": texts_digest(training_texts("embedded"))} and task_text_record("embedded") == {}
+    config = SimpleNamespace(pretraining_task_texts={"earlier": "feedfacecafe"})  # a model continued from
+    record_task_texts(config, "embedded,task:embedded*2")
+    assert config.pretraining_task_texts == {"earlier": "feedfacecafe", **record}
     config = SimpleNamespace(pretraining_task_texts=record)
     assert pretraining_overlap("m", config, load_task(TaskArguments(task="embedded"))) is None
     assert pretraining_overlap("m", SimpleNamespace(), load_task(TaskArguments(task="embedded_pairs"))) is None

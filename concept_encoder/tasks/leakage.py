@@ -32,9 +32,10 @@ def task_text_record(dataset: str, task_texts: TaskTexts = training_texts) -> di
 
 
 def record_task_texts(config, dataset: str, task_texts: TaskTexts = training_texts) -> None:
-    """Write `task_text_record(dataset)` into a model's `config` (saved with it) when the dataset has task texts."""
+    """Add `task_text_record(dataset)` to a model's `config` (saved with it) when the dataset has task texts,
+    beside what a model it continues from had read."""
     if record := task_text_record(dataset, task_texts):
-        setattr(config, CONFIG_KEY, record)
+        setattr(config, CONFIG_KEY, {**(getattr(config, CONFIG_KEY, None) or {}), **record})
 
 
 def held_out_texts(task: TaskData) -> set[str]:
