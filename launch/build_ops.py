@@ -14,6 +14,7 @@ DeepSpeed or a compiler it says so and exits 0: the ops are then built on first 
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,10 @@ from concept_encoder.training.extension_locks import stale_lock_message, stale_o
 OPS = (("CPUAdamBuilder", "cpu_adam"), ("ShareMemCommBuilder", "deepspeed_shm_comm"))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog="launch/build_ops.py", description="Build DeepSpeed's CPU Adam and CPU collectives once (make install)."
+    ).parse_args(argv)
     for _, op in OPS:  # a lock nobody holds would make the build below wait forever
         if stale := stale_op_locks(op):
             print(f"error: {stale_lock_message(op, stale)}", file=sys.stderr)
@@ -51,4 +55,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from concept_encoder.common.entry import run_tool
+
+    sys.exit(run_tool(main, "launch/build_ops.py"))

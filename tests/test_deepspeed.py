@@ -239,7 +239,7 @@ def test_make_install_builds_the_deepspeed_ops_a_run_would_compile_first(capsys)
     import launch.build_ops as build_ops
     from concept_encoder.training.extension_locks import extensions_root
 
-    assert build_ops.main() == 0
+    assert build_ops.main([]) == 0
     out = capsys.readouterr().out
     assert "DeepSpeed op cpu_adam: ready" in out and "DeepSpeed op deepspeed_shm_comm: ready" in out
     assert list(extensions_root().glob("**/cpu_adam/cpu_adam.so")) and list(extensions_root().glob("**/*shm_comm.so"))

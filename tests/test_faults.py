@@ -397,7 +397,7 @@ def test_a_stale_cpu_adam_lock_is_named_not_waited_on(workdir, tmp_path, monkeyp
 
     assert check_plan.main(["--profile", "rtx3080_10gb"]) == 1
     assert f"rm {lock}" in capsys.readouterr().out
-    assert build_ops.main() == 1  # make install's build of the ops: named, not waited on either
+    assert build_ops.main([]) == 1  # make install's build of the ops: named, not waited on either
     assert f"rm {lock}" in capsys.readouterr().err
 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "launch/cpu.yaml"),
