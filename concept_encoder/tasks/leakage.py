@@ -12,16 +12,13 @@ any of them, before any training.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from ..data.mixture import is_mixture, parse_mixture
-from ..data.sources import texts_digest
-from .loading import TaskData, training_texts
+from ..data.sources import TaskTexts, texts_digest
+from .loading import TaskData, held_out_texts, training_texts
 
 CONFIG_KEY = "pretraining_task_texts"
 logger = logging.getLogger("concept_encoder")
-
-TaskTexts = Callable[[str], list[str]]
 
 
 def task_text_record(dataset: str, task_texts: TaskTexts = training_texts) -> dict[str, str]:
@@ -36,12 +33,6 @@ def record_task_texts(config, dataset: str, task_texts: TaskTexts = training_tex
     beside what a model it continues from had read."""
     if record := task_text_record(dataset, task_texts):
         setattr(config, CONFIG_KEY, {**(getattr(config, CONFIG_KEY, None) or {}), **record})
-
-
-def held_out_texts(task: TaskData) -> set[str]:
-    """Every text of the task's dev and validation splits (both texts of a pair)."""
-    columns = ("text_a", "text_b") if task.pair else ("text_a",)
-    return {text for split in (task.dev, task.validation) for column in columns for text in split[column]}
 
 
 def shared_held_out(record: dict[str, str], task: TaskData, task_texts: TaskTexts) -> tuple[str, list[str]] | None:

@@ -111,6 +111,12 @@ def load_task(args: TaskArguments) -> TaskData:
     return load_local(args)
 
 
+def held_out_texts(task: TaskData) -> set[str]:
+    """Every text of the task's dev and validation splits (both texts of a pair)."""
+    columns = ("text_a", "text_b") if task.pair else ("text_a",)
+    return {text for split in (task.dev, task.validation) for column in columns for text in split[column]}
+
+
 def training_texts(name: str) -> list[str]:
     """The texts of task `name`'s training split, as unlabelled documents: what `--dataset task:<name>` pretrains on
     (task-adaptive pretraining). The splits are the ones fine-tuning makes with its default fractions (dev and
@@ -118,7 +124,7 @@ def training_texts(name: str) -> list[str]:
     validation split (a sentence in two pairs) is left out, so no text a model is selected or scored on is read."""
     task = load_task(TaskArguments(task=name))
     columns = ("text_a", "text_b") if task.pair else ("text_a",)
-    held = {text for split in (task.dev, task.validation) for column in columns for text in split[column]}
+    held = held_out_texts(task)
     texts = [text for column in columns for text in task.train[column] if text not in held]
     return list(dict.fromkeys(texts))  # each text once, in the split's order
 
