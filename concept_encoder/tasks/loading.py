@@ -305,4 +305,4 @@ def encode_splits(task: TaskData, tokenizer, max_seq_length: int) -> dict[str, D
     }
 
 
-__all__ = ["GLUE", "PACKAGES", "TaskData", "encode_splits", "load_task", "training_texts"]
+__all__ = ["GLUE", "PACKAGES", "TaskData", "encode_splits", "held_out_texts", "load_task", "training_texts"]
