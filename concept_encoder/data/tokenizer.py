@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from ..common.paths import cache_path, written_aside
 from .base import DataSourceError, ensure_hub, unreachable_message
+from .listops_vocab import SYMBOLS, VOCAB_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +102,12 @@ def load_tokenizer(
     corpus_id: str = "",
     cache_dir: str | Path = "Cache",
 ) -> PreTrainedTokenizerBase:
-    """Load or train the tokenizer named by `spec`; `texts` is the training corpus for `train:` specs."""
+    """Load or train the tokenizer named by `spec`; `texts` is the training corpus for `train:` specs. `listops`
+    is the fixed ListOps vocabulary (`tasks/listops.py`), saved once under `<cache_dir>/tokenizers/`."""
     trained = parse_train_spec(spec)
-    if trained is not None:
+    if spec == FIXED_LISTOPS:
+        tokenizer = fixed_listops_tokenizer(cache_dir)
+    elif trained is not None:
         kind, vocab_size = trained
         path = trained_tokenizer_dir(cache_dir, kind, vocab_size, corpus_id)
         with PartialState().main_process_first():
@@ -122,6 +126,37 @@ def load_tokenizer(
             raise DataSourceError(unreachable_message("tokenizer", spec, str(error).splitlines()[0])) from error
     check_tokenizer(tokenizer)
     return tokenizer
+
+
+FIXED_LISTOPS = "listops"
+
+
+def listops_tokenizer() -> PreTrainedTokenizerFast:
+    """The fixed ListOps tokenizer: a `tokenizers` WordLevel over `SPECIAL_TOKENS` then `SYMBOLS`
+    (`listops_vocab.py`), split on whitespace, `[CLS] … [SEP]` around every input. Not trained: the vocabulary
+    is the task's, fixed by its rules."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+
+    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS.values(), *SYMBOLS])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[(t, vocab[t]) for t in ("[CLS]", "[SEP]")],
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1_000_000, **SPECIAL_TOKENS)
+
+
+def fixed_listops_tokenizer(cache_dir: str | Path = "Cache") -> PreTrainedTokenizerBase:
+    """The ListOps tokenizer as a saved folder (`<cache_dir>/tokenizers/listops-v<version>`), written once."""
+    path = cache_path(cache_dir) / "tokenizers" / f"listops-v{VOCAB_VERSION}"
+    with cache_lock(path):
+        if not (path / "tokenizer.json").exists():
+            with written_aside(path, replace_existing=True) as partial:
+                listops_tokenizer().save_pretrained(partial)
+    return AutoTokenizer.from_pretrained(path)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,9 @@ def tfidf_features(task) -> dict:
 
     splits = {"train": task.train, "dev": task.dev, "validation": task.validation}
     texts = list(task.train["text_a"]) + (list(task.train["text_b"]) if task.pair else [])
-    vectorizer = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=1).fit(texts)
+    # a symbolic task's words are its symbols (`[MAX`, `7`): sklearn's default pattern drops one-character tokens
+    words = {"token_pattern": r"\S+", "lowercase": False} if getattr(task, "symbolic", False) else {}
+    vectorizer = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=1, **words).fit(texts)
     features = {}
     for name, split in splits.items():
         a = vectorizer.transform(list(split["text_a"]))

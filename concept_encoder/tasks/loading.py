@@ -12,9 +12,18 @@ from datasets import Dataset, Sequence, Value, load_dataset
 from ..constants import check_table_covers
 from ..data.base import DataSourceError, ensure_hub
 from ..data.sources import SPLIT_SEED, unreadable_file_message  # SPLIT_SEED: the data layer's fixed hold-out seed
-from .arguments import EMBEDDED_TASKS, GLUE_TASKS, MODULES_PACKAGE, MODULES_SPLICED, NEEDLE_PREFIX, TaskArguments
+from .arguments import (
+    EMBEDDED_TASKS,
+    GLUE_TASKS,
+    MODULES_PACKAGE,
+    MODULES_SPLICED,
+    NEEDLE_PREFIX,
+    TaskArguments,
+    is_listops,
+)
 from .embedded import PACKAGES, embedded_pairs, embedded_sentences
 from .labels import check_present, class_name, class_names, infer_task_type, read_delimited, regression_values
+from .listops import length_group, listops_splits, parse_listops
 from .long_documents import modules_package_table, modules_spliced_table, needle_splits
 
 logger = logging.getLogger(__name__)
@@ -55,6 +64,7 @@ class TaskData:
     train: Dataset
     dev: Dataset
     validation: Dataset
+    symbolic: bool = False  # every whitespace-separated token is a word (ListOps): TF-IDF counts single symbols
 
     @property
     def pair(self) -> bool:
@@ -64,6 +74,12 @@ class TaskData:
     def validation_positions(self) -> list[float] | None:
         """Where each validation example's needle starts (fraction of its words; `needle:N` only), else None."""
         return list(self.validation["needle_position"]) if "needle_position" in self.validation.column_names else None
+
+    def validation_groups(self) -> dict[str, list[str]]:
+        """Breakdowns of the validation split the report shows accuracy by: name → each example's group
+        (ListOps: `depth`, the operators' nesting, and `length`, the symbols in quarters of the length bounds)."""
+        columns = self.validation.column_names
+        return {name: [str(v) for v in self.validation[name]] for name in ("depth", "length_range") if name in columns}
 
     def sizes(self) -> dict[str, int]:
         return {"train": len(self.train), "dev": len(self.dev), "validation": len(self.validation)}
@@ -96,6 +112,8 @@ def load_task(args: TaskArguments) -> TaskData:
         table, names = build(args.long_corpus)
         train, validation = carve(table, args.validation_fraction)
         return finish(args, args.task, "single_label_classification", names, None, train, validation)
+    if is_listops(args.task):
+        return listops_task(args.task)
     if args.task.startswith("glue:"):
         name = args.task[5:]
         columns, validation_split, num_labels, metrics = GLUE[name]
@@ -109,6 +127,22 @@ def load_task(args: TaskArguments) -> TaskData:
         names = None if num_labels == 1 else raw["train"].features["label"].names
         return finish(args, args.task, task_type, names, metrics, train, validation)
     return load_local(args)
+
+
+def listops_task(name: str, cache_dir: str = "Cache") -> TaskData:
+    """LRA ListOps (`tasks/listops.py`): its own train, dev and test splits (the test split is this project's
+    `validation`, reported once at the step chosen on dev); ten classes, the tree's value."""
+    settings = parse_listops(name)
+    tables = {}
+    for split, rows in listops_splits(name, cache_dir).items():
+        tables[split] = Dataset.from_dict({
+            "text_a": [r["text"] for r in rows], "label": [r["label"] for r in rows],
+            "id": list(range(len(rows))), "depth": [r["depth"] for r in rows],
+            "length_range": [length_group(r["length"], settings) for r in rows],
+        })  # fmt: skip
+    labels = [str(value) for value in range(10)]
+    return TaskData(name, "single_label_classification", 10, labels, DEFAULT_METRICS["single_label_classification"],
+                    tables["train"], tables["dev"], tables["test"], symbolic=True)  # fmt: skip
 
 
 def held_out_texts(task: TaskData) -> set[str]:

@@ -45,7 +45,16 @@ from ..data.arguments import DataArguments
 from ..data.mixture import TASK_SOURCE, is_mixture, parse_mixture
 from ..model.constants import CLASSIFIER_POOLINGS, DECODER_TYPES, POSITION_EXTENSIONS, token_kv_groups
 from ..model.presets import PRESETS
-from ..tasks.arguments import EMBEDDED_TASKS, LONG_TASKS, MODULES_PACKAGE, MODULES_SPLICED, NEEDLE_PREFIX, TaskArguments
+from ..tasks.arguments import (
+    EMBEDDED_TASKS,
+    LISTOPS_TASKS,
+    LONG_TASKS,
+    MODULES_PACKAGE,
+    MODULES_SPLICED,
+    NEEDLE_PREFIX,
+    TaskArguments,
+    is_listops,
+)
 from .gates import GATE_ACTIONS, GATE_EXIT_CODE, parse_gates
 
 EXTEND_HELP = (
@@ -455,11 +464,11 @@ def check_task_sources(dataset: str) -> None:
         TaskArguments(task=part.task)  # its own rules: needle:<words>, glue:<name>
         known = part.task in (*EMBEDDED_TASKS, MODULES_PACKAGE, MODULES_SPLICED) or part.task.startswith(
             (NEEDLE_PREFIX, "glue:")
-        )
+        ) or is_listops(part.task)
         if not known and not Path(part.task).expanduser().exists():
             raise ValueError(
                 f"dataset={dataset!r}: {TASK_SOURCE}{part.task} is no task: use {TASK_SOURCE}<one of "
-                f"{[*EMBEDDED_TASKS, *LONG_TASKS]}>, {TASK_SOURCE}glue:<name> or {TASK_SOURCE}<local task file or folder>"
+                f"{[*EMBEDDED_TASKS, *LONG_TASKS, *LISTOPS_TASKS]}>, {TASK_SOURCE}glue:<name> or {TASK_SOURCE}<local task file or folder>"
             )
 
 
