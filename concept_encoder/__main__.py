@@ -23,6 +23,10 @@ TOOLS = {
     "curve": ("concept_encoder.decide.curve", "downstream score against pretraining tokens, beside twins"),
     "long_context": ("concept_encoder.decide.long_context", "long documents: whole-input reading against BERT's ways"),
     "recipes": ("concept_encoder.decide.recipes", "pretraining recipes (task-adaptive, budget, distillation) vs twins"),
+    "listops": (
+        "concept_encoder.decide.listops",
+        "LRA ListOps from scratch and self-pretrained, beside the published table",
+    ),
     "reference": ("concept_encoder.decide.reference", "the positive control's model folder, offline from a wheel"),
     "finetune_report": ("concept_encoder.training.finetune_report", "merge fine-tuning reports into one"),
 }

@@ -58,9 +58,15 @@ from concept_encoder.data.tokenizer import check_vocab_covers, model_tokenizer_f
 from concept_encoder.tasks.baselines import split_rows, task_baselines, task_digest
 from concept_encoder.tasks.leakage import pretraining_overlap
 from concept_encoder.tasks.loading import encode_splits, load_task
-from concept_encoder.tasks.metrics import accuracy_by_position, compute_metrics, metric_sign, predictions_from_logits
+from concept_encoder.tasks.metrics import (
+    accuracy_by_group,
+    accuracy_by_position,
+    compute_metrics,
+    metric_sign,
+    predictions_from_logits,
+)
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
-from concept_encoder.training.batches import accumulation_windows
+from concept_encoder.training.batches import LengthBucketedBatches, accumulation_windows
 from concept_encoder.training.checkpoint import (
     CheckpointError,
     TrainState,
@@ -72,7 +78,7 @@ from concept_encoder.training.checkpoint import (
     save_checkpoint,
     settings_differences,
 )
-from concept_encoder.training.chunked import chunk_problem, read_in_chunks
+from concept_encoder.training.chunked import apply_reading, chunk_problem
 from concept_encoder.training.deepspeed_setup import adamw_class, fill_deepspeed_auto_values, launched_zero_stage
 from concept_encoder.training.evaluation import predict
 from concept_encoder.training.faults import NonFiniteLossError, is_disk_full
@@ -93,7 +99,7 @@ from concept_encoder.training.runtime import (
     setup_distributed,
 )
 from concept_encoder.training.selection import BestStep
-from concept_encoder.training.tracking import PreemptionFlag
+from concept_encoder.training.tracking import PreemptionFlag, memory_stats
 
 logger = logging.getLogger("concept_encoder")
 
@@ -132,20 +138,27 @@ def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm:
     return out.loss.item()
 
 
-def make_loaders(splits, tokenizer, model, args, seed: int, shuffle_train: bool = True) -> dict[str, DataLoader]:
-    """split → DataLoader, padded per batch, with only the keys `model.forward` accepts (the row `id` stays out)."""
+def make_loaders(splits, tokenizer, model, args, seed: int, shuffle_train: bool = True,
+                 bucket_by_length: bool = False) -> dict[str, DataLoader]:  # fmt: skip
+    """split → DataLoader, padded per batch, with only the keys `model.forward` accepts (the row `id` stays out);
+    `bucket_by_length`: the training batches hold examples of similar length (`LengthBucketedBatches`)."""
     accepted = set(inspect.signature(model.forward).parameters)
     pad = DataCollatorWithPadding(tokenizer)
 
     def collate(examples):
         return {k: v for k, v in pad(examples).items() if k in accepted}
 
-    return {
-        name: DataLoader(split, batch_size=args.per_device_train_batch_size if name == "train" else args.per_device_eval_batch_size,
-                         shuffle=shuffle_train and name == "train", collate_fn=collate,
-                         generator=torch.Generator().manual_seed(seed))
-        for name, split in splits.items()
-    }  # fmt: skip
+    loaders = {}
+    for name, split in splits.items():
+        if name == "train" and shuffle_train and bucket_by_length:
+            lengths = [len(ids) for ids in split["input_ids"]]
+            batches = LengthBucketedBatches(lengths, args.per_device_train_batch_size, seed)
+            loaders[name] = DataLoader(split, batch_sampler=batches, collate_fn=collate)
+            continue
+        size = args.per_device_train_batch_size if name == "train" else args.per_device_eval_batch_size
+        loaders[name] = DataLoader(split, batch_size=size, shuffle=shuffle_train and name == "train",
+                                   collate_fn=collate, generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    return loaders
 
 
 def fine_tune(
@@ -162,7 +175,7 @@ def fine_tune(
     # what decides this run's result: a finished run or a checkpoint is reused only under the same settings
     settings = {"model": model_path, "model_sha256": model_digest(model_path, weights=not fargs.from_scratch),
                 "from_scratch": fargs.from_scratch, "extend_positions": fargs.extend_positions,
-                "chunk_length": fargs.chunk_length, "task": task.name,
+                "chunk_length": fargs.chunk_length, "bucket_by_length": fargs.bucket_by_length, "task": task.name,
                 "task_sha256": task_digest(task), "seed": seed, "learning_rate": rate, "pooling": fargs.pooling,
                 "max_steps": args.max_steps, "world_size": state.num_processes,
                 "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -181,15 +194,18 @@ def fine_tune(
         logger.info("%s finished before: reusing its result", finished.parent)
         return done
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, run_args.run_name)
+    if torch.cuda.is_available():  # this run's peak, not an earlier seed's
+        torch.cuda.reset_peak_memory_stats()
     set_seed(seed)
     # 7. model: the checkpoint's encoder with a fresh task head (or fresh weights with --from_scratch)
     model, note = classifier(model_path, task, fargs, task_args)
     logger.info("model %s (seed %d, lr %g): %s", model_path, seed, rate, note)
     counts = log_model_info(model, {"task": task.name, "seed": seed, "learning_rate": rate})
-    loaders = make_loaders({k: splits[k] for k in ("train", "dev")}, tokenizer, model, args, seed)  # not validation
+    loaders = make_loaders({k: splits[k] for k in ("train", "dev")}, tokenizer, model, args, seed,
+                           bucket_by_length=fargs.bucket_by_length)  # not validation  # fmt: skip
     # 8. attention-kernel probe (main process, attention calls of the model's shape)
     probe_attention_kernels(model.config, next(iter(loaders["dev"])), state, decoder=False)
-    pooling = describe_pooling(model, fargs.chunk_length)
+    pooling = describe_pooling(model, fargs.chunk_length, fargs.pooling)
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
     # 10. run dir: one per model, seed and rate; a resume must continue the same settings
@@ -274,7 +290,7 @@ def fine_tune(
                            "longer (--max_steps or --epochs)", tag, rate, seed, best.step)  # fmt: skip
         result = {"model": tag, "method": "fine-tune", "task": task.name, "seed": seed, "learning_rate": rate,
                   "pooling": pooling, "parameters": counts["total"], "best_step": best.step, "steps": progress.step,
-                  "still_improving": still_improving, "dev": best.dev,
+                  "still_improving": still_improving, "dev": best.dev, "memory": memory_stats(accelerator.device),
                   "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir), "settings": settings,
                   **({"gates": gates.summary(), "stopped_by_gate": gate_stopped} if args.gate else {})}  # fmt: skip
         if accelerator.is_main_process:
@@ -286,6 +302,10 @@ def fine_tune(
                 with written_aside(final, replace_existing=True, legacy=holds_only_saved_model_files) as partial:
                     plain_model(accelerator, model).save_pretrained(partial, state_dict=best.weights)
                     tokenizer.save_pretrained(partial)
+                if fargs.report_last_step:  # the weights the run ended with, beside the dev-chosen step's
+                    with written_aside(run_dir / "last", replace_existing=True) as partial:
+                        plain_model(accelerator, model).save_pretrained(partial)
+                        tokenizer.save_pretrained(partial)
                 with written_aside(run_dir / "summary.json") as partial:  # a seed is finished when this is whole
                     partial.write_text(json.dumps(result, indent=2))
             except (OSError, RuntimeError) as error:  # a full disk: one line naming the last intact checkpoint
@@ -314,19 +334,18 @@ def validate(state, result: dict, task, splits, tokenizer, fargs, args) -> dict:
     if "validation" in result:  # a finished run of an earlier invocation
         return result
     state.wait_for_everyone()  # the main process saved final/
-    model = AutoModelForSequenceClassification.from_pretrained(run_dir / "final")
-    if fargs.chunk_length:  # a reading mode, not weights: applied again to the saved model
-        read_in_chunks(model, fargs.chunk_length)
     accelerator = Accelerator()  # only to shard the loader and gather: the model is not wrapped (no DeepSpeed engine)
-    loader = make_loaders({"validation": splits["validation"]}, tokenizer, model, args, result["seed"])["validation"]
-    model, loader = model.to(accelerator.device), accelerator.prepare_data_loader(loader)
-    logits, labels = predict(accelerator, model, loader)
-    predictions = predictions_from_logits(task.task_type, logits)
-    validation = compute_metrics(task.metric_names, predictions, labels)
+    validation, predictions, labels = predict_saved(accelerator, run_dir / "final", task, splits, tokenizer, fargs,
+                                                    args, result["seed"])  # fmt: skip
     result = {**json.loads((run_dir / "summary.json").read_text()), "validation": validation,
               "rows": {name: split_rows(split) for name, split in splits.items()}}  # fmt: skip
     if task.validation_positions is not None:  # the loader keeps the split's order (no shuffle; gathered in order)
         result["validation_by_position"] = accuracy_by_position(predictions, labels, task.validation_positions)
+    if groups := task.validation_groups():  # accuracy by e.g. ListOps' depth and length, in the split's order
+        result["validation_by"] = {name: accuracy_by_group(predictions, labels, of) for name, of in groups.items()}
+    if fargs.report_last_step:
+        result["validation_last_step"] = predict_saved(accelerator, run_dir / "last", task, splits, tokenizer,
+                                                       fargs, args, result["seed"])[0]  # fmt: skip
     if accelerator.is_main_process:
         MetricsWriter(run_dir / "metrics.jsonl").write(
             {"kind": "validation", "step": result["best_step"], **validation}
@@ -343,14 +362,24 @@ def validate(state, result: dict, task, splits, tokenizer, fargs, args) -> dict:
     return result
 
 
+def predict_saved(accelerator, folder: Path, task, splits, tokenizer, fargs, args, seed: int):
+    """The saved classifier in `folder` on the validation split: (metrics, predictions, labels), in its order."""
+    model = AutoModelForSequenceClassification.from_pretrained(folder)
+    apply_reading(model, fargs.chunk_length, fargs.pooling)  # a reading mode, not weights: applied again
+    loader = make_loaders({"validation": splits["validation"]}, tokenizer, model, args, seed)["validation"]
+    model, loader = model.to(accelerator.device), accelerator.prepare_data_loader(loader)
+    logits, labels = predict(accelerator, model, loader)
+    predictions = predictions_from_logits(task.task_type, logits)
+    return compute_metrics(task.metric_names, predictions, labels), predictions, labels
+
+
 def classifier(model_path: str, task, fargs, task_args):
     """`build_classifier` for `model_path` as the arguments ask: position tables grown to the task's
     --max_seq_length under `--extend_positions copy`, inputs read in chunks under `--chunk_length`."""
     extend_to = task_args.max_seq_length if fargs.extend_positions == "copy" else None
     model, note = build_classifier(model_path, task, fargs.from_scratch, fargs.pooling, extend_to)
-    if fargs.chunk_length:
-        read_in_chunks(model, fargs.chunk_length)
-        note += f"; read in chunks of {fargs.chunk_length} tokens, their mean token states averaged"
+    if reading := apply_reading(model, fargs.chunk_length, fargs.pooling):
+        note += f"; {reading}"
     return model, note
 
 

@@ -10,6 +10,10 @@ forward matmul). The latent layers are counted on their C concept rows, not the 
                         4·C·H²      concept queries and output projection
                         8·C·H² + 4·C²·H   concept self-attention
                         6·C·H·I     gated FFN on the concepts
+    token refinement (`token_refinement`), per refining layer (all but the last, whose update nothing reads,
+    unless the refined tokens are an output: `cls` pooling):
+                        4·N·H² + 4·C·H² + 4·N·C·H + 6·N·H·I   token queries and output, concept keys/values,
+                                    tokens attending to the concepts, the tokens' gated FFN
     decoder, M = p·N masked positions:
         perceiver/posonly, per layer   2·M·H² + 4·C·H² + 4·M·C·H + 2·M·H² + 6·M·H·I
         weighted                       2·M·C·H
@@ -17,6 +21,10 @@ forward matmul). The latent layers are counted on their C concept rows, not the 
 
 BERT (`model_type` "bert", the baseline), per layer 8·N·H² (queries, keys, values, output) + 4·N²·H
 (scores and values) + 4·N·H·I (FFN), and the same head at the masked positions.
+
+A sequence classifier (`classifier_forward_flops`) is the encoder without the MLM decoder and head, plus its
+pooling head: 2·H² + 2·H·K for K labels (BERT's pooler and classifier; a Concept Encoder's dense and classifier,
+and 2·C·H for weighted concept pooling).
 """
 
 from __future__ import annotations
@@ -26,23 +34,49 @@ from collections.abc import Mapping
 from ..model.constants import token_kv_groups
 
 
-def mlm_forward_flops(config: Mapping, seq_len: int, mlm_probability: float = 0.15) -> float:
-    """Matmul FLOPs of one sequence's forward pass (`config`: a `ConceptEncoderConfig.to_dict()` or preset)."""
-    H, L, V = (config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
+def encoder_forward_flops(config: Mapping, seq_len: int, returns_tokens: bool = False) -> float:
+    """Matmul FLOPs of one sequence's pass through the encoder alone (embeddings to the last layer);
+    `returns_tokens`: the refined tokens are an output, so the last layer refines them too."""
+    H, L, N = config["hidden_size"], config["num_hidden_layers"], seq_len
     inner = config["intermediate_size"]
-    N, M = seq_len, mlm_probability * seq_len
-    head = 2 * M * H * H + 2 * M * H * V
     if config.get("model_type") == "bert":
-        return L * (8 * N * H * H + 4 * N * N * H + 4 * N * H * inner) + head
+        return L * (8 * N * H * H + 4 * N * N * H + 4 * N * H * inner)
     C = config["concept_num"]
     groups = token_kv_groups(config.get("token_kv_sharing", "none"), L)
     layer = 4 * C * N * H + 4 * C * H * H + 8 * C * H * H + 4 * C * C * H + 6 * C * H * inner
+    refining = (L if returns_tokens else L - 1) if config.get("token_refinement", False) else 0
+    refinement = 4 * N * H * H + 4 * C * H * H + 4 * N * C * H + 6 * N * H * inner
+    return groups * 4 * N * H * H + L * layer + refining * refinement
+
+
+def classifier_forward_flops(config: Mapping, seq_len: int) -> float:
+    """Matmul FLOPs of one sequence's forward pass through a sequence classifier (see the module doc)."""
+    H = config["hidden_size"]
+    labels = len(config["id2label"]) if config.get("id2label") else config.get("num_labels", 2)
+    if config.get("model_type") == "bert":
+        return encoder_forward_flops(config, seq_len) + 2 * H * H + 2 * H * labels
+    pooling = config.get("classifier_pooling", "weighted")
+    weighted = 2 * config["concept_num"] * H if pooling == "weighted" else 0
+    return (
+        encoder_forward_flops(config, seq_len, returns_tokens=pooling == "cls") + 2 * H * H + 2 * H * labels + weighted
+    )
+
+
+def mlm_forward_flops(config: Mapping, seq_len: int, mlm_probability: float = 0.15) -> float:
+    """Matmul FLOPs of one sequence's forward pass (`config`: a `ConceptEncoderConfig.to_dict()` or preset)."""
+    H, V = config["hidden_size"], config["vocab_size"]
+    inner = config["intermediate_size"]
+    M = mlm_probability * seq_len
+    head = 2 * M * H * H + 2 * M * H * V
+    if config.get("model_type") == "bert":
+        return encoder_forward_flops(config, seq_len) + head
+    C = config["concept_num"]
     if config.get("decoder_type", "perceiver") == "weighted":
         decoder = 2 * M * C * H
     else:
         decoder_layer = 2 * M * H * H + 4 * C * H * H + 4 * M * C * H + 2 * M * H * H + 6 * M * H * inner
         decoder = config.get("num_decoder_layers", 1) * decoder_layer
-    return groups * 4 * N * H * H + L * layer + decoder + head
+    return encoder_forward_flops(config, seq_len) + decoder + head
 
 
 def mlm_training_flops(config: Mapping, batch_size: int, seq_len: int, mlm_probability: float = 0.15) -> float:

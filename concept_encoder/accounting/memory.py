@@ -52,11 +52,13 @@ def parameter_count(
     num_decoder_layers: int = 1,
     tie_word_embeddings: bool = True,
     token_kv_sharing: str = "none",
+    token_refinement: bool = False,
     **_ignored,
 ) -> dict[str, int]:
     """Exact parameter counts of `ConceptEncoderForMaskedLM` from its config fields (with shared token
     keys/values, the encoder's cross-attentions keep their queries, output and query norm; each group's
-    `TokenKeyValue` holds the context norm and key/value projection)."""
+    `TokenKeyValue` holds the context norm and key/value projection; `token_refinement` adds a reading layer,
+    cross-attention + FFN, to every encoder layer but the last: its update nothing in the MLM model reads)."""
     V, H, L, I, C, P = (  # noqa: E741 (I: FFN width, as in the config docs)
         vocab_size,
         hidden_size,
@@ -73,6 +75,7 @@ def parameter_count(
     groups = token_kv_groups(token_kv_sharing, L)
     encoder_cross = cross_block if token_kv_sharing == "none" else cross_block - token_kv
     layer = encoder_cross + self_block + ffn_block
+    refinement = (L - 1) * (cross_block + ffn_block) if token_refinement else 0
     if decoder_type == "weighted":
         decoder = P * C
     else:
@@ -83,12 +86,13 @@ def parameter_count(
         "concepts": C * H,
         "layers": L * layer,
         "token_kv": 0 if token_kv_sharing == "none" else groups * token_kv,
+        "token_refinement": refinement,
         "final_norm": 2 * H,
         "decoder": decoder,
         "lm_head": head,
     }
     counts["total"] = sum(counts.values())
-    counts["largest_layer"] = max(layer, V * H)  # what ZeRO-3 must gather at once
+    counts["largest_layer"] = max(layer + (cross_block + ffn_block if token_refinement else 0), V * H)
     return counts
 
 
@@ -222,6 +226,7 @@ def activation_bytes(
     concept_num: int = 0,
     model_type: str = "concept_encoder",
     token_kv_sharing: str = "none",
+    token_refinement: bool = False,
     mlm_probability: float = 0.15,
     bytes_per_element: int = 2,
     fused_attention: bool = True,
@@ -245,7 +250,10 @@ def activation_bytes(
     keeps only its gradients, `[M,H]` in the compute dtype and `[V,H]` + `[V]` in float32, and works on
     one chunk of at most `VOCAB_CHUNK_ELEMENTS` logits at a time (compute dtype, plus a float32 copy
     for 16-bit compute). Gradient checkpointing keeps only each layer's input and recomputes the rest
-    (one layer live at a time).
+    (one layer live at a time). `token_refinement` adds, per layer, the tokens' reading layer in the same
+    accounting as a decoder query (~(12·H + 4·I) per token, with the math kernel also B·heads·N·C
+    probabilities; all layers counted, an upper bound for the MLM step whose last layer skips it), and each
+    layer's input then holds the tokens too.
     """
     B, N, H, I, C, V = micro_batch, seq_len, hidden_size, intermediate_size, concept_num, vocab_size  # noqa: E741
     masked = max(1, round(mlm_probability * N)) * B
@@ -259,6 +267,9 @@ def activation_bytes(
         per_layer = (0 if fused_attention else probabilities) + B * C * (14 * H + 4 * I)
         per_layer += token_side if token_kv_sharing == "none" else 0
         layer_input, decoder = B * C * H, num_decoder_layers * masked * (12 * H + 4 * I)
+        if token_refinement:
+            per_layer += B * N * (12 * H + 4 * I) + (0 if fused_attention else B * num_attention_heads * N * C)
+            layer_input += B * N * H
         shared = 0 if token_kv_sharing == "none" else groups * token_side
     layers = (num_hidden_layers * layer_input + per_layer) if gradient_checkpointing else num_hidden_layers * per_layer
     layers += shared

@@ -8,4 +8,3 @@ CLOSE = "]"
 DIGITS = tuple(str(d) for d in range(10))
 SYMBOLS = (*OPERATORS, CLOSE, *DIGITS)
 VOCAB_VERSION = 1  # part of the tokenizer's cache folder name: a changed vocabulary is a new folder
-

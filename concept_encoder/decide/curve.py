@@ -172,7 +172,8 @@ def extension_problem(plan: ArchitecturePlan, run_dir: Path, finished: int) -> s
 
 REQUEST = "request.json"  # in the curve's folder: what its points and pretraining runs were measured under
 # all a curve (or the long-context driver, which keeps its fine-tuning runs in `finetune/`) writes
-CURVE_ENTRIES = {REQUEST, ".lock", "points", "reports", "finetune", "tasks", "curve.md", "curve.png", "curve.json"}
+CURVE_ENTRIES = {REQUEST, ".lock", "points", "reports", "finetune", "tasks", "models", "curve.md", "curve.png",
+                 "curve.json"}  # fmt: skip
 
 
 def curve_request(args, loop_argv: list[str], finetune_argv: list[str]) -> dict:
@@ -271,8 +272,9 @@ def run_command(command: list[str]) -> int:
 class Curve:
     """The points of one curve on disk (`Cache/curves/<name>/`), and the runs that make missing ones."""
 
-    def __init__(self, folder: Path, task: str, finetune_argv: list[str], processes: int):
+    def __init__(self, folder: Path, task: str, finetune_argv: list[str], processes: int, probe: bool = True):
         self.folder, self.task, self.finetune_argv, self.processes = folder, task, finetune_argv, processes
+        self.probe = probe  # linear probes beside fine-tuning at every point
         self.named: set[str] = set()  # damaged points already named
         (folder / "points").mkdir(parents=True, exist_ok=True)
 
@@ -296,8 +298,9 @@ class Curve:
         """Fine-tune and probe `model` under the fair protocol (resuming an interrupted attempt); the point's
         report rows and baselines go to `points/<key>.json` once all of it finished."""
         reports = self.folder / "reports" / key
-        argv = [*self.finetune_argv, "--model_name_or_path", model, "--task", self.task, "--probe",
-                "--run_name", f"{self.folder.name}-{key}", "--report_dir", str(reports), *extra]  # fmt: skip
+        argv = [*self.finetune_argv, "--model_name_or_path", model, "--task", self.task,
+                *(["--probe"] if self.probe else []), "--run_name", f"{self.folder.name}-{key}",
+                "--report_dir", str(reports), *extra]  # fmt: skip
         # auto: a fresh start the first time; after an interruption, finished seeds reused, the cut one resumed
         code = run_command(
             [*local_launcher(FINETUNE_SCRIPT, self.processes), *argv, "--resume_from_checkpoint", "auto"]
@@ -307,7 +310,8 @@ class Curve:
             raise RuntimeError(f"fine-tuning {model} for point {key} failed (exit code {code}); fix it and rerun: "
                                "finished points are reused")  # fmt: skip
         report = json.loads(found[-1].read_text())
-        point = {"key": key, "model": model, **info, "rows": report["rows"], "baselines": report["baselines"]}
+        point = {"key": key, "model": model, **info, "rows": report["rows"], "baselines": report["baselines"],
+                 "runs": report["runs"]}  # fmt: skip
         self.point_file(key).write_text(json.dumps(point, indent=2))
         return point
 

@@ -116,3 +116,18 @@ class TokenKeyValue(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """`tokens [B,N,H]` → keys and values `[B,N,2H]`."""
         return self.kv_proj(self.norm(tokens))
+
+
+class ReadingLayer(nn.Module):
+    """Queries read a context by cross-attention, then pass an FFN: `AttentionBlock(cross)` then
+    `FeedForwardBlock`. The MLM decoder's layer (positions read the concepts) and token refinement's (every
+    token reads the concepts, `config.token_refinement`)."""
+
+    def __init__(self, config: ConceptEncoderConfig):
+        super().__init__()
+        self.cross_attn = AttentionBlock(config, cross=True)
+        self.ffn = FeedForwardBlock(config)
+
+    def forward(self, queries: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """`queries [B,Q,H]`, `context [B,K,H]` (unmasked: concepts are never padding) → `[B,Q,H]`."""
+        return self.ffn(self.cross_attn(queries, context))

@@ -55,7 +55,13 @@ class ConceptEncoderConfig(PretrainedConfig):
             states. Sharing keys/values across layers has precedent in the literature: Cross-Layer
             Attention (Brandon et al., 2024) shares them between adjacent layers of a decoder, and YOCO
             (Sun et al., 2024) computes one global key/value cache that every cross-decoder layer reads.
-        classifier_pooling: `weighted` (learned attention pooling over concepts) or `mean`.
+        token_refinement: in each layer, after the concepts' update, every token cross-attends to the concepts
+            and passes an FFN (Luna's unpack, BiXT's bidirectional cross-attention; O(N·C) like the concepts'
+            read, plus 4·N·H² + 6·N·H·I per layer for the tokens' projections and FFN). Off by default: the
+            tokens are then never updated (Perceiver). Needs `token_kv_sharing` none (refined tokens change
+            every layer, so their keys and values cannot be computed once).
+        classifier_pooling: `weighted` (learned attention pooling over concepts), `mean`, or `cls` (the `[CLS]`
+            token's refined state; needs `token_refinement`).
         pad_token_id, mask_token_id, cls_token_id, sep_token_id, unk_token_id: special token ids.
         tie_word_embeddings: tie the MLM output projection to the input token embeddings.
     """
@@ -77,6 +83,7 @@ class ConceptEncoderConfig(PretrainedConfig):
     decoder_type: str = "perceiver"
     num_decoder_layers: int = 1
     token_kv_sharing: str = "none"
+    token_refinement: bool = False
     classifier_pooling: str = "weighted"
     pad_token_id: int | None = 0
     unk_token_id: int | None = 1
@@ -123,6 +130,18 @@ class ConceptEncoderConfig(PretrainedConfig):
         if self.classifier_pooling not in CLASSIFIER_POOLINGS:
             raise ValueError(
                 f"classifier_pooling={self.classifier_pooling!r} is unknown; choose one of {CLASSIFIER_POOLINGS}"
+            )
+        if not isinstance(self.token_refinement, bool):
+            raise ValueError(f"token_refinement={self.token_refinement!r} must be true or false")
+        if self.token_refinement and self.token_kv_sharing != "none":
+            raise ValueError(
+                f"token_refinement updates the tokens in every layer, so token_kv_sharing={self.token_kv_sharing!r} "
+                "(keys/values computed once) cannot hold; use token_kv_sharing none with token_refinement"
+            )
+        if self.classifier_pooling == "cls" and not self.token_refinement:
+            raise ValueError(
+                "classifier_pooling='cls' reads the [CLS] token's refined state, which only token_refinement makes "
+                "(without it the tokens are never updated); set token_refinement=True, or pool weighted or mean"
             )
         for name in ("pad_token_id", "unk_token_id", "cls_token_id", "sep_token_id", "mask_token_id"):
             value = getattr(self, name)

@@ -12,7 +12,7 @@ IGNORE_INDEX = -100  # label of positions that are not predicted (transformers' 
 VOCAB_CHUNK_ELEMENTS = 2**24
 
 DECODER_TYPES = ("perceiver", "posonly", "weighted")
-CLASSIFIER_POOLINGS = ("weighted", "mean")
+CLASSIFIER_POOLINGS = ("weighted", "mean", "cls")  # cls: the [CLS] token's refined state (token_refinement)
 POSITION_EXTENSIONS = ("no", "copy")  # a saved model read past its position table: refused, or copied (positions.py)
 
 

@@ -23,7 +23,7 @@ from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceCl
 from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.utils import ModelOutput
 
-from .attention import AttentionBlock, FeedForwardBlock
+from .attention import ReadingLayer
 from .config import ConceptEncoderConfig
 from .constants import IGNORE_INDEX
 from .modeling import ConceptEncoder, ConceptEncoderPreTrainedModel, TokenEmbeddings, check_sequence_length
@@ -52,26 +52,13 @@ class ConceptMaskedLMOutput(ModelOutput):
     token_states: torch.FloatTensor | None = None
 
 
-class DecoderLayer(nn.Module):
-    """Position queries read the concepts, then pass an FFN."""
-
-    def __init__(self, config: ConceptEncoderConfig):
-        super().__init__()
-        self.cross_attn = AttentionBlock(config, cross=True)
-        self.ffn = FeedForwardBlock(config)
-
-    def forward(self, queries: torch.Tensor, concepts: torch.Tensor) -> torch.Tensor:
-        """`queries [B,M,H]`, `concepts [B,C,H]` → `[B,M,H]`."""
-        return self.ffn(self.cross_attn(queries, concepts))
-
-
 class CrossAttentionDecoder(nn.Module):
     """`perceiver` (queries = token + position embedding) or `posonly` (queries = position embedding)."""
 
     def __init__(self, config: ConceptEncoderConfig, token_queries: bool):
         super().__init__()
         self.token_queries = token_queries
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_decoder_layers))
+        self.layers = nn.ModuleList(ReadingLayer(config) for _ in range(config.num_decoder_layers))
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(
@@ -180,7 +167,7 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
 
     def __init__(self, config: ConceptEncoderConfig):
         super().__init__(config)
-        self.encoder = ConceptEncoder(config)
+        self.encoder = ConceptEncoder(config, returns_tokens=False)  # the decoder reads the concepts alone
         self.mlm_decoder = build_decoder(config)
         self.lm_head = MaskedLMHead(config)
         self.post_init()
@@ -252,14 +239,18 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
 
 
 class ConceptPooling(nn.Module):
-    """Concepts `[B,C,H]` → one vector `[B,H]`: learned softmax weights over concepts, or the mean."""
+    """The encoder's output → one vector `[B,H]`: learned softmax weights over the concepts (`weighted`), their
+    mean (`mean`), or the `[CLS]` token's refined state (`cls`, which `token_refinement` makes)."""
 
     def __init__(self, config: ConceptEncoderConfig):
         super().__init__()
+        self.cls = config.classifier_pooling == "cls"
         self.score = nn.Linear(config.hidden_size, 1) if config.classifier_pooling == "weighted" else None
 
-    def forward(self, concepts: torch.Tensor) -> torch.Tensor:
-        """`concepts [B,C,H]` → `[B,H]`."""
+    def forward(self, concepts: torch.Tensor, token_states: torch.Tensor | None = None) -> torch.Tensor:
+        """`concepts [B,C,H]`, `token_states [B,N,H]` (refined tokens; `cls` pooling only) → `[B,H]`."""
+        if self.cls:
+            return token_states[:, 0]  # position 0 holds [CLS]
         if self.score is None:
             return concepts.mean(dim=1)
         weights = self.score(concepts).softmax(dim=1)  # [B,C,1]
@@ -297,8 +288,9 @@ class ConceptEncoderForSequenceClassification(ConceptEncoderPreTrainedModel):
         Returns:
             `SequenceClassifierOutput` with `logits [B,num_labels]` and `loss []` when labels are given.
         """
-        concepts = self.encoder(input_ids, attention_mask).last_hidden_state  # [B,C,H]
-        pooled = self.dropout(torch.tanh(self.dense(self.dropout(self.pooling(concepts)))))  # [B,H]
+        encoded = self.encoder(input_ids, attention_mask)  # concepts [B,C,H], refined tokens [B,N,H] or None
+        features = self.pooling(encoded.last_hidden_state, encoded.token_states)  # [B,H]
+        pooled = self.dropout(torch.tanh(self.dense(self.dropout(features))))  # [B,H]
         logits = self.classifier(pooled)  # [B,num_labels]
         loss = None if labels is None else self._loss(logits, labels)
         return SequenceClassifierOutput(loss=loss, logits=logits)

@@ -8,12 +8,18 @@ Forward pass, with shapes::
         concepts ← cross-attn(concepts, tokens, key padding mask)   O(N·C)
         concepts ← self-attn(concepts)                              O(C²)
         concepts ← gated-GELU FFN(concepts)
-    final LayerNorm ──▶ concepts [B,C,H]
+        [token_refinement] tokens ← cross-attn(tokens, concepts), FFN(tokens)   O(N·C)
+    final LayerNorm ──▶ concepts [B,C,H]   (and, refined, tokens [B,N,H])
 
-Tokens are read, never updated: the cost per layer is linear in N.
+By default tokens are read, never updated (as in Perceiver): the cost per layer is linear in N. With
+`token_refinement` every token also reads the concepts in each layer (Luna's "unpack", BiXT's bidirectional
+cross-attention), still linear in N, so the next layer's concepts read tokens that have seen the whole input
+through the bottleneck.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,7 +28,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput
 
-from .attention import AttentionBlock, FeedForwardBlock, TokenKeyValue
+from .attention import AttentionBlock, FeedForwardBlock, ReadingLayer, TokenKeyValue
 from .config import ConceptEncoderConfig
 from .constants import token_kv_group, token_kv_groups
 
@@ -42,23 +48,36 @@ class TokenEmbeddings(nn.Module):
         return self.dropout(self.norm(self.word_embeddings(input_ids) + self.position_embeddings(position_ids)))
 
 
-class ConceptLayer(GradientCheckpointingLayer):
-    """One encoder layer: concepts read the tokens, talk among themselves, then pass an FFN."""
+@dataclass
+class ConceptEncoderOutput(BaseModelOutput):
+    """`last_hidden_state`: the concepts `[B,C,H]`; `token_states`: the refined tokens `[B,N,H]` under
+    `token_refinement` (after a final LayerNorm), else None."""
 
-    def __init__(self, config: ConceptEncoderConfig, shared_kv: bool = False):
+    token_states: torch.FloatTensor | None = None
+
+
+class ConceptLayer(GradientCheckpointingLayer):
+    """One encoder layer: concepts read the tokens, talk among themselves, then pass an FFN; with `refine`, the
+    tokens then read the concepts (`ReadingLayer`)."""
+
+    def __init__(self, config: ConceptEncoderConfig, shared_kv: bool = False, refine: bool = False):
         super().__init__()
         self.cross_attn = AttentionBlock(config, cross=True, shared_kv=shared_kv)
         self.self_attn = AttentionBlock(config, cross=False)
         self.ffn = FeedForwardBlock(config)
+        self.token_update = ReadingLayer(config) if refine else None
 
     def forward(
         self, concepts: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`concepts [B,C,H]`, `tokens [B,N,H]` (their keys/values `[B,N,2H]` under token_kv_sharing),
-        `token_mask [B,N]` bool or None → `concepts [B,C,H]`."""
+        `token_mask [B,N]` bool or None → (`concepts [B,C,H]`, `tokens [B,N,H]`: refined, or as given)."""
         concepts = self.cross_attn(concepts, tokens, token_mask)
         concepts = self.self_attn(concepts)
-        return self.ffn(concepts)
+        concepts = self.ffn(concepts)
+        if self.token_update is not None:
+            tokens = self.token_update(tokens, concepts)  # [B,N,H]: each token reads the C concepts
+        return concepts, tokens
 
 
 class ConceptEncoderPreTrainedModel(PreTrainedModel):
@@ -101,18 +120,36 @@ def check_sequence_length(config: ConceptEncoderConfig, seq_len: int) -> None:
         )
 
 
+def refining_layers(config: ConceptEncoderConfig, returns_tokens: bool) -> int:
+    """How many of the encoder's layers update the tokens: none without `token_refinement`; else every layer when
+    the refined tokens are an output, all but the last when only the concepts are (its update would be unread)."""
+    if not config.token_refinement:
+        return 0
+    return config.num_hidden_layers if returns_tokens else config.num_hidden_layers - 1
+
+
 class ConceptEncoder(ConceptEncoderPreTrainedModel):
     """Token embeddings → `concept_num` learned concepts refined by `num_hidden_layers` concept layers."""
 
-    def __init__(self, config: ConceptEncoderConfig):
+    def __init__(self, config: ConceptEncoderConfig, returns_tokens: bool | None = None):
+        """`returns_tokens`: whether the refined tokens are an output (`token_states`), which only then need
+        the last layer's token update and the final token norm; by default when the config pools `cls`. The MLM
+        model passes False: its decoder reads the concepts alone, so a last token update would be dead weight
+        that no gradient reaches (DDP and ZeRO need one for every parameter)."""
         super().__init__(config)
         self.embeddings = TokenEmbeddings(config)
         self.concepts = nn.Parameter(torch.empty(config.concept_num, config.hidden_size))
         shared = config.token_kv_sharing != "none"
         groups = token_kv_groups(config.token_kv_sharing, config.num_hidden_layers)
         self.token_kv = nn.ModuleList(TokenKeyValue(config) for _ in range(groups)) if shared else None
-        self.layers = nn.ModuleList(ConceptLayer(config, shared_kv=shared) for _ in range(config.num_hidden_layers))
+        returns_tokens = config.classifier_pooling == "cls" if returns_tokens is None else returns_tokens
+        refined = refining_layers(config, returns_tokens)
+        self.layers = nn.ModuleList(
+            ConceptLayer(config, shared_kv=shared, refine=index < refined) for index in range(config.num_hidden_layers)
+        )
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        returned = config.token_refinement and returns_tokens
+        self.token_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if returned else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -126,7 +163,7 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-    ) -> BaseModelOutput:
+    ) -> ConceptEncoderOutput:
         """Encode tokens into concepts.
 
         Args:
@@ -135,7 +172,8 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
             position_ids: `[B,N]` or `[1,N]` (optional; default `0..N-1`).
 
         Returns:
-            `BaseModelOutput` whose `last_hidden_state` is the concepts `[B,C,H]`.
+            `ConceptEncoderOutput`: `last_hidden_state` the concepts `[B,C,H]`; `token_states` the refined tokens
+            `[B,N,H]` under `token_refinement` when they are an output (`returns_tokens`), else None.
         """
         batch, seq_len = input_ids.shape
         check_sequence_length(self.config, seq_len)
@@ -152,5 +190,8 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
                 if group not in shared_kv:
                     shared_kv[group] = self.token_kv[group](tokens)
                 context = shared_kv[group]
-            concepts = layer(concepts, context, token_mask)
-        return BaseModelOutput(last_hidden_state=self.norm(concepts))
+            concepts, read = layer(concepts, context, token_mask)
+            if layer.token_update is not None:  # refined: the next layer reads the updated tokens
+                tokens = read
+        token_states = None if self.token_norm is None else self.token_norm(tokens)
+        return ConceptEncoderOutput(last_hidden_state=self.norm(concepts), token_states=token_states)

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import logging
+import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 

@@ -65,6 +65,22 @@ def accuracy_by_position(predictions, labels, positions, buckets: int = POSITION
     return result
 
 
+def accuracy_by_group(predictions, labels, groups) -> dict[str, dict]:
+    """Accuracy of the examples of each group (`groups`: one name per example, e.g. ListOps' tree depth):
+    `{"3": {"accuracy", "count"}}`, ordered by group (numerically where the names are numbers)."""
+    predictions, labels, groups = np.asarray(predictions), np.asarray(labels), np.asarray(groups)
+
+    def order(name: str):
+        head = name.split("-")[0]
+        return (0, int(head), name) if head.isdigit() else (1, 0, name)
+
+    result = {}
+    for name in sorted(set(groups.tolist()), key=order):
+        chosen = groups == name
+        result[name] = {"accuracy": float((predictions[chosen] == labels[chosen]).mean()), "count": int(chosen.sum())}
+    return result
+
+
 def baseline_predictions(task_type: str, train_labels, n: int) -> np.ndarray:
     """The trivial predictor fitted on the training labels: the majority class, the mean score, or each
     label's majority (multi-label), repeated `n` times."""

@@ -97,6 +97,11 @@ class ModelArguments:
         default="none",
         metadata={"help": "token keys/values: none (per layer), all (computed once, read by every layer) or groups:K"},
     )
+    token_refinement: bool = field(
+        default=False,
+        metadata={"help": "tokens cross-attend to the concepts in each layer (Luna/BiXT; still O(N·C)); needs "
+                  "token_kv_sharing none"},
+    )  # fmt: skip
     extend_positions: str = field(default="no", metadata={"help": EXTEND_HELP})
 
     def __post_init__(self):
@@ -111,6 +116,11 @@ class ModelArguments:
             raise ValueError(f"concept_num={self.concept_num} must be >= 1 (or unset for the preset's)")
         if self.model_name_or_path is None:
             token_kv_groups(self.token_kv_sharing, PRESETS[self.preset]["num_hidden_layers"])
+        if self.token_refinement and self.token_kv_sharing != "none":
+            raise ValueError(
+                f"token_refinement updates the tokens in every layer, so token_kv_sharing={self.token_kv_sharing!r} "
+                "(keys/values computed once) cannot hold; use token_kv_sharing none with token_refinement"
+            )
         if self.hidden_dropout_prob is not None and not 0 <= self.hidden_dropout_prob < 1:
             raise ValueError(f"hidden_dropout_prob={self.hidden_dropout_prob} must be in [0, 1)")
 
@@ -339,7 +349,7 @@ class TrainingArguments:
 
 
 DEFAULT_LEARNING_RATES = "5e-5,1e-4,3e-4,1e-3"  # the dev split picks one per model (BERT's paper used a grid too)
-POOLINGS = ("auto", *CLASSIFIER_POOLINGS, "cls")  # auto: the model's own; the others where the model has that choice
+POOLINGS = ("auto", *CLASSIFIER_POOLINGS)  # auto: the model's own; the others where the model has that choice
 
 
 @dataclass
@@ -366,8 +376,9 @@ class FinetuneArguments:
     )
     pooling: str = field(
         default="auto",
-        metadata={"help": f"one of {POOLINGS}: the model's own (auto), or mean/weighted over concepts for a Concept "
-                  "Encoder, cls for a Hugging Face encoder"},
+        metadata={"help": f"one of {POOLINGS}: the model's own (auto); a Concept Encoder: mean/weighted over its "
+                  "concepts, or cls (the [CLS] token, with token_refinement); a Hugging Face encoder: cls, or mean "
+                  "(its mean token state into its pooler)"},
     )  # fmt: skip
     probe: bool = field(
         default=False,
@@ -382,6 +393,16 @@ class FinetuneArguments:
         metadata={"help": "tokenizer folder for model folders saved without one (save_pretrained of a model alone)"},
     )
     extend_positions: str = field(default="no", metadata={"help": EXTEND_HELP})
+    bucket_by_length: bool = field(
+        default=False,
+        metadata={"help": "training batches of similar lengths (seeded, resumable; training/batches.py): inputs of "
+                  "mixed lengths are then barely padded"},
+    )  # fmt: skip
+    report_last_step: bool = field(
+        default=False,
+        metadata={"help": "also save each run's last step and report its validation metrics beside the dev-chosen "
+                  "step's (a run that peaks then collapses shows it)"},
+    )  # fmt: skip
     chunk_length: int | None = field(
         default=None,
         metadata={"help": "token encoders: read inputs in chunks of this many tokens, each encoded alone, their mean "
@@ -450,7 +471,8 @@ RECIPES = {
 
 # What a saved model's config.json decides when a run starts from it: given beside --model_name_or_path they
 # would be ignored while the run's config.json recorded them.
-FOLDER_DECIDES = ("preset", "concept_num", "decoder_type", "hidden_dropout_prob", "token_kv_sharing")
+FOLDER_DECIDES = ("preset", "concept_num", "decoder_type", "hidden_dropout_prob", "token_kv_sharing",
+                  "token_refinement")  # fmt: skip
 
 
 def check_task_sources(dataset: str) -> None:
@@ -462,9 +484,11 @@ def check_task_sources(dataset: str) -> None:
         if part.task is None:
             continue
         TaskArguments(task=part.task)  # its own rules: needle:<words>, glue:<name>
-        known = part.task in (*EMBEDDED_TASKS, MODULES_PACKAGE, MODULES_SPLICED) or part.task.startswith(
-            (NEEDLE_PREFIX, "glue:")
-        ) or is_listops(part.task)
+        known = (
+            part.task in (*EMBEDDED_TASKS, MODULES_PACKAGE, MODULES_SPLICED)
+            or part.task.startswith((NEEDLE_PREFIX, "glue:"))
+            or is_listops(part.task)
+        )
         if not known and not Path(part.task).expanduser().exists():
             raise ValueError(
                 f"dataset={dataset!r}: {TASK_SOURCE}{part.task} is no task: use {TASK_SOURCE}<one of "

@@ -13,6 +13,9 @@ as it reads a whole-input encoder's. Mean-pooled chunk features are the usual "B
 long-document classification; a chunk after the first starts mid-text, without `[CLS]`, which is why a chunk's
 feature is the mean of its tokens rather than its first token's state.
 
+With `length=None` the whole input is one chunk: the mean of its real tokens' states replaces `[CLS]` as the
+pooler's input (`--pooling mean` for a token encoder), so BERT has the mean pooling a Concept Encoder has.
+
 Why hand-written: transformers has no chunked reading for encoders (its strided `overflowing_tokens` splits an
 input into separate examples, which the classifier would then score one by one).
 """
@@ -28,21 +31,34 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from .probe import CONCEPT_MODEL_TYPE, masked_mean
 
 
-def chunk_problem(config, length: int) -> str | None:
-    """Why a model of `config` cannot read in chunks of `length` tokens, else None."""
+def chunk_problem(config, length: int | None) -> str | None:
+    """Why a model of `config` cannot read in chunks of `length` tokens (None: mean-pooled whole), else None."""
     if config.model_type == CONCEPT_MODEL_TYPE:
         return (
             "a Concept Encoder reads the whole input (its cost is linear in it); --chunk_length is for token encoders"
         )
     positions = getattr(config, "max_position_embeddings", None)
-    if positions is not None and length > positions:
+    if positions is not None and length is not None and length > positions:
         return f"--chunk_length {length} is longer than the model's {positions} positions; give at most {positions}"
     return None
 
 
-def read_in_chunks(model, length: int) -> None:
-    """Make `model` (an `AutoModelForSequenceClassification`) read its inputs in chunks of `length` tokens, as
-    the module docstring draws; its weights and saved form are unchanged (apply again after loading)."""
+def apply_reading(model, chunk_length: int | None, pooling: str) -> str | None:
+    """The reading mode the fine-tuning arguments ask of `model`, applied (again after every load: it is not part
+    of the weights): chunks of `chunk_length`, or a token encoder's `mean` pooling; a note for the log, else None."""
+    if chunk_length:
+        read_in_chunks(model, chunk_length)
+        return f"read in chunks of {chunk_length} tokens, their mean token states averaged"
+    if pooling == "mean" and model.config.model_type != CONCEPT_MODEL_TYPE:
+        read_in_chunks(model, None)
+        return "the mean of its real tokens' states pooled instead of [CLS]"
+    return None
+
+
+def read_in_chunks(model, length: int | None) -> None:
+    """Make `model` (an `AutoModelForSequenceClassification`) read its inputs in chunks of `length` tokens (None:
+    the whole input as one chunk), as the module docstring draws; its weights and saved form are unchanged (apply
+    again after loading)."""
     if problem := chunk_problem(model.config, length):
         raise ValueError(problem)
     base = model.base_model
@@ -54,22 +70,23 @@ def read_in_chunks(model, length: int) -> None:
         batch, n = input_ids.shape
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        pad = -n % length
-        chunks = -(-n // length)
+        size = length or n
+        pad = -n % size
+        chunks = -(-n // size)
 
-        def split(x):  # [B,N] → [B·K, length], padded with zeros (masked out)
-            return F.pad(x, (0, pad)).reshape(batch * chunks, length)
+        def split(x):  # [B,N] → [B·K, size], padded with zeros (masked out)
+            return F.pad(x, (0, pad)).reshape(batch * chunks, size)
 
         ids, mask = split(input_ids), split(attention_mask)
         extra = {"token_type_ids": split(token_type_ids)} if token_type_ids is not None else {}
         kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "inputs_embeds")}  # per chunk: own
         states = encode(ids, attention_mask=mask, **extra, **kwargs).last_hidden_state  # [B·K, length, H]
         features = masked_mean(states, mask).reshape(batch, chunks, -1)  # [B,K,H]
-        real = (mask.reshape(batch, chunks, length).sum(-1) > 0).to(features.dtype).unsqueeze(-1)  # [B,K,1]
+        real = (mask.reshape(batch, chunks, size).sum(-1) > 0).to(features.dtype).unsqueeze(-1)  # [B,K,1]
         pooled = (features * real).sum(1) / real.sum(1).clamp(min=1.0)  # [B,H]
         if pooler is not None:
             pooled = pooler.activation(pooler.dense(pooled))
-        hidden = states.reshape(batch, chunks * length, -1)[:, :n]  # [B,N,H]
+        hidden = states.reshape(batch, chunks * size, -1)[:, :n]  # [B,N,H]
         return BaseModelOutputWithPooling(last_hidden_state=hidden, pooler_output=pooled)
 
     forward.__signature__ = inspect.signature(forward)  # what the probes pass: input_ids, attention_mask, ...

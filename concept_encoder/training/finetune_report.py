@@ -47,6 +47,17 @@ def report_rows(results: list[dict]) -> list[dict]:
             row["accuracy_by_position"] = {
                 name: statistics.fmean(r["validation_by_position"][name]["accuracy"] for r in runs) for name in buckets
             }
+        if all("validation_last_step" in r for r in runs):  # --report_last_step: where each run ended
+            for metric in row["metrics"]:
+                row[f"last_step_{metric}_mean"], row[f"last_step_{metric}_std"] = mean_std(
+                    [r["validation_last_step"][metric] for r in runs]
+                )
+        if runs and all("validation_by" in r for r in runs):  # e.g. ListOps: accuracy by tree depth and length
+            row["accuracy_by"] = {
+                name: {group: statistics.fmean(r["validation_by"][name][group]["accuracy"] for r in runs
+                                               if group in r["validation_by"][name]) for group in groups}
+                for name, groups in runs[0]["validation_by"].items()
+            }  # fmt: skip
         if row["method"] == "fine-tune":
             row["parameters"] = runs[0].get("parameters")
             row["learning_rate"] = runs[0]["learning_rate"]

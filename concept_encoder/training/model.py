@@ -129,24 +129,26 @@ def from_pretrained(model_class, path: str, zero3_config: dict | None):
 
 
 def check_pooling(config, pooling: str, where: str) -> dict:
-    """Config overrides for `--pooling`: a Concept Encoder pools its concepts (`weighted` or `mean`), a Hugging
-    Face encoder's classification head pools `[CLS]`; any other combination is an error naming the choices."""
+    """Config overrides for `--pooling`: a Concept Encoder pools its concepts (`weighted` or `mean`) or, refining
+    its tokens, the `[CLS]` token (`cls`); a Hugging Face encoder's classification head pools `[CLS]`, or the mean
+    token state (`mean`: a reading mode, `chunked.apply_reading`); any other combination is an error naming the
+    choices."""
     if pooling == "auto":
         return {}
     concept = config.model_type == "concept_encoder"
+    if concept and pooling == "cls" and not getattr(config, "token_refinement", False):
+        raise ValueError(
+            f"--pooling cls: {where} does not refine its tokens (token_refinement is off), so its [CLS] token never "
+            "sees the input; pool mean or weighted, or fine-tune a model built with --token_refinement true"
+        )
     if concept and pooling in CLASSIFIER_POOLINGS:
         return {"classifier_pooling": pooling}
-    if not concept and pooling == "cls":
+    if not concept and pooling in ("cls", "mean"):
         return {}
-    allowed = ["auto", *sorted(CLASSIFIER_POOLINGS)] if concept else ["auto", "cls"]
+    allowed = ["auto", *sorted(CLASSIFIER_POOLINGS)] if concept else ["auto", "cls", "mean"]
     raise ValueError(
         f"--pooling {pooling}: {where} ({config.model_type}) supports {allowed}"
-        + (
-            ""
-            if concept
-            else "; its sequence-classification head pools [CLS] (the linear probe, --probe, uses the "
-            "mean of the hidden states)"
-        )
+        + ("" if concept else "; its sequence-classification head pools [CLS] or, with mean, its mean token state")
     )
 
 

@@ -37,6 +37,7 @@ def fresh_model_fields(model_args, max_seq_length: int, vocab_size: int, **speci
     else:
         fields["decoder_type"] = model_args.decoder_type
         fields["token_kv_sharing"] = model_args.token_kv_sharing
+        fields["token_refinement"] = getattr(model_args, "token_refinement", False)
     if model_args.concept_num is not None:
         fields["concept_num"] = model_args.concept_num
     if model_args.hidden_dropout_prob is not None:

@@ -74,15 +74,17 @@ def linear_probe(model, loaders: dict, splits: dict, task, device: torch.device)
     }
 
 
-def describe_pooling(model, chunk_length: int | None = None) -> str:
+def describe_pooling(model, chunk_length: int | None = None, pooling: str = "auto") -> str:
     """How the fine-tuning classifier turns an encoder's output into one vector (a confound of any
-    comparison between architectures, so the report names it); `chunk_length`: read in chunks (`chunked.py`)."""
+    comparison between architectures, so the report names it); `chunk_length`: read in chunks (`chunked.py`),
+    `pooling` `mean` for a token encoder: its mean token state."""
     config = model.config
     if chunk_length:
         return f"mean token state of each {chunk_length}-token chunk, mean over chunks → pooler dense+tanh"
     if config.model_type == CONCEPT_MODEL_TYPE:
-        how = {"weighted": "learned softmax weights over concepts", "mean": "mean of concepts"}
+        how = {"weighted": "learned softmax weights over concepts", "mean": "mean of concepts",
+               "cls": "[CLS] token refined by the concepts"}  # fmt: skip
         return f"{how.get(config.classifier_pooling, config.classifier_pooling)} → dense+tanh"
     if getattr(model.base_model, "pooler", None) is not None:
-        return "[CLS] → pooler dense+tanh"
+        return f"{'mean token state' if pooling == 'mean' else '[CLS]'} → pooler dense+tanh"
     return f"{type(model).__name__}'s own head"

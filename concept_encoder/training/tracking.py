@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import resource
 import signal
 from pathlib import Path
 
@@ -44,8 +45,10 @@ def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
 
 
 def memory_stats(device: torch.device) -> dict:
-    """Peak CUDA allocated/reserved (GB) where present, process RSS (GB) always."""
-    stats = {"rss_gb": round(psutil.Process().memory_info().rss / 2**30, 3)}
+    """Peak CUDA allocated/reserved (GB) where present, process RSS and its peak so far (GB; `ru_maxrss` is KiB
+    on Linux) always."""
+    stats = {"rss_gb": round(psutil.Process().memory_info().rss / 2**30, 3),
+             "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}  # fmt: skip
     if device.type == "cuda":
         stats["cuda_peak_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
         stats["cuda_peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 3)
