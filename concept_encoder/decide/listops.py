@@ -282,7 +282,7 @@ def plot(report: dict, path: Path) -> None:
                             and r["architecture"] == "concept" and r["refine"] == refine and r["kind"] != "pretrained"
                             and r["pooling"] == "mean")  # fmt: skip
             if points:
-                widths.plot(*zip(*points), marker="o", label=f"{preset}{', refined tokens' if refine else ''}")
+                widths.plot(*zip(*points, strict=True), marker="o", label=f"{preset}{', refined tokens' if refine else ''}")
     widths.set_xscale("log", base=2)
     widths.set_xlabel("concepts C")
     widths.set_ylabel("test accuracy (%)")
