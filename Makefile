@@ -18,7 +18,7 @@ ARGS      ?=
 LAUNCH    := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
 .PHONY: help install test lint format clean bench gpu-check train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
-	finetune probe reference glue compare ablate curve long-context recipes
+	finetune probe reference glue compare ablate curve long-context recipes listops
 
 help:  ## this list: every target, one line each
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## (.*)/\1\t\2/' | \
@@ -140,6 +140,17 @@ recipes: install  ## pretraining recipes against their from-scratch twins on REC
 	$(PY) -m concept_encoder recipes --tokens $(RECIPE_TOKENS) --tasks $(RECIPE_TASKS) \
 		--arms $(RECIPE_ARMS) --teacher $(TEACHER) --name $(RECIPE_NAME) --finetune_args "--seeds $(SEEDS) $(FT_ARGS)" \
 		-- --preset $(PRESET) --tokenizer $(TOKENIZER) --max_seq_length $(SEQ_LEN) --per_device_train_batch_size $(BATCH) $(ARGS)
+
+# LRA ListOps from scratch and self-pretrained (docs/listops.md): the Concept Encoder at each width C, with and
+# without token refinement, against BERT of the same shape, beside the published table; resumable.
+#   make listops LISTOPS_TASK=listops:500 LISTOPS_ARGS="--presets micro --concepts 16,64" LISTOPS_FT="--max_steps 2000"
+LISTOPS_TASK ?= listops
+LISTOPS_NAME ?= listops
+LISTOPS_ARGS ?=
+LISTOPS_FT   ?=
+listops: install  ## LRA ListOps: Concept Encoder widths, token refinement, BERT, self-pretraining, published table
+	$(PY) -m concept_encoder listops --task $(LISTOPS_TASK) --name $(LISTOPS_NAME) --seeds $(SEEDS) \
+		--finetune_args "$(LISTOPS_FT)" $(LISTOPS_ARGS) -- --per_device_train_batch_size 32 $(ARGS)
 
 # Hardware profiles (launch/profiles.yaml): the plan check runs first and launches only a sound plan.
 #   make train-3080 DATASET=wikitext:wikitext-103-raw-v1 STEPS=20000 ARGS="--run_name wiki --save_steps 1000"

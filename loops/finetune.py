@@ -153,7 +153,10 @@ def make_loaders(splits, tokenizer, model, args, seed: int, shuffle_train: bool 
         if name == "train" and shuffle_train and bucket_by_length:
             lengths = [len(ids) for ids in split["input_ids"]]
             batches = LengthBucketedBatches(lengths, args.per_device_train_batch_size, seed)
-            loaders[name] = DataLoader(split, batch_sampler=batches, collate_fn=collate)
+            # its own generator: a DataLoader draws each iterator's base seed from it, else from the global RNG,
+            # which a resumed run would then draw once more than the run it continues (dropout would differ)
+            loaders[name] = DataLoader(split, batch_sampler=batches, collate_fn=collate,
+                                       generator=torch.Generator().manual_seed(seed))  # fmt: skip
             continue
         size = args.per_device_train_batch_size if name == "train" else args.per_device_eval_batch_size
         loaders[name] = DataLoader(split, batch_size=size, shuffle=shuffle_train and name == "train",

@@ -289,10 +289,10 @@ def test_fine_tuning_flags_are_checked_before_any_work(concept_model, bert_model
         finetune.main([*base, "--learning_rates", "1e-4,x"])
     with pytest.raises(ValueError, match="give distinct rates in"):
         finetune.main([*base, "--learning_rates", "1e-4,1e-4"])
-    with pytest.raises(ValueError, match=r"--pooling cls: .* supports \['auto', 'mean', 'weighted'\]"):
+    with pytest.raises(ValueError, match=r"--pooling cls: .* does not refine its tokens \(token_refinement is off\)"):
         finetune.main([*base, "--pooling", "cls"])
-    with pytest.raises(ValueError, match=r"supports \['auto', 'cls'\]; its sequence-classification head pools"):
-        finetune.main(["--model_name_or_path", str(bert_model), *COMMON, "--pooling", "mean"])
+    with pytest.raises(ValueError, match=r"supports \['auto', 'cls', 'mean'\]; its sequence-classification head pools"):
+        finetune.main(["--model_name_or_path", str(bert_model), *COMMON, "--pooling", "weighted"])
     with pytest.raises(ValueError, match="--finetune false leaves nothing to do"):
         finetune.main([*base, "--finetune", "false"])
     a_file = tmp_path / "a-file"

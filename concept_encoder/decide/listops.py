@@ -97,7 +97,7 @@ def scratch_arms(args) -> list[Arm]:
     arms = []
     for preset in args.preset_list:
         own = PRESETS[preset]["concept_num"]
-        for concepts in args.concept_list:
+        for concepts in args.concept_list if "concept" in args.architecture_list else []:
             for refine in args.refine_list:
                 for pooling in args.pooling_list:
                     if pooling == "cls" and not refine:
@@ -108,7 +108,7 @@ def scratch_arms(args) -> list[Arm]:
                                     f"Concept Encoder {preset}, C={concepts}{', refined tokens' if refine else ''}, "
                                     f"{pooling} pooling", preset, "concept", concepts, refine, pooling,
                                     args.seeds if main else args.sweep_seeds, "scratch" if main else "sweep"))  # fmt: skip
-        for pooling in args.pooling_list:
+        for pooling in args.pooling_list if "bert" in args.architecture_list else []:
             arms.append(Arm(f"{preset}-bert{'' if pooling == 'mean' else '-' + pooling}",
                             f"BERT {preset}, full attention, {pooling} pooling", preset, "bert", None, False, pooling,
                             args.seeds, "scratch"))  # fmt: skip
@@ -282,7 +282,9 @@ def plot(report: dict, path: Path) -> None:
                             and r["architecture"] == "concept" and r["refine"] == refine and r["kind"] != "pretrained"
                             and r["pooling"] == "mean")  # fmt: skip
             if points:
-                widths.plot(*zip(*points, strict=True), marker="o", label=f"{preset}{', refined tokens' if refine else ''}")
+                widths.plot(
+                    *zip(*points, strict=True), marker="o", label=f"{preset}{', refined tokens' if refine else ''}"
+                )
     widths.set_xscale("log", base=2)
     widths.set_xlabel("concepts C")
     widths.set_ylabel("test accuracy (%)")
@@ -304,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                "--tokenizer, --packing, --max_seq_length, --preset, --concept_num, --token_refinement.",
     )  # fmt: skip
     parser.add_argument("--task", default="listops", help="listops, or listops:<max_length>[:<train>] (shorter)")
+    parser.add_argument("--architectures", default="concept,bert",
+                        help="concept and/or bert (BERT's full attention at 2,000 tokens: hours a run on a CPU)")  # fmt: skip
     parser.add_argument("--presets", default="micro,tiny", help="model shapes, comma-separated (the first is main)")
     parser.add_argument("--concepts", default="16,32,64,128", help="the Concept Encoder's widths C")
     parser.add_argument("--refinement", default="both", choices=("off", "on", "both"), help="token refinement arms")
@@ -320,6 +324,9 @@ def check_arguments(args) -> None:
     if not is_listops(args.task):
         raise ValueError(f"--task {args.task!r}: the driver measures listops or listops:<max_length>[:<train>]")
     parse_listops(args.task)
+    args.architecture_list = parse_list(args.architectures, "--architectures")
+    if bad := [a for a in args.architecture_list if a not in ("concept", "bert")]:
+        raise ValueError(f"--architectures: {bad} unknown; choose concept and/or bert")
     args.preset_list = parse_list(args.presets, "--presets")
     if unknown := [p for p in args.preset_list if p not in PRESETS]:
         raise ValueError(f"--presets: {unknown} unknown; choose from {sorted(PRESETS)}")
@@ -372,8 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.pretrain_budget:
             first = [a for a in arms if a.preset == args.preset_list[0] and a.kind != "sweep"]
             concept = [a for a in first if a.architecture == "concept"]
-            best = max(concept, key=lambda a: dev_accuracy(points[a.key]))  # chosen on dev, never on test
-            for twin in [best, next(a for a in first if a.architecture == "bert")]:
+            twins = [max(concept, key=lambda a: dev_accuracy(points[a.key]))] if concept else []  # chosen on dev
+            twins += [a for a in first if a.architecture == "bert"][:1]
+            for twin in twins:
                 arm = Arm(f"{twin.key}-selfpre", f"{twin.label}, self-pretrained", twin.preset, twin.architecture,
                           twin.concept_num, twin.refine, twin.pooling, args.seeds, "pretrained")  # fmt: skip
                 plan, run_dir = pretraining_plan(arm, args, loop_argv, max_seq_length, args.pretrain_budget)
