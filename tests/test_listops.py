@@ -150,3 +150,19 @@ def test_task_splits_tokenize_to_the_fixed_vocabulary(tmp_path, monkeypatch):
     assert len(row["input_ids"]) == len(text.split()) + 2  # one id a symbol, with [CLS] and [SEP]
     assert tokenizer.unk_token_id not in row["input_ids"]
     assert set(task.validation_groups()) == {"depth", "length_range"}
+    ids = [task.train["id"], task.dev["id"], task.validation["id"]]
+    assert ids == [list(range(200)), list(range(200, 250)), list(range(250, 300))]  # distinct rows, distinct ids
+
+
+def test_the_root_operator_rule_predicts_each_roots_most_frequent_training_value():
+    from concept_encoder.tasks.listops import root_operator_rule
+
+    rows = lambda *pairs: [{"text": t, "label": evaluate(t)} for t in pairs]  # noqa: E731
+    splits = {
+        "train": rows("[MAX 1 9 ]", "[MAX 9 2 ]", "[MAX 3 4 ]", "[MIN 0 5 ]", "[SM 2 3 ]", "[SM 2 3 1 ]"),
+        "dev": rows("[MAX 9 9 ]", "[MIN 3 4 ]"),
+        "test": rows("[MAX 0 9 ]", "[SM 1 2 3 ]", "[MED 4 6 ]"),
+    }
+    result = root_operator_rule(splits)
+    assert result["rule"] == {"[MAX": 9, "[MIN": 0, "[SM": 5}  # SM: 5 and 6 tie once each: the lower value
+    assert result["dev"] == 0.5 and result["test"] == pytest.approx(1 / 3)  # an unseen root predicts nothing

@@ -20,7 +20,7 @@ from concept_encoder.training.batches import LengthBucketedBatches, accumulation
 from concept_encoder.training.checkpoint import TrainState
 
 LENGTHS = [(7 * i) % 97 + 3 for i in range(203)]
-FINETUNE = ["--max_steps", "24", "--eval_steps", "6", "--logging_steps", "1", "--per_device_train_batch_size", "8",
+FINETUNE = ["--max_steps", "16", "--eval_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "8",
             "--learning_rates", "1e-3", "--report_to", "none", "--progress_bar", "false", "--task", "listops:64:300",
             "--max_seq_length", "66", "--bucket_by_length", "true", "--report_last_step", "true"]  # fmt: skip
 
@@ -103,11 +103,11 @@ def listops_model(workdir):
 @pytest.mark.loop
 def test_listops_fine_tuning_with_buckets_resumes_exactly_and_reports_the_last_step(workdir, listops_model,
                                                                                     monkeypatch):  # fmt: skip
-    argv = ["--model_name_or_path", str(listops_model), "--from_scratch", "--seeds", "1", "--save_steps", "8",
+    argv = ["--model_name_or_path", str(listops_model), "--from_scratch", "--seeds", "1", "--save_steps", "6",
             "--pooling", "cls", *FINETUNE]  # fmt: skip
     assert finetune.main([*argv, "--run_name", "whole"]) == 0
     whole = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())["runs"][0]
-    assert set(whole["validation_last_step"]) == {"accuracy", "macro_f1"} and whole["steps"] == 24
+    assert set(whole["validation_last_step"]) == {"accuracy", "macro_f1"} and whole["steps"] == 16
     assert set(whole["validation_by"]) == {"depth", "length_range"}
     assert sum(g["count"] for g in whole["validation_by"]["depth"].values()) == 50
     assert "[CLS] token refined" in whole["pooling"] and whole["memory"]["peak_rss_gb"] > 0
@@ -115,7 +115,7 @@ def test_listops_fine_tuning_with_buckets_resumes_exactly_and_reports_the_last_s
 
     def step_then_signal(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 13:  # after the checkpoint at 8, before the next
+        if calls["n"] == 9:  # after the checkpoint at 6, before the next
             os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)
 
@@ -146,7 +146,7 @@ def in_process(tmp_path, monkeypatch):
     GradientState._reset_state()
 
 
-DRIVER = ["--task", "listops:100:200", "--presets", "micro", "--concepts", "8,16", "--pretrain_tokens", "4k",
+DRIVER = ["--task", "listops:100:200", "--presets", "micro", "--concepts", "8,16", "--pretrain_tokens", "4k", "--seeds", "2",
           "--finetune_args", "--max_steps 4 --learning_rates 1e-3 --per_device_train_batch_size 8 "
           "--per_device_eval_batch_size 50 --report_to none --progress_bar false",
           "--", "--per_device_train_batch_size", "4", "--report_to", "none", "--progress_bar", "false",
@@ -165,7 +165,7 @@ def test_the_driver_on_a_tiny_variant_writes_every_row_and_reuses_them(in_proces
     assert keys[:5] == expected and len(keys) == 7  # then the best Concept Encoder's and BERT's self-pretrained twins
     assert keys[5] in {f"{k}-selfpre" for k in expected[:4]} and keys[6] == "micro-bert-selfpre"
     rows = {r["key"]: r for r in data["rows"]}
-    assert [len(rows[k]["seeds"]) for k in keys] == [1, 1, 3, 3, 3, 3, 3]  # the sweep's width: one seed
+    assert [len(rows[k]["seeds"]) for k in keys] == [1, 1, 2, 2, 2, 2, 2]  # the sweep's width: one seed
     for row in data["rows"]:
         assert 0 <= row["accuracy"] <= 1 and row["accuracy_last"] is not None and row["seconds"] > 0
         assert row["tokens_per_s"] > 0 and row["forward_flops_per_example"] > 0 and row["parameters"] > 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from ..common.paths import cache_path, written_aside
 from ..common.report_files import ReportFolderError, check_report_dir
 from ..model.presets import PRESETS
 from ..tasks.arguments import is_listops
-from ..tasks.listops import parse_listops
+from ..tasks.listops import listops_splits, parse_listops, root_operator_rule
 from .curve import (
     Curve,
     add_report_driver_arguments,
@@ -170,8 +171,6 @@ def pretraining_plan(arm: Arm, args, loop_argv: list[str], max_seq_length: int, 
 
 def mean_tokens(task: str) -> float:
     """The mean input length of the task's training split in tokens ([CLS] and [SEP] included)."""
-    from ..tasks.listops import listops_splits
-
     return statistics.fmean(row["length"] for row in listops_splits(task)["train"]) + 2
 
 
@@ -202,8 +201,10 @@ def arm_row(point: dict, arm: Arm, folder: Path, tokens: float) -> dict:
             "still_improving": row.get("still_improving")}  # fmt: skip
 
 
-def goal_lines(rows: list[dict], preset: str) -> list[str]:
-    """The issue's goals, each met or missed, from the first preset's rows."""
+def goal_lines(rows: list[dict], preset: str, root_rule: float, test_examples: int) -> list[str]:
+    """The issue's goals, each met or missed, from the first preset's rows; and which rows cross the root-operator
+    rule by more than the noise (their seeds' spread, and at least two binomial standard errors of a test split of
+    `test_examples`): a model that does not has not shown it reads past the first symbol."""
     main = {r["key"]: r for r in rows if r["preset"] == preset}
     concept = [r for r in main.values() if r["architecture"] == "concept" and r["kind"] == "scratch"]
     bert = next((r for r in main.values() if r["architecture"] == "bert" and r["kind"] == "scratch"), None)
@@ -225,6 +226,11 @@ def goal_lines(rows: list[dict], preset: str) -> list[str]:
             lift = pre["accuracy"] - twin["accuracy"]
             lines.append(f"- self-pretraining {pre['key']}: {100 * lift:+.2f} points over its from-scratch twin "
                          f"(goal >= +5): {'met' if lift >= GOAL_PRETRAINING_LIFT else 'missed'}")  # fmt: skip
+    noise = 2 * math.sqrt(root_rule * (1 - root_rule) / max(1, test_examples))
+    above = [r["key"] for r in rows if r["accuracy"] - root_rule > max(r["accuracy_std"], noise)]
+    lines.append(f"- above the root-operator rule ({100 * root_rule:.2f}%) by more than their seeds' spread and "
+                 f"{100 * noise:.1f} points (two standard errors of {test_examples:,} test trees): "
+                 f"{', '.join(above) or 'none'}")  # fmt: skip
     return lines
 
 
@@ -236,7 +242,9 @@ def percent(value, std=None) -> str:
 
 def format_markdown(report: dict) -> str:
     lines = [f"# ListOps: {report['task']}", "", report["settings_line"], "",
-             "| arm | seeds | test acc. (dev-chosen step) | test acc. (last step) | best-dev steps | training s/seed | "
+             "Run s/seed: a fine-tuning run's wall-clock at the chosen rate, dev evaluations included; tokens/s: its "
+             "training tokens (steps x batch x mean input) over that time.", "",
+             "| arm | seeds | test acc. (dev-chosen step) | test acc. (last step) | best-dev steps | run s/seed | "
              "tokens/s | peak GB | forward GFLOP/example | parameters |", "|" + "---|" * 10]  # fmt: skip
     for r in report["rows"]:
         lines.append(f"| {r['label']}{' (width sweep)' if r['kind'] == 'sweep' else ''} | {len(r['seeds'])} | "
@@ -246,8 +254,9 @@ def format_markdown(report: dict) -> str:
                      f"{r['forward_flops_per_example'] / 1e9:.3f} | {r['parameters'] or 0:,} |")  # fmt: skip
     base = report["baselines"]
     lines += ["", f"Baselines on test: majority class {percent(base['majority'])}, TF-IDF (symbol 1-2 grams) + "
-              f"linear {percent(base['tfidf'])}. Peak memory is the {report['rows'][0]['memory_kind']}"
-              if report["rows"] else "", "", "## Published test accuracy (%)", "",
+              f"linear {percent(base['tfidf'])}, the root-operator rule (the value most frequent under the root "
+              f"operator: what a model that reads only the first symbol scores) {percent(base['root_rule'])}. Peak "
+              f"memory is the {report['rows'][0]['memory_kind']}." if report["rows"] else "", "", "## Published test accuracy (%)", "",
               "| model | accuracy |", "|---|---|", *(f"| {n} | {a:.2f} |" for n, a in PUBLISHED)]  # fmt: skip
     lines += ["", "## Accuracy by tree depth and length (test, mean over seeds)", ""]
     for r in report["rows"]:
@@ -271,8 +280,9 @@ def plot(report: dict, path: Path) -> None:
              yerr=[100 * r["accuracy_std"] for r in rows], color=["C0" if r["architecture"] == "concept" else "C1"
                                                                   for r in rows])  # fmt: skip
     bars.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
-    for value, label, style in ((36.37, "Transformer (LRA)", "--"), (100 * report["baselines"]["majority"],
-                                "majority", ":"), (100 * report["baselines"]["tfidf"], "TF-IDF", "-.")):  # fmt: skip
+    base = report["baselines"]
+    for value, label, style in ((36.37, "Transformer (LRA)", "--"), (100 * base["majority"], "majority", ":"),
+                                (100 * base["tfidf"], "TF-IDF", "-."), (100 * base["root_rule"], "root rule", "-")):  # fmt: skip
         bars.axhline(value, linestyle=style, color="grey", linewidth=1)
         bars.text(len(rows) - 0.5, value, label, fontsize=7, ha="right", va="bottom")
     bars.set_ylabel("test accuracy (%) at the dev-chosen step")
@@ -399,9 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     tokens = mean_tokens(args.task)
     rows = [arm_row(points[a.key], a, folder, tokens) for a in arms]
     baselines = next(iter(points.values()))["baselines"][args.task]
-    base = {"majority": baselines["majority"]["accuracy"], "tfidf": baselines["tfidf"]["validation"]["accuracy"]}
+    base = {"majority": baselines["majority"]["accuracy"], "tfidf": baselines["tfidf"]["validation"]["accuracy"],
+            "root_rule": root_operator_rule(listops_splits(args.task))["test"]}  # fmt: skip
     report = {"task": args.task, "rows": rows, "baselines": base, "published": PUBLISHED,
-              "goals": goal_lines(rows, args.preset_list[0]), "mean_tokens": tokens,
+              "goals": goal_lines(rows, args.preset_list[0], base["root_rule"], len(listops_splits(args.task)["test"])),
+              "mean_tokens": tokens,
               "settings_line": f"Fine-tuning: {' '.join(finetune_argv)}; mean input {tokens:.0f} tokens; test = the "
                                "task's test split, read once per seed at the step chosen on dev."}  # fmt: skip
     paths = write_report_files(report, args.report_dir, "listops", format_markdown, plot)

@@ -167,6 +167,22 @@ def tree_depth(symbols: list[str]) -> int:
     return deepest
 
 
+def root_operator_rule(splits: dict[str, list[dict]]) -> dict:
+    """A sceptic's baseline: predict, from the root operator alone, the value most frequent under it in the training
+    split (MIN → 0, MAX → 9, ...). A model that learned only this reads nothing below the root; its dev and test
+    accuracy is the line a ListOps model must cross to show it evaluates trees."""
+    counts: dict[str, dict[int, int]] = {}
+    for row in splits["train"]:
+        root = counts.setdefault(row["text"].split()[0], {})
+        root[row["label"]] = root.get(row["label"], 0) + 1
+    rule = {root: max(values, key=lambda v: (values[v], -v)) for root, values in counts.items()}
+
+    def accuracy(rows):
+        return sum(rule.get(r["text"].split()[0]) == r["label"] for r in rows) / max(1, len(rows))
+
+    return {"rule": rule, "dev": accuracy(splits["dev"]), "test": accuracy(splits["test"])}
+
+
 def length_group(length: int, settings: ListOpsSettings, parts: int = 4) -> str:
     """The quarter of the length bounds `length` falls in, as `"500-875"` (the report's accuracy by length)."""
     span = settings.max_length - settings.min_length
@@ -217,4 +233,5 @@ def read_splits(folder: Path) -> dict[str, list[dict]]:
     return splits
 
 
-__all__ = ["FULL", "SYMBOLS", "ListOpsSettings", "apply", "generate_splits", "listops_splits", "parse_listops"]
+__all__ = ["FULL", "SYMBOLS", "ListOpsSettings", "apply", "generate_splits", "listops_splits", "parse_listops",
+           "root_operator_rule"]  # fmt: skip

@@ -133,11 +133,12 @@ def listops_task(name: str, cache_dir: str = "Cache") -> TaskData:
     """LRA ListOps (`tasks/listops.py`): its own train, dev and test splits (the test split is this project's
     `validation`, reported once at the step chosen on dev); ten classes, the tree's value."""
     settings = parse_listops(name)
-    tables = {}
-    for split, rows in listops_splits(name, cache_dir).items():
+    tables, start = {}, 0
+    for split, rows in listops_splits(name, cache_dir).items():  # ids: the row's place in the generated stream
+        ids, start = list(range(start, start + len(rows))), start + len(rows)
         tables[split] = Dataset.from_dict({
             "text_a": [r["text"] for r in rows], "label": [r["label"] for r in rows],
-            "id": list(range(len(rows))), "depth": [r["depth"] for r in rows],
+            "id": ids, "depth": [r["depth"] for r in rows],
             "length_range": [length_group(r["length"], settings) for r in rows],
         })  # fmt: skip
     labels = [str(value) for value in range(10)]
