@@ -295,6 +295,8 @@ def plot(report: dict, path: Path) -> None:
                 widths.plot(
                     *zip(*points, strict=True), marker="o", label=f"{preset}{', refined tokens' if refine else ''}"
                 )
+    widths.axhline(100 * base["root_rule"], linestyle="-", color="grey", linewidth=1, label="root-operator rule")
+    widths.set_ylim(0, max([45.0, *(100 * r["accuracy"] + 5 for r in rows)]))
     widths.set_xscale("log", base=2)
     widths.set_xlabel("concepts C")
     widths.set_ylabel("test accuracy (%)")
