@@ -34,6 +34,9 @@ from pathlib import Path
 from ..accounting.flops import classifier_forward_flops
 from ..common.paths import cache_path, written_aside
 from ..common.report_files import ReportFolderError, check_report_dir
+from ..data.tokenizer import load_tokenizer
+from ..model.bert_baseline import bert_config
+from ..model.config import ConceptEncoderConfig
 from ..model.presets import PRESETS
 from ..tasks.arguments import is_listops
 from ..tasks.listops import listops_splits, parse_listops, root_operator_rule
@@ -119,9 +122,6 @@ def scratch_arms(args) -> list[Arm]:
 def fresh_folder(folder: Path, arm: Arm, tokenizer, positions: int) -> Path:
     """`folder/models/<arm>`: the arm's config and the ListOps tokenizer (no weights: fine-tuning builds them
     from the seed, `--from_scratch`)."""
-    from ..model.bert_baseline import bert_config
-    from ..model.config import ConceptEncoderConfig
-
     target = folder / "models" / arm.key
     if (target / "config.json").is_file():
         return target
@@ -375,8 +375,6 @@ def main(argv: list[str] | None = None) -> int:
         check_report_dir(args.report_dir)
     except (ValueError, ReportFolderError) as error:
         parser.exit(2, f"usage error: {error}\n")
-    from ..data.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer("listops")
     curve = Curve(folder, args.task, finetune_argv, args.num_processes, probe=False)
     lock = exclusive(folder, f"listops {args.name}")

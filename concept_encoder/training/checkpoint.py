@@ -271,7 +271,7 @@ def argument_settings(*arguments) -> dict:
 
 # Settings added after the first release, with the value every earlier checkpoint was written with.
 RESUME_DEFAULTS = {"objective": "mlm", "model.model_type": "concept_encoder", "torch_compile": False,
-                   "extend_positions": "no", "chunk_length": None}  # fmt: skip
+                   "extend_positions": "no", "chunk_length": None, "bucket_by_length": False}  # fmt: skip
 # Settings earlier checkpoints did not record and that have no such value: compared only when recorded.
 RECORDED_SINCE = ("data.vocab_sha256", "task_sha256", "max_steps", "schedule", "model_sha256")
 
