@@ -17,7 +17,8 @@ checkpoint, saved every `--save_steps`):
 
 The report (`Cache/reports/listops_<time>.{md,json,png}`) has test accuracy ± std at the dev-chosen and last
 step, the best-dev steps, training wall-clock and tokens/s, peak memory, forward FLOPs per example, parameters,
-accuracy by tree depth and length, TF-IDF and the majority class, and the published numbers beside them.
+accuracy by tree depth and length, TF-IDF, the majority class and the root-operator rule (`root_operator_rule`),
+and the published numbers beside them.
 Everything after `--` goes to the pretraining runs (loops/mlm.py); `--finetune_args` to every fine-tuning.
 """
 
