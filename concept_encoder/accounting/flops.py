@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..model.constants import token_kv_groups
+from ..model.constants import refining_layers, token_kv_groups
 
 
 def encoder_forward_flops(config: Mapping, seq_len: int, returns_tokens: bool = False) -> float:
@@ -44,7 +44,7 @@ def encoder_forward_flops(config: Mapping, seq_len: int, returns_tokens: bool = 
     C = config["concept_num"]
     groups = token_kv_groups(config.get("token_kv_sharing", "none"), L)
     layer = 4 * C * N * H + 4 * C * H * H + 8 * C * H * H + 4 * C * C * H + 6 * C * H * inner
-    refining = (L if returns_tokens else L - 1) if config.get("token_refinement", False) else 0
+    refining = refining_layers(config.get("token_refinement", False), L, returns_tokens)
     refinement = 4 * N * H * H + 4 * C * H * H + 4 * N * C * H + 6 * N * H * inner
     return groups * 4 * N * H * H + L * layer + refining * refinement
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..model.constants import VOCAB_CHUNK_ELEMENTS, token_kv_groups
+from ..model.constants import VOCAB_CHUNK_ELEMENTS, refining_layers, token_kv_groups
 
 GIB = 2**30
 ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default for host-side buffers
@@ -75,7 +75,7 @@ def parameter_count(
     groups = token_kv_groups(token_kv_sharing, L)
     encoder_cross = cross_block if token_kv_sharing == "none" else cross_block - token_kv
     layer = encoder_cross + self_block + ffn_block
-    refinement = (L - 1) * (cross_block + ffn_block) if token_refinement else 0
+    refinement = refining_layers(token_refinement, L, returns_tokens=False) * (cross_block + ffn_block)
     if decoder_type == "weighted":
         decoder = P * C
     else:

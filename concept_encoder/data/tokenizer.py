@@ -86,6 +86,12 @@ def train_tokenizer(kind: str, vocab_size: int, texts: Iterator[str]) -> PreTrai
             "--streaming_validation_documents documents are held out for validation); use more data, hold out "
             "fewer documents, or pass a trained tokenizer with --tokenizer"
         )
+    return framed(tok)
+
+
+def framed(tok) -> PreTrainedTokenizerFast:
+    """A `tokenizers.Tokenizer` holding `SPECIAL_TOKENS`, as a transformers tokenizer that frames every input
+    `[CLS] a [SEP]` (a pair `[CLS] a [SEP] b [SEP]`, the second segment type 1), as BERT's inputs are."""
     from tokenizers.processors import TemplateProcessing
 
     tok.post_processor = TemplateProcessing(
@@ -136,17 +142,11 @@ def listops_tokenizer() -> PreTrainedTokenizerFast:
     (`listops_vocab.py`), split on whitespace, `[CLS] … [SEP]` around every input. Not trained: the vocabulary
     is the task's, fixed by its rules."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from tokenizers.processors import TemplateProcessing
 
     vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS.values(), *SYMBOLS])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[(t, vocab[t]) for t in ("[CLS]", "[SEP]")],
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1_000_000, **SPECIAL_TOKENS)
+    return framed(tok)
 
 
 def fixed_listops_tokenizer(cache_dir: str | Path = "Cache") -> PreTrainedTokenizerBase:

@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from .constants import CLASSIFIER_POOLINGS, DECODER_TYPES, token_kv_groups
+from .constants import CLASSIFIER_POOLINGS, DECODER_TYPES, token_kv_groups, token_refinement_problem
 from .presets import PRESETS
 
 # Where `trust_remote_code=True` finds each class in the code files a saved model carries (heads.py and
@@ -131,13 +131,8 @@ class ConceptEncoderConfig(PretrainedConfig):
             raise ValueError(
                 f"classifier_pooling={self.classifier_pooling!r} is unknown; choose one of {CLASSIFIER_POOLINGS}"
             )
-        if not isinstance(self.token_refinement, bool):
-            raise ValueError(f"token_refinement={self.token_refinement!r} must be true or false")
-        if self.token_refinement and self.token_kv_sharing != "none":
-            raise ValueError(
-                f"token_refinement updates the tokens in every layer, so token_kv_sharing={self.token_kv_sharing!r} "
-                "(keys/values computed once) cannot hold; use token_kv_sharing none with token_refinement"
-            )
+        if problem := token_refinement_problem(self.token_refinement, self.token_kv_sharing):
+            raise ValueError(problem)
         if self.classifier_pooling == "cls" and not self.token_refinement:
             raise ValueError(
                 "classifier_pooling='cls' reads the [CLS] token's refined state, which only token_refinement makes "

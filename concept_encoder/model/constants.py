@@ -34,3 +34,24 @@ def token_kv_groups(sharing: str, num_layers: int) -> int:
 def token_kv_group(layer: int, groups: int, num_layers: int) -> int:
     """The key/value group of encoder layer `layer` (0-based): contiguous, as even as the division allows."""
     return layer * groups // num_layers
+
+
+def refining_layers(token_refinement: bool, num_layers: int, returns_tokens: bool) -> int:
+    """How many encoder layers update the tokens: none without `token_refinement`; else every layer when the
+    refined tokens are an output (`cls` pooling), all but the last when only the concepts are (its update would
+    be unread)."""
+    if not token_refinement:
+        return 0
+    return num_layers if returns_tokens else num_layers - 1
+
+
+def token_refinement_problem(token_refinement, token_kv_sharing: str) -> str | None:
+    """Why `token_refinement` cannot be set beside `token_kv_sharing`, else None."""
+    if not isinstance(token_refinement, bool):
+        return f"token_refinement={token_refinement!r} must be true or false"
+    if token_refinement and token_kv_sharing != "none":
+        return (
+            f"token_refinement updates the tokens in every layer, so token_kv_sharing={token_kv_sharing!r} "
+            "(keys/values computed once) cannot hold; use token_kv_sharing none with token_refinement"
+        )
+    return None

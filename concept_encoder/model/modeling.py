@@ -30,7 +30,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from .attention import AttentionBlock, FeedForwardBlock, ReadingLayer, TokenKeyValue
 from .config import ConceptEncoderConfig
-from .constants import token_kv_group, token_kv_groups
+from .constants import refining_layers, token_kv_group, token_kv_groups
 
 
 class TokenEmbeddings(nn.Module):
@@ -120,14 +120,6 @@ def check_sequence_length(config: ConceptEncoderConfig, seq_len: int) -> None:
         )
 
 
-def refining_layers(config: ConceptEncoderConfig, returns_tokens: bool) -> int:
-    """How many of the encoder's layers update the tokens: none without `token_refinement`; else every layer when
-    the refined tokens are an output, all but the last when only the concepts are (its update would be unread)."""
-    if not config.token_refinement:
-        return 0
-    return config.num_hidden_layers if returns_tokens else config.num_hidden_layers - 1
-
-
 class ConceptEncoder(ConceptEncoderPreTrainedModel):
     """Token embeddings → `concept_num` learned concepts refined by `num_hidden_layers` concept layers."""
 
@@ -143,7 +135,7 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
         groups = token_kv_groups(config.token_kv_sharing, config.num_hidden_layers)
         self.token_kv = nn.ModuleList(TokenKeyValue(config) for _ in range(groups)) if shared else None
         returns_tokens = config.classifier_pooling == "cls" if returns_tokens is None else returns_tokens
-        refined = refining_layers(config, returns_tokens)
+        refined = refining_layers(config.token_refinement, config.num_hidden_layers, returns_tokens)
         self.layers = nn.ModuleList(
             ConceptLayer(config, shared_kv=shared, refine=index < refined) for index in range(config.num_hidden_layers)
         )

@@ -43,7 +43,13 @@ from ..constants import (
 )
 from ..data.arguments import DataArguments
 from ..data.mixture import TASK_SOURCE, is_mixture, parse_mixture
-from ..model.constants import CLASSIFIER_POOLINGS, DECODER_TYPES, POSITION_EXTENSIONS, token_kv_groups
+from ..model.constants import (
+    CLASSIFIER_POOLINGS,
+    DECODER_TYPES,
+    POSITION_EXTENSIONS,
+    token_kv_groups,
+    token_refinement_problem,
+)
 from ..model.presets import PRESETS
 from ..tasks.arguments import (
     EMBEDDED_TASKS,
@@ -116,11 +122,8 @@ class ModelArguments:
             raise ValueError(f"concept_num={self.concept_num} must be >= 1 (or unset for the preset's)")
         if self.model_name_or_path is None:
             token_kv_groups(self.token_kv_sharing, PRESETS[self.preset]["num_hidden_layers"])
-        if self.token_refinement and self.token_kv_sharing != "none":
-            raise ValueError(
-                f"token_refinement updates the tokens in every layer, so token_kv_sharing={self.token_kv_sharing!r} "
-                "(keys/values computed once) cannot hold; use token_kv_sharing none with token_refinement"
-            )
+        if problem := token_refinement_problem(self.token_refinement, self.token_kv_sharing):
+            raise ValueError(problem)
         if self.hidden_dropout_prob is not None and not 0 <= self.hidden_dropout_prob < 1:
             raise ValueError(f"hidden_dropout_prob={self.hidden_dropout_prob} must be in [0, 1)")
 
