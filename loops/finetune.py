@@ -96,6 +96,7 @@ from concept_encoder.training.runtime import (
     model_state_dict,
     plain_model,
     probe_attention_kernels,
+    set_tf32,
     setup_distributed,
 )
 from concept_encoder.training.selection import BestStep
@@ -132,7 +133,12 @@ def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm:
                 )
             accelerator.backward(out.loss)
             if accelerator.sync_gradients and max_grad_norm > 0:
-                accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                if norm is not None and not math.isfinite(float(norm)):  # DeepSpeed returns None here
+                    raise NonFiniteLossError(
+                        "the fine-tuning gradient norm is not finite (NaN/Inf) with a finite loss; the step was not "
+                        "applied. Lower --learning_rates, or check the model"
+                    )
             optimizer.step()  # a no-op until the accumulation window is complete
             optimizer.zero_grad(set_to_none=True)
     return out.loss.item()
@@ -183,7 +189,8 @@ def fine_tune(
                 "max_steps": args.max_steps, "world_size": state.num_processes,
                 "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                "torch_compile": args.torch_compile, **argument_settings(run_args, task_args)}  # fmt: skip
+                "torch_compile": args.torch_compile, "schedule": run_args.schedule,
+                **argument_settings(run_args, task_args)}  # fmt: skip
     finished = Path(args.output_dir) / run_args.run_name / "summary.json"
     if args.resume_from_checkpoint and finished.exists():  # resuming an invocation: this run is done
         done = json.loads(finished.read_text())
@@ -208,6 +215,7 @@ def fine_tune(
                            bucket_by_length=fargs.bucket_by_length)  # not validation  # fmt: skip
     # 8. attention-kernel probe (main process, attention calls of the model's shape)
     probe_attention_kernels(model.config, next(iter(loaders["dev"])), state, decoder=False)
+    tf32 = set_tf32(args.tf32, state)
     pooling = describe_pooling(model, fargs.chunk_length, fargs.pooling)
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
@@ -221,7 +229,7 @@ def fine_tune(
         config = {"finetune_args": dataclasses.asdict(fargs), "task": {"name": task.name, "type": task.task_type,
                   "num_labels": task.num_labels, "sizes": task.sizes(), "metrics": task.metric_names},
                   "training_args": dataclasses.asdict(run_args), "model": model_path, "note": note,
-                  "pooling": pooling, "parameters": counts}  # fmt: skip
+                  "pooling": pooling, "parameters": counts, "tf32": tf32}  # fmt: skip
         if state.is_main_process:
             save_run_config(run_dir, config)
         wandb_run = init_wandb(run_args, run_dir, config, state)

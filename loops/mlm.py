@@ -114,11 +114,13 @@ from concept_encoder.training.runtime import (
     model_state_dict,
     plain_model,
     probe_attention_kernels,
+    set_tf32,
     setup_distributed,
 )
 from concept_encoder.training.tracking import (
     DivergenceMonitor,
     PreemptionFlag,
+    TimeBudget,
     memory_stats,
     plot_loss_curve,
 )
@@ -196,19 +198,22 @@ def train_step(
         means = accelerator.reduce(torch.stack([terms[n].to(accelerator.device) for n in names]), reduction="mean")
         terms = {n: float(v) for n, v in zip(names, means, strict=True)}
     loss = (totals[0] / window_labelled).item()
-    grad_norm = None
-    if math.isfinite(loss):
-        if max_grad_norm > 0 and accelerator.distributed_type != DistributedType.DEEPSPEED:
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    grad_norm, applied = None, math.isfinite(loss)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    if applied and not deepspeed:  # the norm of the reduced gradient (clipped to max_grad_norm when > 0)
+        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf))
+        applied = math.isfinite(grad_norm)  # an Inf/NaN gradient with a finite loss: skipped like a NaN loss
+    if applied:
         optimizer.step()
-        if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            grad_norm = model.get_global_grad_norm()  # DeepSpeed clips inside its step; read the real norm
+        if deepspeed:  # DeepSpeed clips inside its step (and fp16's loss scaler skips an overflow): read the norm
+            grad_norm = float(model.get_global_grad_norm())
     optimizer.zero_grad(set_to_none=True)
     if concept is not None:
-        concept.step(accelerator, apply=math.isfinite(loss))
+        concept.step(accelerator, apply=applied)
     if distill is not None:
-        distill.step(accelerator, apply=math.isfinite(loss))
+        distill.step(accelerator, apply=applied)
     return {
+        "applied": applied,
         "terms": terms,
         "loss": loss,
         "labelled": int(labelled.item()),
@@ -375,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     first_validation_example = next(iter(data.validation))  # also for the export check at the end
     unigram_id = most_frequent_token(data.validation, data.tokenizer)  # the baseline every eval is set beside
     probe_attention_kernels(model.config, eval_collator([first_validation_example]), state)
+    system["tf32"] = set_tf32(args.tf32, state)
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
     # 10. run dirs + argument guards: nothing is written before a resume is known to fit
@@ -488,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     last_eval = None
     preempted = False
     gate_stopped = False
+    out_of_time = False
+    budget = TimeBudget(args.max_time_s)  # --max_time: this invocation's training time
     model.train()
     while progress_state.step < args.max_steps:
         started = time.perf_counter()
@@ -501,15 +509,16 @@ def main(argv: list[str] | None = None) -> int:
             progress_state.step,
             distill,
         )
-        if math.isfinite(step["loss"]):
+        if step["applied"]:
             scheduler.step()
             progress_state.bad_steps = 0
         else:
             progress_state.bad_steps += 1
-            logger.warning("non-finite loss at step %d (update skipped)", progress_state.step + 1)
+            what = "loss" if not math.isfinite(step["loss"]) else "gradient norm"
+            logger.warning("non-finite %s at step %d (update skipped)", what, progress_state.step + 1)
             if progress_state.bad_steps >= args.max_bad_steps:
                 raise NonFiniteLossError(
-                    f"loss was non-finite for {progress_state.bad_steps} consecutive steps, last at step "
+                    f"the {what} was non-finite for {progress_state.bad_steps} consecutive steps, last at step "
                     f"{progress_state.step + 1}; lower the learning rate, use bf16 instead of fp16, or check the data"
                 )
         progress_state.step += 1
@@ -580,12 +589,16 @@ def main(argv: list[str] | None = None) -> int:
 
         if at_snapshot:
             save_snapshot(accelerator, model, data.tokenizer, run_dir, progress_state.step)
-        stop = torch.tensor(float(preemption.raised), device=accelerator.device)
-        preempted = bool(accelerator.reduce(stop, reduction="max").item())
-        if preempted or gate_stopped or (save_steps and progress_state.step % save_steps == 0):
+        stop = torch.tensor([float(preemption.raised), float(budget.spent())], device=accelerator.device)
+        preempted, out_of_time = (bool(v) for v in accelerator.reduce(stop, reduction="max").tolist())  # any rank
+        out_of_time = out_of_time and progress_state.step < args.max_steps
+        if preempted or gate_stopped or out_of_time or (save_steps and progress_state.step % save_steps == 0):
             save_checkpoint(accelerator, run_dir, progress_state, args.save_total_limit, per_rank, settings, shared)
         if gate_stopped:
             logger.warning(gate_stop_message(gates.failed()))
+            break
+        if out_of_time and not preempted:
+            logger.warning(budget.stop_message(progress_state.step, args.max_steps))
             break
         if preempted:
             logger.warning(
@@ -602,6 +615,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.gate:
         notes["gates"] = gates.summary()
         notes["stopped_by_gate"] = gate_stopped
+    if args.max_time is not None:
+        notes["max_time"] = {"budget_s": budget.seconds, "spent_s": round(budget.elapsed(), 1),
+                             "stopped_by_max_time": out_of_time and not preempted}  # fmt: skip
     save_final(
         accelerator, model, data.tokenizer, probe_ids, run_dir, progress_state, preempted, last_eval, wandb_run, notes,
         held,

@@ -126,9 +126,9 @@ def swap_the_cache_and_resume(workdir, cache: Path, common: list[str], first_los
         (["--max_grad_norm", "0"], "args.max_grad_norm: checkpoint 1.0, this run 0.0"),
         (
             [],
-            "schedule: checkpoint {'lr_scheduler_type': 'cosine', 'warmup_steps': 0, 'decays_to_step': 6}, this run "
-            "{'lr_scheduler_type': 'cosine', 'warmup_steps': 0, 'decays_to_step': 8} (schedule: a learning rate that "
-            "decays",
+            "schedule: the checkpoint ran cosine decay to 0 of the peak at step 6 after a warm-up of 0 steps, this "
+            "run plans cosine decay to 0 of the peak at step 8 after a warm-up of 0 steps; their rates differ from "
+            "step 1 on",
         ),  # fmt: skip
     ],
 )

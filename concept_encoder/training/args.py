@@ -69,6 +69,54 @@ EXTEND_HELP = (
 )
 
 
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+WSD_DECAYS = ("1-sqrt", "linear", "cosine")  # transformers' get_wsd_schedule decay_type
+SCHEDULE_ARGUMENTS = ("lr_scheduler_type", "warmup_steps", "warmup_ratio", "decay_steps", "decay_type", "min_lr_ratio")
+
+
+def check_schedule(args) -> None:
+    """The learning-rate schedule's settings (ValueError naming the fix): wsd needs a decay that fits after the
+    warm-up; its decay settings mean nothing under another schedule; a floor only where a schedule decays to it."""
+    kind = args.lr_scheduler_type
+    if kind not in LR_SCHEDULES:
+        raise ValueError(f"lr_scheduler_type={kind!r} is unknown; choose one of {LR_SCHEDULES}")
+    if not 0 <= args.min_lr_ratio < 1:
+        raise ValueError(f"min_lr_ratio={args.min_lr_ratio} must be in [0, 1): the last step's rate over the peak")
+    if kind != "wsd":
+        if args.decay_steps is not None:
+            raise ValueError(f"--decay_steps applies to --lr_scheduler_type wsd only (this run: {kind}): drop it")
+        if args.min_lr_ratio and kind not in ("cosine",):
+            raise ValueError(f"--min_lr_ratio applies to wsd and cosine only (this run: {kind}): drop it")
+        return
+    if args.decay_type not in WSD_DECAYS:
+        raise ValueError(f"decay_type={args.decay_type!r} is unknown; choose one of {WSD_DECAYS}")
+    if args.decay_steps is None or args.decay_steps < 1:
+        raise ValueError("--lr_scheduler_type wsd needs --decay_steps N >= 1: the decay's length, ending at --max_steps")
+    warmup = args.warmup_steps or int(args.warmup_ratio * args.max_steps)
+    if warmup + args.decay_steps > args.max_steps:
+        raise ValueError(
+            f"--lr_scheduler_type wsd: warm-up {warmup} + decay_steps {args.decay_steps} exceed max_steps "
+            f"{args.max_steps}; shorten the decay or the warm-up"
+        )
+
+
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, name: str) -> float:
+    """Seconds in `text` such as `2h`, `90m`, `1h30m`, `45s` or `3600` (seconds); ValueError naming `name`."""
+    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)\s*([smhd])\s*)+", text.lower()) and re.findall(
+        r"(\d+(?:\.\d+)?)\s*([smhd])", text.lower()
+    )
+    try:
+        seconds = sum(float(n) * DURATION_UNITS[u] for n, u in parts) if parts else float(text)
+    except ValueError:
+        seconds = None
+    if seconds is None or not seconds > 0:
+        raise ValueError(f"{name}={text!r} is no duration > 0: write e.g. 2h, 90m, 1h30m or 45s")
+    return seconds
+
+
 def check_extension(value: str) -> None:
     if value not in POSITION_EXTENSIONS:
         raise ValueError(f"extend_positions={value!r} is unknown; choose one of {POSITION_EXTENSIONS}")
@@ -155,9 +203,35 @@ class TrainingArguments:
     adam_beta2: float = 0.98
     adam_epsilon: float = 1e-6
     max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm (0 disables)"})
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": "cosine, linear or constant (after warmup)"})
+    lr_scheduler_type: str = field(
+        default="cosine",
+        metadata={"help": f"one of {LR_SCHEDULES} (after the warm-up); wsd: warm-up, stable, then a decay over the "
+                  "last --decay_steps steps, extendable while stable (a larger --max_steps on resume)"},
+    )  # fmt: skip
     warmup_steps: int = field(default=0, metadata={"help": "linear warmup, in optimizer steps"})
     warmup_ratio: float = field(default=0.06, metadata={"help": "warmup as a fraction of max_steps if warmup_steps=0"})
+    decay_steps: int | None = field(
+        default=None, metadata={"help": "wsd: the decay's length in optimizer steps, ending at --max_steps"}
+    )
+    decay_type: str = field(
+        default="1-sqrt",
+        metadata={"help": f"wsd: the decay's shape, one of {WSD_DECAYS} (1-sqrt: Hägele et al. 2024 found it matches "
+                  "cosine runs of the same length)"},
+    )  # fmt: skip
+    min_lr_ratio: float = field(
+        default=0.0, metadata={"help": "wsd and cosine: the rate at the last step as a fraction of the peak"}
+    )
+    max_time: str | None = field(
+        default=None,
+        metadata={"help": "wall-clock budget of this invocation, e.g. 2h, 90m, 45s: when it is spent the run stops "
+                  "with a checkpoint and its final model, summary.json says why; the schedule still ends at "
+                  "--max_steps (resume to go on)"},
+    )  # fmt: skip
+    tf32: bool = field(
+        default=True,
+        metadata={"help": "TF32 matmuls and convolutions on GPUs that have them (Ampere and later; "
+                  "torch.set_float32_matmul_precision('high')); --no_tf32 or --tf32 false for full fp32"},
+    )  # fmt: skip
     mixed_precision: str | None = field(
         default=None,
         metadata={
@@ -268,8 +342,9 @@ class TrainingArguments:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.mixed_precision not in (None, "no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: choose no, bf16 or fp16")
-        if self.lr_scheduler_type not in ("cosine", "linear", "constant"):
-            raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}: choose cosine, linear or constant")
+        check_schedule(self)
+        if self.max_time is not None:
+            parse_duration(self.max_time, "max_time")
         if self.report_to not in ("wandb", "none"):
             raise ValueError(f"report_to={self.report_to!r}: choose wandb or none")
         if not 0 <= self.warmup_ratio < 1:
@@ -343,12 +418,19 @@ class TrainingArguments:
 
     @property
     def schedule(self) -> dict:
-        """The learning-rate schedule as the steps see it: a run trained further (a larger `max_steps` on resume)
-        is the run a longer plan would have been only where this stays the same, i.e. a constant rate after a
-        warm-up given in steps; a decaying schedule ends at its own last step."""
+        """The learning-rate schedule as the steps see it (`optim.scheduler_for` builds it): a run trained
+        further (a larger `max_steps` on resume) is the run a longer plan would have been only where both give the
+        same rates up to the checkpoint (`optim.schedule_problem`): a constant rate after a warm-up given in
+        steps, or wsd in its stable phase; cosine and linear decay to their own last step."""
         decays = self.lr_scheduler_type != "constant"
+        wsd = {"decay_steps": self.decay_steps, "decay_type": self.decay_type} if self.lr_scheduler_type == "wsd" else {}
+        floor = {"min_lr_ratio": self.min_lr_ratio} if self.min_lr_ratio else {}
         return {"lr_scheduler_type": self.lr_scheduler_type, "warmup_steps": self.num_warmup_steps,
-                "decays_to_step": self.max_steps if decays else None}  # fmt: skip
+                "decays_to_step": self.max_steps if decays else None, **wsd, **floor}  # fmt: skip
+
+    @property
+    def max_time_s(self) -> float | None:
+        return None if self.max_time is None else parse_duration(self.max_time, "max_time")
 
 
 DEFAULT_LEARNING_RATES = "5e-5,1e-4,3e-4,1e-3"  # the dev split picks one per model (BERT's paper used a grid too)
@@ -591,7 +673,7 @@ def check_pretraining_combination(model_args: ModelArguments, data_args: DataArg
 # Training arguments only pretraining reads: fine-tuning refuses any of them set, instead of ignoring it while the
 # run's config.json records it (a fine-tuning run that claims a diffusion objective).
 PRETRAINING_ONLY = (*DISTILL_ONLY, "objective", "recipe", "t_min", "diffusion_weighting", "deletion_rate", "concept_losses", "loss_weighting",
-                    "concept_loss_weight", "concept_loss_warmup_steps", "snapshot_steps")  # fmt: skip
+                    "concept_loss_weight", "concept_loss_warmup_steps", "snapshot_steps", "max_time")  # fmt: skip
 
 
 def check_finetune_combination(finetune_args: FinetuneArguments, task_args: TaskArguments, args: TrainingArguments):

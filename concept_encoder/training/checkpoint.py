@@ -255,6 +255,7 @@ RESUME_FREE = frozenset({
     "max_bad_steps", "dataloader_num_workers", "preprocessing_num_workers", "report_to", "wandb_project",
     "progress_bar", "peak_tflops", "cuda_memory_budget_gb", "gate", "gate_action", "gradient_checkpointing",
     "streaming_validation_documents", "seeds", "compare_to", "learning_rates", "probe", "finetune", "report_dir",
+    "max_time", "tf32", "profile_steps",  # how long this invocation may run, matmul precision, tracing
     "task",  # a task file's path: its content is keyed by task_sha256 (a moved file is the same task)
 })  # fmt: skip
 
@@ -318,22 +319,34 @@ def check_resume_settings(checkpoint: Path, current: dict) -> None:
     saved = json.loads(path.read_text())
     if not any(key.startswith("args.") for key in saved):  # written before every argument was recorded
         saved.update(run_config_arguments(checkpoint.parent.parent, current))
-    differences = settings_differences(saved, current, "checkpoint")
+    saved, current, schedule = split_schedule(saved, current, saved_train_state(checkpoint).step)
+    differences = settings_differences(saved, current, "checkpoint") + ([schedule] if schedule else [])
     if differences:
         vocabulary = (
             " (data.vocab_sha256 is the tokenizer's vocabulary: the run's own copy, <run>/tokenizer, is missing, and "
             "the tokenizer cache holds a different training: token ids would not mean what the model learned)"
             if any(d.startswith("data.vocab_sha256") for d in differences) else ""
         )  # fmt: skip
-        schedule = (
-            " (schedule: a learning rate that decays to the run's last step, or a warm-up given as a ratio of it, ends "
-            "with that step; a run meant to be trained further takes --lr_scheduler_type constant --warmup_steps N "
-            "from its start)" if any(d.startswith("schedule") for d in differences) else ""
-        )  # fmt: skip
         raise CheckpointError(
-            f"cannot resume {checkpoint}: this run differs in {'; '.join(differences)}{vocabulary}{schedule}. "
+            f"cannot resume {checkpoint}: this run differs in {'; '.join(differences)}{vocabulary}. "
             "Resume with the checkpoint's settings, or start a new run without --resume_from_checkpoint"
         )
+
+
+def split_schedule(saved: dict, current: dict, step: int) -> tuple[dict, dict, str | None]:
+    """The settings without the learning-rate schedule's, and why the schedules disagree (None when they agree):
+    where both record a `schedule`, a resume may change the schedule's arguments (a larger --max_steps, wsd branched
+    from a constant run) as long as the rates up to the checkpoint's `step` stay those it trained with
+    (`optim.schedule_problem`); elsewhere (an older checkpoint) the arguments are compared one by one."""
+    if "schedule" not in saved or "schedule" not in current:
+        return saved, current, None
+    from .args import SCHEDULE_ARGUMENTS
+    from .optim import schedule_problem  # deferred: torch and transformers' schedules
+
+    names = {"schedule", *(f"args.{name}" for name in SCHEDULE_ARGUMENTS)}
+    rest = [{key: value for key, value in settings.items() if key not in names} for settings in (saved, current)]
+    current_schedule = json.loads(json.dumps(current["schedule"]))
+    return rest[0], rest[1], schedule_problem(saved["schedule"], current_schedule, step)
 
 
 def saved_train_state(checkpoint: Path) -> TrainState:

@@ -34,8 +34,68 @@ def build_optimizer(
     return adamw(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
 
 
+# `--lr_scheduler_type` → transformers' `get_scheduler` name (wsd: warm-up, a constant stable phase, then a decay of
+# `--decay_steps` to `--min_lr_ratio` of the peak at the last step; cosine with a floor: `cosine_with_min_lr`)
+SCHEDULER_NAMES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",
+                   "wsd": "warmup_stable_decay"}  # fmt: skip
+
+
+def scheduler_for(optimizer: torch.optim.Optimizer, schedule: dict):
+    """transformers' scheduler for `schedule` (`TrainingArguments.schedule`: type, warm-up steps, the step its
+    decay ends at, and for wsd its decay's steps, shape and floor). A checkpoint's older record (no decay
+    settings) means what it meant when written: no floor, decay to `decays_to_step`."""
+    kind, floor = schedule["lr_scheduler_type"], schedule.get("min_lr_ratio") or 0.0
+    name, extra = SCHEDULER_NAMES[kind], {}
+    if kind == "wsd":
+        extra = {
+            "num_decay_steps": schedule["decay_steps"],
+            "decay_type": schedule["decay_type"],
+            "min_lr_ratio": floor,
+        }
+    elif kind == "cosine" and floor:
+        name, extra = "cosine_with_min_lr", {"min_lr_rate": floor}
+    return get_scheduler(name, optimizer, num_warmup_steps=schedule["warmup_steps"],
+                         num_training_steps=schedule["decays_to_step"], scheduler_specific_kwargs=extra)  # fmt: skip
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, args):
     """Stepped once per optimizer step by the loop itself (not by accelerate, which would step it
     once per process), so warmup and decay are in optimizer steps whatever the world size."""
-    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[args.lr_scheduler_type]
-    return get_scheduler(name, optimizer, num_warmup_steps=args.num_warmup_steps, num_training_steps=args.max_steps)
+    return scheduler_for(optimizer, args.schedule)
+
+
+def rate_factors(schedule: dict, last_step: int) -> list[float]:
+    """The fraction of the peak rate `schedule` gives at steps 0..`last_step` (the scheduler's own function)."""
+    factor = scheduler_for(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), schedule).lr_lambdas[0]
+    return [float(factor(step)) for step in range(last_step + 1)]
+
+
+def describe_schedule(schedule: dict) -> str:
+    """`schedule` in words, e.g. `wsd: warm-up 10, decay 1-sqrt over 100 steps to 0 at step 1000`."""
+    kind, warmup, end = schedule["lr_scheduler_type"], schedule["warmup_steps"], schedule["decays_to_step"]
+    if kind == "constant":
+        return f"constant after a warm-up of {warmup} steps"
+    floor = schedule.get("min_lr_ratio") or 0
+    if kind == "wsd":
+        return (f"wsd: warm-up {warmup}, stable to step {end - schedule['decay_steps']}, {schedule['decay_type']} "
+                f"decay to {floor:g} of the peak at step {end}")  # fmt: skip
+    return f"{kind} decay to {floor:g} of the peak at step {end} after a warm-up of {warmup} steps"
+
+
+def schedule_problem(saved: dict, current: dict, step: int) -> str | None:
+    """Why a run resumed at `step` under `current` is not the run `current` would have been from its start: the
+    rates the checkpoint's schedule `saved` gave up to `step` (the rate of the next update is in the optimizer's
+    state) differ from `current`'s. None when they agree, so a constant or wsd run may be extended (or a wsd
+    decay branched from a constant run) while it is in its stable phase, and a decaying schedule may not be
+    lengthened. The first step that differs is named."""
+    ran, planned = rate_factors(saved, step), rate_factors(current, step)
+    for at, (was, would) in enumerate(zip(ran, planned, strict=True)):
+        if abs(was - would) > 1e-9:
+            return (
+                f"schedule: the checkpoint ran {describe_schedule(saved)}, this run plans {describe_schedule(current)}; "
+                f"their rates differ from step {at} on ({was:.4g} against {would:.4g} of the peak), before the "
+                f"checkpoint's step {step}, so the resumed run would not be the run this plan makes from its start. "
+                "A run meant to be trained further takes --lr_scheduler_type constant --warmup_steps N, or wsd "
+                "(extendable while its stable phase lasts: before step max_steps - decay_steps)"
+            )
+    return None

@@ -93,7 +93,8 @@ def finished_run(run_dir: Path, max_steps: int) -> str | None:
     return (
         f"{run_dir} already finished at step {summary['steps']} (summary.json): nothing to resume, nothing changed. "
         "Raise --max_steps to train it further (a run whose learning rate decays to its last step cannot be: "
-        "that takes --lr_scheduler_type constant with --warmup_steps)"
+        "that takes --lr_scheduler_type constant with --warmup_steps, or wsd resumed from a checkpoint of its "
+        "stable phase)"
     )
 
 

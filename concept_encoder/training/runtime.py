@@ -135,6 +135,24 @@ def attention_calls(config, seq_len: int, decoder: bool = True) -> list[tuple[st
     return calls
 
 
+def set_tf32(enabled: bool, state: PartialState) -> str:
+    """Step 8, with the kernel probe: fp32 matmuls and cuDNN convolutions in TF32 where the GPU has it (compute
+    capability 8.0 and later: RTX 30xx, A100, H100), as nanoGPT, litgpt and Cramming do (a 10-bit mantissa in the
+    products, fp32 accumulation; bf16/fp16 autocast regions are unaffected). Returns the verdict it logs:
+    `on`, `off (--no_tf32)` or `not available (<device>)`."""
+    capable = state.device.type == "cuda" and torch.cuda.get_device_capability(state.device) >= (8, 0)
+    use = enabled and capable
+    torch.set_float32_matmul_precision("high" if use else "highest")
+    torch.backends.cudnn.allow_tf32 = use
+    if capable:
+        verdict = "on" if use else "off (--no_tf32)"
+    else:
+        where = torch.cuda.get_device_name(state.device) if state.device.type == "cuda" else state.device.type
+        verdict = f"not available ({where})"
+    logger.info("TF32 matmuls: %s", verdict)
+    return verdict
+
+
 def probe_attention_kernels(config, batch: dict, state: PartialState, decoder: bool = True) -> dict[str, bool]:
     """Step 8: which SDPA backends can serve the model's attention calls on this device.
 

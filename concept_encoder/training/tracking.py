@@ -7,6 +7,7 @@ import logging
 import math
 import resource
 import signal
+import time
 from pathlib import Path
 
 import psutil
@@ -80,6 +81,34 @@ class DivergenceMonitor:
             self.detected = {"step": step, "loss": loss, "running_min": self.running_min}
             return self.detected
         return None
+
+
+class TimeBudget:
+    """`--max_time`: the training time this invocation may take (None: no budget), counted from the first step.
+    `spent()` is asked once per step, after it: true when the next step, as long as the last one (its evaluation
+    and checkpoint included), would end past the budget, so the run stops inside it with time to save."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.started = time.monotonic()
+        self.last_check = self.started
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def spent(self) -> bool:
+        if self.seconds is None:
+            return False
+        now = time.monotonic()
+        last_step, self.last_check = now - self.last_check, now
+        return now - self.started + last_step >= self.seconds
+
+    def stop_message(self, step: int, max_steps: int) -> str:
+        return (
+            f"--max_time {self.seconds:g}s spent after {self.elapsed():.0f}s at step {step} of {max_steps}: stopping "
+            "with a checkpoint and the final model (summary.json: max_time); the schedule still ends at step "
+            f"{max_steps}, resume with --resume_from_checkpoint auto to go on"
+        )
 
 
 class PreemptionFlag:
