@@ -121,8 +121,14 @@ def test_non_finite_loss_stops_with_the_step(monkeypatch):
     monkeypatch.setattr(
         mlm,
         "train_step",
-        lambda *a, **k: {"loss": float("nan"), "labelled": 1, "tokens": 1, "grad_norm": None, "terms": {},
-                         "applied": False},
+        lambda *a, **k: {
+            "loss": float("nan"),
+            "labelled": 1,
+            "tokens": 1,
+            "grad_norm": None,
+            "terms": {},
+            "applied": False,
+        },
     )
     with pytest.raises(mlm.NonFiniteLossError, match="3 consecutive steps, last at step 3"):
         run("--run_name", "nan", "--max_steps", "10", "--max_bad_steps", "3")

@@ -91,7 +91,9 @@ def check_schedule(args) -> None:
     if args.decay_type not in WSD_DECAYS:
         raise ValueError(f"decay_type={args.decay_type!r} is unknown; choose one of {WSD_DECAYS}")
     if args.decay_steps is None or args.decay_steps < 1:
-        raise ValueError("--lr_scheduler_type wsd needs --decay_steps N >= 1: the decay's length, ending at --max_steps")
+        raise ValueError(
+            "--lr_scheduler_type wsd needs --decay_steps N >= 1: the decay's length, ending at --max_steps"
+        )
     warmup = args.warmup_steps or int(args.warmup_ratio * args.max_steps)
     if warmup + args.decay_steps > args.max_steps:
         raise ValueError(
@@ -423,7 +425,9 @@ class TrainingArguments:
         same rates up to the checkpoint (`optim.schedule_problem`): a constant rate after a warm-up given in
         steps, or wsd in its stable phase; cosine and linear decay to their own last step."""
         decays = self.lr_scheduler_type != "constant"
-        wsd = {"decay_steps": self.decay_steps, "decay_type": self.decay_type} if self.lr_scheduler_type == "wsd" else {}
+        wsd = (
+            {"decay_steps": self.decay_steps, "decay_type": self.decay_type} if self.lr_scheduler_type == "wsd" else {}
+        )
         floor = {"min_lr_ratio": self.min_lr_ratio} if self.min_lr_ratio else {}
         return {"lr_scheduler_type": self.lr_scheduler_type, "warmup_steps": self.num_warmup_steps,
                 "decays_to_step": self.max_steps if decays else None, **wsd, **floor}  # fmt: skip
