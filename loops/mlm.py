@@ -414,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     eval_steps = args.eval_steps or args.max_steps  # 0 means: evaluate at the end only
     save_steps = args.save_steps or None
     snapshot_steps = set(args.snapshot_step_list)
+    kept_checkpoints = frozenset(args.checkpoint_step_list)  # branch points, beyond the rotation
     # 11. resolved config saved + logged; W&B
     config = {
         "model_args": dataclasses.asdict(model_args),
@@ -592,8 +593,10 @@ def main(argv: list[str] | None = None) -> int:
         stop = torch.tensor([float(preemption.raised), float(budget.spent())], device=accelerator.device)
         preempted, out_of_time = (bool(v) for v in accelerator.reduce(stop, reduction="max").tolist())  # any rank
         out_of_time = out_of_time and progress_state.step < args.max_steps
-        if preempted or gate_stopped or out_of_time or (save_steps and progress_state.step % save_steps == 0):
-            save_checkpoint(accelerator, run_dir, progress_state, args.save_total_limit, per_rank, settings, shared)
+        periodic = save_steps and progress_state.step % save_steps == 0
+        if preempted or gate_stopped or out_of_time or periodic or progress_state.step in kept_checkpoints:
+            save_checkpoint(accelerator, run_dir, progress_state, args.save_total_limit, per_rank, settings, shared,
+                            kept_checkpoints)  # fmt: skip
         if gate_stopped:
             logger.warning(gate_stop_message(gates.failed()))
             break

@@ -295,3 +295,41 @@ def test_a_run_of_the_curves_name_made_otherwise_is_not_taken_for_the_curves(lau
     err = capsys.readouterr().err
     assert refused.value.code == 2 and launches == []
     assert "other-concept was run under other settings (args.learning_rate: the run has 0.01, this curve 0.0005" in err
+
+
+WSD = ["--lr_scheduler_type", "wsd", "--decay_steps", "2", "--warmup_steps", "1"]
+
+
+@pytest.mark.loop
+def test_a_wsd_curve_branches_one_decay_per_budget_from_one_stable_run(launches, capsys):
+    argv = ["--tokens", "2048,3072", "--architectures", "concept", "--name", "w", "--twins", "false",
+            "--task", "colors.csv", "--finetune_args", FINETUNE, "--", *PRETRAIN, *WSD]  # fmt: skip
+    assert curve.main(argv) == 0
+    # the stable run to step 6 - 2, then per budget a decay of 2 steps from its checkpoint there, then the point
+    assert scripts(launches) == ["mlm.py", "mlm.py", "finetune.py", "mlm.py", "finetune.py"]
+    stable = json.loads(Path("runs/w-concept/config.json").read_text())["training_args"]
+    assert (stable["lr_scheduler_type"], stable["max_steps"], stable["checkpoint_steps"]) == ("constant", 4, "2,4")
+    assert launches[1][launches[1].index("--resume_from_checkpoint") + 1].endswith("w-concept/checkpoints/step_0000002")
+    # a decay is the wsd run planned to its budget from the start (bitwise in one process, test_schedules_and_budgets;
+    # here to float rounding: two runs of one process apart can differ in the last bits of a reduction)
+    assert mlm.main([*PRETRAIN, *WSD, "--architecture", "concept", "--run_name", "straight4", "--max_steps", "4"]) == 0
+    decayed, straight = (
+        load_file(Path("runs") / n / "final" / "model.safetensors") for n in ("w-concept-decay4", "straight4")
+    )
+    assert decayed.keys() == straight.keys()
+    for key in decayed:
+        torch.testing.assert_close(decayed[key], straight[key], rtol=1e-5, atol=1e-6, msg=key)
+    changed = load_file(Path("runs/w-concept/final/model.safetensors"))  # the stable run's own end: no decay
+    assert any(not torch.allclose(changed[k], decayed[k], rtol=1e-5, atol=1e-6) for k in decayed)
+    point = json.loads(Path("Cache/curves/w/points/concept-2.048k.json").read_text())
+    assert point["step"] == 4 and point["model"].endswith("w-concept-decay4/final") and point["eval_loss"] is not None
+    launches.clear()
+    assert curve.main(["--tokens", "2048,3072,4096", *argv[2:]]) == 0  # a budget added: the stable run grows, one decay
+    assert scripts(launches) == ["mlm.py", "mlm.py", "finetune.py"]
+    assert "extending w-concept from step 4 to 6" in capsys.readouterr().out
+    assert json.loads(Path("runs/w-concept-decay8/summary.json").read_text())["steps"] == 8
+    with pytest.raises(SystemExit) as refused:  # a budget the warm-up and decay do not fit into
+        curve.main(["--tokens", "1024,2048", *argv[2:]])
+    assert refused.value.code == 2 and "budgets of steps [2] end before warm-up (1) plus --decay_steps (2)" in (
+        capsys.readouterr().err
+    )

@@ -13,6 +13,13 @@ the same protocol, and `--reference` (e.g. the positive control, `make reference
 `Cache/curves/<name>/curve.{md,json,png}`: score against tokens per architecture (fine-tuned, probed),
 with horizontal lines for the twins, TF-IDF and the reference.
 
+Under `-- --lr_scheduler_type wsd --decay_steps D --warmup_steps W` each budget's model is instead a finished
+schedule: one stable run (`<name>-<arch>`, constant rate after the warm-up, a checkpoint kept at every branch
+point, `--checkpoint_steps`) goes to the largest budget minus D, and each budget's short decay
+(`<name>-<arch>-decay<step>`) resumes from the stable run's checkpoint D steps before it; the branch is exactly
+the wsd run planned to that budget from the start (its rates so far are the stable run's). A budget added later
+extends the stable run and branches once more. Cost: one run plus D steps a budget.
+
 Resumable: every finished point is a JSON file under `Cache/curves/<name>/points/` and is reused; an
 interrupted pretraining run resumes from its newest checkpoint, an interrupted fine-tuning from its own. A budget
 added later extends the finished pretraining run where its learning-rate schedule does not depend on its length
@@ -64,7 +71,14 @@ MLM_SCRIPT = PROJECT_ROOT / "loops" / "mlm.py"
 FINETUNE_SCRIPT = PROJECT_ROOT / "loops" / "finetune.py"
 SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
 MAX_TOKENS = 10**14  # a budget beyond this is a typo, not a plan: refused before anything runs
-DRIVER_FLAGS = ("--max_steps", "--run_name", "--architecture", "--snapshot_steps", "--resume_from_checkpoint")
+DRIVER_FLAGS = (
+    "--max_steps",
+    "--run_name",
+    "--architecture",
+    "--snapshot_steps",
+    "--resume_from_checkpoint",
+    "--checkpoint_steps",
+)
 FINETUNE_DRIVER_FLAGS = ("--model_name_or_path", "--task", "--run_name", "--report_dir", "--from_scratch",
                          "--compare_to", "--resume_from_checkpoint", "--probe", "--finetune")  # fmt: skip
 
@@ -109,9 +123,55 @@ class ArchitecturePlan:
     steps: list[int]  # per budget, ascending
     pretrain_argv: list[str] = field(default_factory=list)
     loop_args: tuple = ()  # (model, data, training) arguments: pretrain_argv as the loop parses it
+    decay_steps: int = 0  # wsd: each budget's decay, branched from the stable run (0: snapshots of one run)
+    decay_argv: list[str] = field(default_factory=list)  # wsd: the loop arguments of every decay
 
     def tokens(self, step: int) -> int:
         return step * self.tokens_per_step
+
+    @property
+    def run_to(self) -> int:
+        """The last step of the pretraining run (under wsd the stable run ends where the last decay branches)."""
+        return self.steps[-1] - self.decay_steps
+
+    def decay_command(self, step: int, resume: str) -> list[str]:
+        """wsd: the loop arguments of the decay that ends at `step`, resuming from `resume`."""
+        return [*self.decay_argv, "--run_name", f"{self.run_name}-decay{step}", "--max_steps", str(step),
+                "--resume_from_checkpoint", resume]  # fmt: skip
+
+
+WSD_FLAGS = ("--lr_scheduler_type", "--decay_steps", "--decay_type", "--min_lr_ratio")
+
+
+def without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`argv` without `flags` and their values (`--flag value` or `--flag=value`)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.split("=")[0] in flags:
+            skip = "=" not in arg
+        else:
+            kept.append(arg)
+    return kept
+
+
+def wsd_stable_argv(loop_argv: list[str], train_args, steps: list[int]) -> list[str]:
+    """The stable run of a wsd curve: the same arguments under a constant rate after the same warm-up, with a
+    checkpoint kept at every budget's branch point; ValueError when a budget cannot branch in the stable phase."""
+    decay, warmup = train_args.decay_steps, train_args.warmup_steps
+    if not warmup and train_args.warmup_ratio:
+        raise ValueError(
+            "a wsd curve gives every budget the stable run's warm-up: give it in steps (--warmup_steps N, or "
+            "--warmup_ratio 0), not as a ratio of one run's length"
+        )
+    if short := [step for step in steps if step - decay < max(warmup, 1)]:
+        raise ValueError(
+            f"--tokens: budgets of steps {short} end before warm-up ({warmup}) plus --decay_steps ({decay}) are done; "
+            "choose larger budgets or a shorter decay"
+        )
+    return [*without_flags(loop_argv, WSD_FLAGS), "--lr_scheduler_type", "constant",
+            "--checkpoint_steps", ",".join(str(step - decay) for step in steps)]  # fmt: skip
 
 
 def given_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
@@ -132,10 +192,43 @@ def plan_architecture(architecture: str, budgets: list[int], loop_argv: list[str
             f"--tokens {','.join(map(token_label, budgets))}: one optimizer step is {per_step:,} tokens here, so the "
             f"budgets give steps {steps}; choose budgets at least one step apart (or a smaller batch)"
         )
+    if train_args.lr_scheduler_type == "wsd":
+        decay = train_args.decay_steps
+        argv = [*wsd_stable_argv(loop_argv, train_args, steps), "--architecture", architecture, "--run_name", run_name,
+                "--max_steps", str(steps[-1] - decay), "--resume_from_checkpoint", "auto"]  # fmt: skip
+        plan = ArchitecturePlan(architecture, run_name, per_step, steps, argv, parse_args(argv), decay,
+                                [*loop_argv, "--architecture", architecture])  # fmt: skip
+        for step in steps:  # every decay's arguments as the loop checks them, before any run
+            parse_args(plan.decay_command(step, "auto"))
+        return plan, Path(train_args.output_dir) / run_name
     argv = [*loop_argv, "--architecture", architecture, "--run_name", run_name, "--max_steps", str(steps[-1]),
             "--snapshot_steps", ",".join(map(str, steps)), "--resume_from_checkpoint", "auto"]  # fmt: skip
     plan = ArchitecturePlan(architecture, run_name, per_step, steps, argv, parse_args(argv))  # checked before any run
     return plan, Path(train_args.output_dir) / run_name
+
+
+def kept_model(plan: ArchitecturePlan, run_dir: Path, step: int) -> Path:
+    """What a budget's point is made from along the pretraining run: the snapshot at `step`, or under wsd the
+    stable run's checkpoint its decay branches from."""
+    if plan.decay_steps:
+        return run_dir / "checkpoints" / f"step_{step - plan.decay_steps:07d}"
+    return run_dir / "snapshots" / f"step-{step}"
+
+
+def decayed_model(plan: ArchitecturePlan, run_dir: Path, step: int, processes: int) -> Path | None:
+    """wsd: the model of the budget ending at `step`: its decay run's final model, run (or resumed, or reused) from
+    the stable run's checkpoint at the branch point; None when the stable run has no checkpoint there."""
+    branch = run_dir.parent / f"{plan.run_name}-decay{step}"
+    if ended_on_its_own(branch) and finished_steps(branch) >= step:
+        return branch / "final"
+    start = kept_model(plan, run_dir, step)
+    resume = "auto" if checkpoint_dirs(branch) else str(start)
+    if resume != "auto" and not start.is_dir():
+        return None
+    code = run_command([*local_launcher(MLM_SCRIPT, processes), *plan.decay_command(step, resume)])
+    if code != 0:
+        raise RuntimeError(f"the decay {branch.name} failed (exit code {code}); fix it and rerun: it resumes")
+    return branch / "final"
 
 
 def extension_problem(plan: ArchitecturePlan, run_dir: Path, finished: int) -> str | None:
@@ -143,10 +236,10 @@ def extension_problem(plan: ArchitecturePlan, run_dir: Path, finished: int) -> s
     step as if it had been planned that long from the start (None when it can: its schedule, `TrainingArguments.
     schedule`, is the same at both lengths, and a checkpoint is there to resume from). The loop's resume check
     refuses the same (`schedule` in the checkpoint's settings); here it is said before any run starts."""
-    needed = plan.steps[-1]
+    needed = plan.run_to
     start = (f"--tokens: {token_label(plan.tokens(needed))} needs step {needed}, but pretraining run {run_dir} "
              f"finished at step {finished}")  # fmt: skip
-    ran, longer = (dataclasses.replace(plan.loop_args[2], max_steps=steps, snapshot_steps="").schedule
+    ran, longer = (dataclasses.replace(plan.loop_args[2], max_steps=steps, snapshot_steps="", checkpoint_steps="").schedule
                    for steps in (finished, needed))  # (the snapshots are checked against the plan's own length)  # fmt: skip
     if ran["decays_to_step"] is not None:
         return (
@@ -220,19 +313,20 @@ def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan,
                        *(step_of(c) for c in checkpoint_dirs(run_dir))])  # fmt: skip
         for step in plan.steps:  # a budget added between steps the run has passed: no model of that step is left
             key = f"{plan.architecture}-{token_label(plan.tokens(step))}"
+            kept = kept_model(plan, run_dir, step)
             if (
-                step <= reached
-                and not (run_dir / "snapshots" / f"step-{step}").is_dir()
+                step - plan.decay_steps <= reached
+                and not kept.is_dir()
                 and not (folder / "points" / f"{key}.json").is_file()
             ):
                 raise ValueError(
                     f"--tokens: {token_label(plan.tokens(step))} is step {step}, which pretraining run {run_dir} has "
-                    f"passed (it reached step {reached}) without a snapshot there: that model is not kept; measure "
-                    "it under another --name"
+                    f"passed (it reached step {reached}) without a {'checkpoint' if plan.decay_steps else 'snapshot'} "
+                    f"at {kept.name}: that model is not kept; measure it under another --name"
                 )
         if ended_on_its_own(run_dir) and not stopped_by_gate(run_dir):
             steps = finished_steps(run_dir)
-            if plan.steps[-1] > steps and (problem := extension_problem(plan, run_dir, steps)):
+            if plan.run_to > steps and (problem := extension_problem(plan, run_dir, steps)):
                 raise ValueError(problem)
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(request, indent=2))
@@ -367,8 +461,8 @@ def pretrain(plan: ArchitecturePlan, run_dir: Path, processes: int) -> dict:
     schedule that does not depend on the run's length (`extension_problem` checked it) that is the run a larger
     budget would have had from the start, so the points measured before stay valid."""
     ended = ended_on_its_own(run_dir)
-    if ended and not stopped_by_gate(run_dir) and (steps := finished_steps(run_dir)) < plan.steps[-1]:
-        print(f"extending {plan.run_name} from step {steps} to {plan.steps[-1]} (a budget added)")
+    if ended and not stopped_by_gate(run_dir) and (steps := finished_steps(run_dir)) < plan.run_to:
+        print(f"extending {plan.run_name} from step {steps} to {plan.run_to} (a budget added)")
         ended = False
     if not ended:
         code = run_command([*local_launcher(MLM_SCRIPT, processes), *plan.pretrain_argv])
@@ -579,17 +673,23 @@ def main(argv: list[str] | None = None) -> int:
                 failed = "; ".join(g.get("gate", str(g)) for g in ended["gates"] if g.get("passed") is False)
                 gate_notes[plan.architecture] = f"pretraining stopped by a gate at step {ended['steps']} ({failed})"
             for key, step in zip(keys, plan.steps, strict=True):
-                snapshot = run_dir / "snapshots" / f"step-{step}"
+                snapshot = kept_model(plan, run_dir, step)
+                if not curve.done(key) and plan.decay_steps and snapshot.is_dir():  # wsd: the budget's own decay
+                    print(f"{key}: decay of {plan.decay_steps} steps to step {step} from {snapshot}", flush=True)
+                    evaluated_in = run_dir.parent / f"{plan.run_name}-decay{step}"
+                    snapshot = decayed_model(plan, run_dir, step, args.num_processes)
+                else:
+                    evaluated_in = run_dir
                 if curve.done(key):
                     announce(key, "finished earlier, reused")
-                elif not snapshot.is_dir():
+                elif snapshot is None or not snapshot.is_dir():
                     announce(
                         key, f"no snapshot at step {step}: {gate_notes.get(plan.architecture, 'run ended before it')}"
                     )
                 else:
                     announce(key, f"{plan.tokens(step):,} tokens (step {step}): fine-tuning and probes on {args.task}")
                     info = {"kind": "snapshot", "architecture": plan.architecture, "tokens": plan.tokens(step),
-                            "step": step, **evaluation_at(run_dir, step)}  # fmt: skip
+                            "step": step, **evaluation_at(evaluated_in, step)}  # fmt: skip
                     curve.measure(key, str(snapshot), [], info)
             if args.twins:
                 key = f"{plan.architecture}-twin"

@@ -102,6 +102,14 @@ def check_schedule(args) -> None:
         )
 
 
+def step_list(text: str, name: str) -> list[int]:
+    """`"250,1000"` → [250, 1000] (sorted, once each); ValueError naming `name`."""
+    try:
+        return sorted({int(step) for step in text.split(",") if step.strip()})
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a comma-separated list of step numbers, e.g. 250,1000") from None
+
+
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -250,6 +258,11 @@ class TrainingArguments:
         metadata={"help": "pretraining: comma-separated optimizer steps at which the model is also evaluated and saved "
                   "as <run>/snapshots/step-<N> (save_pretrained + tokenizer), e.g. for a learning curve"},
     )  # fmt: skip
+    checkpoint_steps: str = field(
+        default="",
+        metadata={"help": "comma-separated optimizer steps at which a checkpoint is also saved and kept beyond "
+                  "--save_total_limit: points to branch from (the curve's wsd decays) or to go back to"},
+    )  # fmt: skip
     resume_from_checkpoint: str | None = field(
         default=None, metadata={"help": "`auto` (newest checkpoint of the run) or a checkpoint folder"}
     )
@@ -389,6 +402,10 @@ class TrainingArguments:
             raise ValueError(f"gate_action={self.gate_action!r}: choose one of {GATE_ACTIONS}")
         if self.run_name is not None and (problem := run_name_problem(self.run_name)):
             raise ValueError(f"run_name={self.run_name!r} {problem}")
+        if any(not 0 < step <= self.max_steps for step in step_list(self.checkpoint_steps, "checkpoint_steps")):
+            raise ValueError(
+                f"checkpoint_steps={self.checkpoint_steps!r}: every step must be in 1..max_steps ({self.max_steps})"
+            )
         steps = self.snapshot_step_list  # parses, so a malformed list fails here
         if any(not 0 < step <= self.max_steps for step in steps):
             raise ValueError(
@@ -407,12 +424,11 @@ class TrainingArguments:
 
     @property
     def snapshot_step_list(self) -> list[int]:
-        try:
-            return sorted({int(step) for step in self.snapshot_steps.split(",") if step.strip()})
-        except ValueError:
-            raise ValueError(
-                f"snapshot_steps={self.snapshot_steps!r} is not a comma-separated list of step numbers, e.g. 250,1000"
-            ) from None
+        return step_list(self.snapshot_steps, "snapshot_steps")
+
+    @property
+    def checkpoint_step_list(self) -> list[int]:
+        return step_list(self.checkpoint_steps, "checkpoint_steps")
 
     @property
     def num_warmup_steps(self) -> int:
@@ -677,7 +693,7 @@ def check_pretraining_combination(model_args: ModelArguments, data_args: DataArg
 # Training arguments only pretraining reads: fine-tuning refuses any of them set, instead of ignoring it while the
 # run's config.json records it (a fine-tuning run that claims a diffusion objective).
 PRETRAINING_ONLY = (*DISTILL_ONLY, "objective", "recipe", "t_min", "diffusion_weighting", "deletion_rate", "concept_losses", "loss_weighting",
-                    "concept_loss_weight", "concept_loss_warmup_steps", "snapshot_steps", "max_time")  # fmt: skip
+                    "concept_loss_weight", "concept_loss_warmup_steps", "snapshot_steps", "max_time", "checkpoint_steps")  # fmt: skip
 
 
 def check_finetune_combination(finetune_args: FinetuneArguments, task_args: TaskArguments, args: TrainingArguments):

@@ -117,8 +117,10 @@ def save_checkpoint(
     per_rank: dict | None = None,
     resume_settings: dict | None = None,
     shared: dict | None = None,
+    keep: frozenset[int] = frozenset(),
 ) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint path.
+    """Collective: every rank calls it. Returns the final checkpoint path. The checkpoints of the steps in `keep`
+    (`--checkpoint_steps`) stay; the newest `save_total_limit` of the others are kept.
 
     `shared` objects (with `state_dict`: the scheduler, the concept-loss weights, the dev selection)
     are the same on every rank and saved once, from the main process, as `<name>.pt`; `per_rank`
@@ -155,7 +157,8 @@ def save_checkpoint(
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        for old in checkpoint_dirs(run_dir)[:-save_total_limit] if save_total_limit > 0 else []:
+        rotated = [c for c in checkpoint_dirs(run_dir) if step_of(c) not in keep]
+        for old in rotated[:-save_total_limit] if save_total_limit > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("checkpoint saved: %s", final)
     accelerator.wait_for_everyone()
@@ -255,7 +258,7 @@ RESUME_FREE = frozenset({
     "max_bad_steps", "dataloader_num_workers", "preprocessing_num_workers", "report_to", "wandb_project",
     "progress_bar", "peak_tflops", "cuda_memory_budget_gb", "gate", "gate_action", "gradient_checkpointing",
     "streaming_validation_documents", "seeds", "compare_to", "learning_rates", "probe", "finetune", "report_dir",
-    "max_time", "tf32", "profile_steps",  # how long this invocation may run, matmul precision, tracing
+    "max_time", "tf32", "profile_steps", "checkpoint_steps",  # how long this invocation may run, matmul precision, tracing
     "task",  # a task file's path: its content is keyed by task_sha256 (a moved file is the same task)
 })  # fmt: skip
 
