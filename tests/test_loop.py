@@ -30,6 +30,7 @@ from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
 from concept_encoder.accounting.flops import mlm_training_flops
 from concept_encoder.common import process_group
 from concept_encoder.training.args import parse_args
+from concept_encoder.training.checkpoint import CheckpointError
 from concept_encoder.training.metrics_log import read_metrics
 
 
@@ -161,20 +162,44 @@ def test_init_order(monkeypatch):
 @pytest.mark.parametrize("streaming", [False, True])
 def test_two_process_cpu_run_ranks_agree(workdir, streaming):
     name = "ddp_stream" if streaming else "ddp"
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
-        str(ROOT / "loops" / "mlm.py"), *COMMON, "--output_dir", "runs", "--run_name", name, "--max_steps", "4",
-        "--streaming", str(streaming).lower(), "--streaming_validation_documents", "30",
-    ]  # fmt: skip
-    out = process_group.run(cmd, 300, cwd=workdir)
-    assert out.returncode == 0, out.stderr[-3000:]
+    launch_two_processes(workdir, name, streaming)
     ranks = [json.loads((workdir / "runs" / name / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0]["eval_loss"] is not None
     record = [r for r in read_metrics(workdir / "runs" / name / "metrics.jsonl") if r["kind"] == "train"][0]
     assert record["tokens_seen"] == 2 * 8 * 64  # two ranks, each a micro-batch of 8 × 64 tokens
     config = json.loads((workdir / "runs" / name / "config.json").read_text())
     assert config["system"]["world_size"] == 2 and config["system"]["backend"] == "gloo"
+
+
+def launch_two_processes(workdir: Path, name: str, streaming: bool = False) -> None:
+    """A 2-process DDP run of 4 steps (checkpoints at 2 and 4) in `workdir/runs/<name>`."""
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
+        str(ROOT / "loops" / "mlm.py"), *COMMON, "--output_dir", "runs", "--run_name", name, "--max_steps", "4",
+        "--streaming", str(streaming).lower(), "--streaming_validation_documents", "30", "--save_steps", "2",
+    ]  # fmt: skip
+    out = process_group.run(cmd, 300, cwd=workdir)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.loop
+def test_a_two_process_run_resumes_on_one_process_with_the_same_global_batch(workdir):
+    checkpoint = workdir / "runs" / "ddp" / "checkpoints" / "step_0000002"
+    if not checkpoint.is_dir():  # made by the two-process test above; launched here when this test runs alone
+        launch_two_processes(workdir, "ddp")
+    with pytest.raises(CheckpointError, match=r"world_size: checkpoint 2, this run 1: .* \(2 × 8 × 1 = 16 examples a "
+                       r"step\) and per-device batch 8; give --gradient_accumulation_steps 2"):  # fmt: skip
+        run("--run_name", "one", "--max_steps", "4", "--resume_from_checkpoint", str(checkpoint))
+    run("--run_name", "one", "--max_steps", "4", "--gradient_accumulation_steps", "2", "--save_steps", "2",
+        "--resume_from_checkpoint", str(checkpoint))  # fmt: skip
+    two, one = records("ddp", "train"), records("one", "train")
+    assert [r["step"] for r in one] == [3, 4] and [r["tokens_seen"] for r in one] == [r["tokens_seen"] for r in two[2:]]
+    # the same micro-batches in every step; rank 1's masks are now drawn by rank 0's generator, so the loss
+    # follows the two-process curve to within the masking's noise, not bitwise
+    assert [r["loss"] for r in one] == pytest.approx([r["loss"] for r in two[2:]], rel=0.02)
+    settings = json.loads((Path("runs/one/checkpoints/step_0000004/resume_settings.json")).read_text())
+    assert (settings["world_size"], settings["gradient_accumulation_steps"]) == (1, 2)
 
 
 def test_yaml_config_with_cli_override(tmp_path):

@@ -210,3 +210,29 @@ def test_auto_picks_the_highest_intact_step_and_names_damage(finished_run, caplo
     run("--run_name", "damaged", "--max_steps", "6", "--resume_from_checkpoint", "auto")
     assert [r["step"] for r in records("damaged", "train")] == [1, 2, 3, 4, 5, 6]  # each step once
     assert train_losses("damaged") == train_losses("a")
+
+
+def test_another_process_count_is_refused_where_the_state_is_per_rank(tmp_path):
+    from concept_encoder.training.checkpoint import TrainState, resharded_position, split_processes
+
+    saved = {
+        "world_size": 2,
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 1,
+        "data.streaming": False,
+    }
+    one = {**saved, "world_size": 1, "gradient_accumulation_steps": 2}
+    assert split_processes(saved, one, tmp_path)[2] is None  # the same global batch: it may move
+    four = {**saved, "world_size": 4}
+    assert "use a process count that divides 2" in split_processes(saved, four, tmp_path)[2]
+    (tmp_path / "pytorch_model").mkdir()
+    (tmp_path / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    assert (
+        "a DeepSpeed checkpoint: its optimizer state is partitioned over 2 ranks"
+        in split_processes(saved, one, tmp_path)[2]
+    )
+    streamed = {**saved, "data.streaming": True}
+    assert "--streaming" in split_processes(streamed, {**one, "data.streaming": True}, tmp_path / "none")[2]
+    assert resharded_position(TrainState(batches_in_epoch=3), 2, 1).batches_in_epoch == 6
+    with pytest.raises(CheckpointError, match="3 batches into its epoch, which 2 processes cannot share"):
+        resharded_position(TrainState(batches_in_epoch=3), 1, 2)

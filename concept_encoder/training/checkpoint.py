@@ -323,7 +323,8 @@ def check_resume_settings(checkpoint: Path, current: dict) -> None:
     if not any(key.startswith("args.") for key in saved):  # written before every argument was recorded
         saved.update(run_config_arguments(checkpoint.parent.parent, current))
     saved, current, schedule = split_schedule(saved, current, saved_train_state(checkpoint).step)
-    differences = settings_differences(saved, current, "checkpoint") + ([schedule] if schedule else [])
+    saved, current, processes = split_processes(saved, current, checkpoint)
+    differences = settings_differences(saved, current, "checkpoint") + [p for p in (schedule, processes) if p]
     if differences:
         vocabulary = (
             " (data.vocab_sha256 is the tokenizer's vocabulary: the run's own copy, <run>/tokenizer, is missing, and "
@@ -350,6 +351,77 @@ def split_schedule(saved: dict, current: dict, step: int) -> tuple[dict, dict, s
     rest = [{key: value for key, value in settings.items() if key not in names} for settings in (saved, current)]
     current_schedule = json.loads(json.dumps(current["schedule"]))
     return rest[0], rest[1], schedule_problem(saved["schedule"], current_schedule, step)
+
+
+def split_processes(saved: dict, current: dict, checkpoint: Path) -> tuple[dict, dict, str | None]:
+    """The settings without the process count and accumulation, and why this run cannot continue `checkpoint` on
+    its number of processes (None when it can). A run moves to another number of processes when the global
+    batch (processes × per-device batch × accumulation) and the per-device batch stay: every optimizer step then
+    trains on the same micro-batches of the same sampler, only spread over other ranks (`resharded_position`).
+    Refused for a DeepSpeed checkpoint (its state is partitioned per rank) and a streamed dataset (its position
+    is per process)."""
+    keys = ("world_size", "gradient_accumulation_steps", "args.gradient_accumulation_steps")
+    if saved.get("world_size") in (None, current.get("world_size")):
+        return saved, current, None
+    rest = [{key: value for key, value in settings.items() if key not in keys} for settings in (saved, current)]
+    moved = f"world_size: checkpoint {saved['world_size']}, this run {current['world_size']}"
+
+    def global_batch(settings):
+        return (
+            settings["world_size"] * settings["per_device_train_batch_size"] * settings["gradient_accumulation_steps"]
+        )
+
+    if sharded_by_deepspeed(checkpoint):
+        return rest[0], rest[1], (
+            f"{moved} (a DeepSpeed checkpoint: its optimizer state is partitioned over {saved['world_size']} "
+            f"ranks; resume it with {saved['world_size']} processes, or export its weights with `python -m "
+            "concept_encoder export` and start a new run from them)"
+        )  # fmt: skip
+    if saved.get("data.streaming"):
+        return rest[0], rest[1], f"{moved} (--streaming: each process holds its own position in the stream)"
+    if global_batch(saved) != global_batch(current) or saved.get("per_device_train_batch_size") != current.get(
+        "per_device_train_batch_size"
+    ):
+        needed = global_batch(saved) / (current["world_size"] * saved["per_device_train_batch_size"])
+        fix = (f"give --gradient_accumulation_steps {int(needed)}" if needed == int(needed) and needed >= 1 else
+               f"use a process count that divides {saved['world_size'] * saved['gradient_accumulation_steps']}")  # fmt: skip
+        return (
+            rest[0],
+            rest[1],
+            (
+                f"{moved}: another process count continues the run only with the same global batch "
+                f"({saved['world_size']} × {saved['per_device_train_batch_size']} × "
+                f"{saved['gradient_accumulation_steps']} = {global_batch(saved)} examples a step) and per-device batch "
+                f"{saved['per_device_train_batch_size']}; {fix}"
+            ),
+        )
+    return rest[0], rest[1], None
+
+
+def sharded_by_deepspeed(checkpoint: Path) -> bool:
+    """Whether DeepSpeed wrote `checkpoint` (per-rank `*_states.pt` shards)."""
+    return any(Path(checkpoint).rglob("*_states.pt"))
+
+
+def saved_world_size(checkpoint: Path) -> int | None:
+    settings = json_or_none(Path(checkpoint) / RESUME_SETTINGS)
+    return settings.get("world_size") if isinstance(settings, dict) else None
+
+
+def resharded_position(state: TrainState, saved_world: int | None, world: int) -> TrainState:
+    """`state` (micro-batches consumed per process) for `world` processes instead of `saved_world`: the sampler's
+    batches are dealt round-robin to the ranks, so the epoch's position in batches is the same count of them."""
+    if saved_world and saved_world != world:
+        consumed = state.batches_in_epoch * saved_world
+        if consumed % world:
+            raise CheckpointError(
+                f"the checkpoint stopped {consumed} batches into its epoch, which {world} processes cannot share "
+                f"evenly; resume with {saved_world} processes"
+            )
+        state.batches_in_epoch = consumed // world
+        logger.info("resumed on %d processes instead of %d: %d batches into the epoch, %d per process", world,
+                    saved_world, consumed, state.batches_in_epoch)  # fmt: skip
+    return state
 
 
 def saved_train_state(checkpoint: Path) -> TrainState:
@@ -453,8 +525,10 @@ def load_checkpoint(
 ) -> TrainState:
     """Restore accelerate's state, the `shared` objects, this rank's `per_rank` objects, and the loop position.
     Every state file of ours is read (weights_only) and checked before anything is restored."""
+    saved_world = saved_world_size(checkpoint)
+    new_rank = saved_world is not None and accelerator.process_index >= saved_world  # a run grown to more processes
     rng = checkpoint / f"random_states_{accelerator.process_index}.pkl"
-    if not rng.exists():
+    if not rng.exists() and not new_rank:
         raise CheckpointError(f"{rng} is missing: without it the data order and dropout would not resume exactly")
     states = []
     for index, (name, obj) in enumerate((shared or {}).items()):
@@ -463,6 +537,9 @@ def load_checkpoint(
         states.append((obj, checked_state(path if path.exists() or not legacy.exists() else legacy, obj)))
     for name, obj in (per_rank or {}).items():
         path = checkpoint / f"{name}_rank{accelerator.process_index}.pt"
+        if new_rank:  # no rank of the checkpoint had this one's stream: it starts as built (seeded by its rank)
+            logger.info("rank %d is new to this run: its %s starts from its own seed", accelerator.process_index, name)
+            continue
         if not path.exists():
             raise CheckpointError(
                 f"{path} is missing: the checkpoint was written by fewer processes than this run has; "
@@ -473,4 +550,4 @@ def load_checkpoint(
     accelerator.load_state(str(checkpoint))
     for obj, state in states:
         obj.load_state_dict(state)
-    return saved_train_state(checkpoint)
+    return resharded_position(saved_train_state(checkpoint), saved_world, accelerator.num_processes)
