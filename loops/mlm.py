@@ -206,7 +206,8 @@ def train_step(
     if applied:
         optimizer.step()
         if deepspeed:  # DeepSpeed clips inside its step (and fp16's loss scaler skips an overflow): read the norm
-            grad_norm = float(model.get_global_grad_norm())
+            norm = model.get_global_grad_norm()  # None where DeepSpeed computed none (ZeRO-0 without clipping)
+            grad_norm = None if norm is None else float(norm)
     optimizer.zero_grad(set_to_none=True)
     if concept is not None:
         concept.step(accelerator, apply=applied)

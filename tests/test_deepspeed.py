@@ -158,6 +158,31 @@ def test_zero3_continues_from_a_saved_model_loaded_partitioned(workdir):
 
 
 @pytest.mark.loop
+def test_export_gathers_a_zero3_checkpoint_into_the_final_model(workdir, tmp_path):
+    """`python -m concept_encoder export` of the last ZeRO-3 checkpoint (two ranks' shards, fp32 master weights
+    gathered by DeepSpeed's zero_to_fp32) computes what the run's final model computes."""
+    from concept_encoder.training import export
+
+    run = workdir / "runs/z3full"
+    if not (run / "final").is_dir():  # made by the resume test above; rebuilt here when this test runs alone
+        finish(launch(workdir, "zero3", "--run_name", "z3full", "--max_steps", "6", "--save_steps", "3"))
+    checkpoint = run / "checkpoints/step_0000006"
+    assert sorted(p.name for p in (checkpoint / "pytorch_model").glob("*_model_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt",
+    ]  # fmt: skip
+    out = tmp_path / "exported"
+    assert export.main([str(checkpoint), str(out)]) == 0
+    record = json.loads((out / "export.json").read_text())
+    assert record["step"] == 6 and "zero_to_fp32" in record["weights_from"]
+    assert record["check"]["max_abs_logit_diff"] <= 1e-5
+    exported = ConceptEncoderForMaskedLM.from_pretrained(out).eval()
+    final = ConceptEncoderForMaskedLM.from_pretrained(run / "final").eval()
+    ids = torch.randint(5, 2000, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, final(ids).logits)
+
+
+@pytest.mark.loop
 def test_simulated_two_node_zero3_matches_single_node(workdir):
     if not (workdir / "runs/zero3/summary.json").exists():  # the single-node run of the ZeRO-3 comparison above
         finish(launch(workdir, "zero3", "--run_name", "zero3", "--max_steps", "4"))

@@ -467,12 +467,14 @@ def set_aside_later_history(run_dir: Path, step: int) -> Path | None:
 
 
 def deepspeed_safe_globals() -> list:
-    """The classes (beyond tensors and plain values) DeepSpeed's own state files hold: the ZeRO stage enum and
-    its loss scalers (plain attribute bags). Allowed when those files are checked; nothing else is."""
+    """The classes (beyond tensors and plain values) DeepSpeed's own state files hold: the ZeRO stage enum, its
+    loss scalers and ZeRO-1/2's fragment addresses (plain attribute bags). Allowed when those files are checked;
+    nothing else is."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address  # ZeRO-1/2 optimizer shards: (numel, start) pairs
 
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 def verify_deepspeed_states(checkpoint: Path) -> None:

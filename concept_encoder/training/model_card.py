@@ -61,8 +61,12 @@ def concept_loss_rows(train: dict) -> list[str]:
     ]
 
 
-def model_card(run_name: str, config: dict, summary: dict, command: list[str]) -> str:
-    """Markdown with Hugging Face front matter, from the run's resolved `config` and its `summary`."""
+def model_card(
+    run_name: str, config: dict, summary: dict, command: list[str], exported_from: Path | None = None
+) -> str:
+    """Markdown with Hugging Face front matter, from the run's resolved `config` and its `summary`. With
+    `exported_from` (a training checkpoint, `python -m concept_encoder export`) `command` is the export's, and the
+    card's last section names the checkpoint and that command instead of the training command."""
     model, data, train = config["model_config"], config["data_args"], config["training_args"]
     stats = config.get("data_stats", {}).get("train", {})
     world = config.get("system", {}).get("world_size", 1)
@@ -113,11 +117,18 @@ def model_card(run_name: str, config: dict, summary: dict, command: list[str]) -
         lines += ["", "## Concept health (last evaluation)", "", format_health_table(health)]
     if summary.get("divergence"):
         lines += ["", f"**Warning:** the training loss diverged: {json.dumps(summary['divergence'])}."]
-    lines += ["", "## Reproduce", "", "```bash", shlex.join(command), "```", ""]
+    if exported_from is None:
+        lines += ["", "## Reproduce", "", "```bash", shlex.join(command), "```", ""]
+    else:
+        lines += ["", "## Exported from a checkpoint", "",
+                  f"The training checkpoint `{exported_from}` (step {summary.get('steps')}), written as this folder by:",
+                  "", "```bash", shlex.join(command), "```", ""]  # fmt: skip
     return "\n".join(lines)
 
 
-def write_model_card(final_dir: Path, run_name: str, config: dict, summary: dict, command: list[str]) -> Path:
+def write_model_card(
+    final_dir: Path, run_name: str, config: dict, summary: dict, command: list[str], exported_from: Path | None = None
+) -> Path:
     path = Path(final_dir) / "README.md"
-    path.write_text(model_card(run_name, config, summary, command))
+    path.write_text(model_card(run_name, config, summary, command, exported_from))
     return path
