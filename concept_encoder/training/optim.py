@@ -71,7 +71,7 @@ def rate_factors(schedule: dict, last_step: int) -> list[float]:
 
 
 def describe_schedule(schedule: dict) -> str:
-    """`schedule` in words, e.g. `wsd: warm-up 10, decay 1-sqrt over 100 steps to 0 at step 1000`."""
+    """`schedule` in words, e.g. `wsd: warm-up 10, stable to step 900, 1-sqrt decay to 0 of the peak at step 1000`."""
     kind, warmup, end = schedule["lr_scheduler_type"], schedule["warmup_steps"], schedule["decays_to_step"]
     if kind == "constant":
         return f"constant after a warm-up of {warmup} steps"
