@@ -155,17 +155,19 @@ def make_loaders(splits, tokenizer, model, args, seed: int, shuffle_train: bool 
         return {k: v for k, v in pad(examples).items() if k in accepted}
 
     loaders = {}
+    # --dataloader_workers collate in worker processes (the sampler stays here, so order and resume are unchanged)
+    workers = {"num_workers": args.dataloader_num_workers, "pin_memory": torch.cuda.is_available()}
     for name, split in splits.items():
         if name == "train" and shuffle_train and bucket_by_length:
             lengths = [len(ids) for ids in split["input_ids"]]
             batches = LengthBucketedBatches(lengths, args.per_device_train_batch_size, seed)
             # its own generator: a DataLoader draws each iterator's base seed from it, else from the global RNG,
             # which a resumed run would then draw once more than the run it continues (dropout would differ)
-            loaders[name] = DataLoader(split, batch_sampler=batches, collate_fn=collate,
+            loaders[name] = DataLoader(split, batch_sampler=batches, collate_fn=collate, **workers,
                                        generator=torch.Generator().manual_seed(seed))  # fmt: skip
             continue
         size = args.per_device_train_batch_size if name == "train" else args.per_device_eval_batch_size
-        loaders[name] = DataLoader(split, batch_size=size, shuffle=shuffle_train and name == "train",
+        loaders[name] = DataLoader(split, batch_size=size, shuffle=shuffle_train and name == "train", **workers,
                                    collate_fn=collate, generator=torch.Generator().manual_seed(seed))  # fmt: skip
     return loaders
 

@@ -57,7 +57,7 @@ from concept_encoder.data.objectives import build_corruption, evaluation_corrupt
 from concept_encoder.tasks.leakage import record_task_texts
 from concept_encoder.tasks.loading import training_texts
 from concept_encoder.training.args import parse_args
-from concept_encoder.training.batches import accumulation_windows
+from concept_encoder.training.batches import MaskingAhead
 from concept_encoder.training.checkpoint import (
     TrainState,
     check_resume_settings,
@@ -99,6 +99,7 @@ from concept_encoder.training.model_folder import holds_only_saved_model_files
 from concept_encoder.training.objective import ConceptObjective, build_concept_objective
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.plan import launch_command
+from concept_encoder.training.profiling import StepProfiler
 from concept_encoder.training.runs import (
     ended_without_checkpoint,
     finished_run,
@@ -451,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         drop_last=True,
         collate_fn=with_doc_index(data.collator.collate) if distilling else data.collator.collate,  # padding only
         num_workers=args.dataloader_num_workers,
+        persistent_workers=args.dataloader_num_workers > 0,  # no new worker processes every epoch
+        pin_memory=state.device.type == "cuda",
         generator=torch.Generator().manual_seed(args.seed),  # keeps loader seeding off the global RNG
         **order,
     )
@@ -458,12 +461,14 @@ def main(argv: list[str] | None = None) -> int:
         data.validation,
         batch_size=args.per_device_eval_batch_size,
         collate_fn=with_doc_index(eval_collator.collate) if distilling else eval_collator.collate,
+        pin_memory=state.device.type == "cuda",
         generator=torch.Generator().manual_seed(args.seed),
     )
     model, optimizer = accelerator.prepare(model, optimizer)
     train_loader = accelerator.prepare_data_loader(train_loader, device_placement=False)  # masked on CPU first
     eval_loader = accelerator.prepare_data_loader(eval_loader, device_placement=False)
-    shared, per_rank = {"scheduler": scheduler, "concept": concept}, {"collator": corruption}  # checkpointed
+    masking = MaskingAhead(corruption, ahead=args.dataloader_num_workers > 0)  # masks the next window during a step
+    shared, per_rank = {"scheduler": scheduler, "concept": concept}, {"collator": masking}  # checkpointed
     if distill is not None:
         shared["distill"] = distill
     progress_state = TrainState()
@@ -484,12 +489,14 @@ def main(argv: list[str] | None = None) -> int:
         desc="train",
         dynamic_ncols=True,
     )
-    window_source = accumulation_windows(
+    window_source = masking.windows(
         train_loader,
         args.gradient_accumulation_steps,
         progress_state,
-        lambda batch: send_to_device({**corruption.mask(batch), **carried(batch)}, accelerator.device),
+        lambda batch: {**corruption.mask(batch), **carried(batch)},
+        lambda batch: send_to_device(batch, accelerator.device),
     )
+    profiler = StepProfiler(args.profile_step_range, run_dir, accelerator.is_main_process, progress_state.step)
     interval = {"loss": 0.0, "labelled": 0, "tokens": 0, "steps": 0, "time": 0.0}
     unlabelled_steps = 0
     divergence = DivergenceMonitor()
@@ -500,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = TimeBudget(args.max_time_s)  # --max_time: this invocation's training time
     model.train()
     while progress_state.step < args.max_steps:
+        profiler.step(progress_state.step)  # --profile_steps: one profiler step per optimizer step
         started = time.perf_counter()
         step = train_step(
             accelerator,
@@ -609,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
                 "stopped by signal at step %d; resume with --resume_from_checkpoint auto", progress_state.step
             )
             break
+    profiler.stop(progress_state.step)
     bar.close()
 
     # 13. final save + W&B finish (main process)

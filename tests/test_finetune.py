@@ -252,7 +252,7 @@ def test_probe_only_leaves_the_model_untouched_and_trains_nothing(workdir, conce
     model, _ = build_classifier(str(concept_model), task)
     model.train()  # the probe evaluates in eval mode and gives the model back as it found it
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    loaders = finetune.make_loaders(splits, tokenizer, model, SimpleNamespace(per_device_train_batch_size=16,
+    loaders = finetune.make_loaders(splits, tokenizer, model, SimpleNamespace(per_device_train_batch_size=16, dataloader_num_workers=0,
                                     per_device_eval_batch_size=16), 0, shuffle_train=False)  # fmt: skip
     fits = linear_probe(model, loaders, splits, task, torch.device("cpu"))
     assert set(fits) == {"concepts mean", "embeddings mean"}

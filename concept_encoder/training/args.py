@@ -110,6 +110,21 @@ def step_list(text: str, name: str) -> list[int]:
         raise ValueError(f"{name}={text!r} is not a comma-separated list of step numbers, e.g. 250,1000") from None
 
 
+def profile_range(text: str, max_steps: int) -> tuple[int, int] | None:
+    """`--profile_steps "3:5"` → (3, 5), `""` → None; ValueError saying what is wrong and what to give."""
+    if not text.strip():
+        return None
+    first, _, last = text.partition(":")
+    if not (first.strip().isdigit() and last.strip().isdigit()):
+        raise ValueError(f"profile_steps={text!r} is not a step range a:b, e.g. 10:12 (optimizer steps 10 to 12)")
+    first, last = int(first), int(last)
+    if not 1 <= first <= last <= max_steps:
+        raise ValueError(
+            f"profile_steps={text!r}: need 1 <= a <= b <= max_steps ({max_steps}); steps are 1-based optimizer steps"
+        )
+    return first, last
+
+
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -268,7 +283,17 @@ class TrainingArguments:
     )
     max_bad_steps: int = field(default=3, metadata={"help": "stop after this many consecutive non-finite losses"})
     torch_compile: bool = field(default=False, metadata={"help": "torch.compile(model, dynamic=True)"})
-    dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes"})
+    dataloader_num_workers: int = field(
+        default=0,
+        metadata={"aliases": ["--dataloader_workers"],
+                  "help": "DataLoader worker processes (config key: dataloader_num_workers); > 0 also masks each "
+                  "window on a background thread while the step before it runs (same masks, exact resume)"},
+    )  # fmt: skip
+    profile_steps: str = field(
+        default="",
+        metadata={"help": "pretraining: a:b, torch.profiler trace of optimizer steps a..b (1-based, within max_steps) "
+                  "into <run>/profile/ (trace_step<a>-<b>.json for ui.perfetto.dev, ops.txt: the op table)"},
+    )  # fmt: skip
     report_to: str = field(default="wandb", metadata={"help": "wandb or none"})
     wandb_project: str = field(default="concept-encoder", metadata={"help": "W&B project"})
     progress_bar: bool = field(default=True, metadata={"help": "tqdm progress bar on the main process"})
@@ -406,6 +431,7 @@ class TrainingArguments:
             raise ValueError(
                 f"checkpoint_steps={self.checkpoint_steps!r}: every step must be in 1..max_steps ({self.max_steps})"
             )
+        profile_range(self.profile_steps, self.max_steps)  # a malformed or out-of-range a:b fails here
         steps = self.snapshot_step_list  # parses, so a malformed list fails here
         if any(not 0 < step <= self.max_steps for step in steps):
             raise ValueError(
@@ -429,6 +455,10 @@ class TrainingArguments:
     @property
     def checkpoint_step_list(self) -> list[int]:
         return step_list(self.checkpoint_steps, "checkpoint_steps")
+
+    @property
+    def profile_step_range(self) -> tuple[int, int] | None:
+        return profile_range(self.profile_steps, self.max_steps)
 
     @property
     def num_warmup_steps(self) -> int:
@@ -693,7 +723,8 @@ def check_pretraining_combination(model_args: ModelArguments, data_args: DataArg
 # Training arguments only pretraining reads: fine-tuning refuses any of them set, instead of ignoring it while the
 # run's config.json records it (a fine-tuning run that claims a diffusion objective).
 PRETRAINING_ONLY = (*DISTILL_ONLY, "objective", "recipe", "t_min", "diffusion_weighting", "deletion_rate", "concept_losses", "loss_weighting",
-                    "concept_loss_weight", "concept_loss_warmup_steps", "snapshot_steps", "max_time", "checkpoint_steps")  # fmt: skip
+                    "concept_loss_weight", "concept_loss_warmup_steps", "snapshot_steps", "max_time", "checkpoint_steps",
+                    "profile_steps")  # fmt: skip
 
 
 def check_finetune_combination(finetune_args: FinetuneArguments, task_args: TaskArguments, args: TrainingArguments):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from accelerate import skip_first_batches
@@ -17,23 +18,89 @@ def accumulation_windows(loader, accumulation: int, state, finish_batch):
     same number of micro-batches. `state.epoch` / `state.batches_in_epoch` (a `TrainState`) track the
     position; with accelerate's seedable sampler, `set_epoch` makes each epoch's order reproducible.
     """
+    for window, position in positioned_windows(loader, accumulation, state.epoch, state.batches_in_epoch):
+        state.epoch, state.batches_in_epoch = position
+        yield [finish_batch(batch) for batch in window]
+
+
+def positioned_windows(loader, accumulation: int, epoch: int, batches_in_epoch: int):
+    """The raw windows of `accumulation_windows` from (`epoch`, `batches_in_epoch`) on, each with the position
+    `(epoch, batches_in_epoch)` once it is consumed; nothing outside is changed, so windows can be read ahead."""
     while True:
-        loader.set_epoch(state.epoch)
-        source = skip_first_batches(loader, state.batches_in_epoch) if state.batches_in_epoch else loader
+        loader.set_epoch(epoch)
+        source = skip_first_batches(loader, batches_in_epoch) if batches_in_epoch else loader
         iterator = iter(source)
         produced = False
         while len(window := list(itertools.islice(iterator, accumulation))) == accumulation:
             produced = True
-            state.batches_in_epoch += accumulation
-            yield [finish_batch(batch) for batch in window]
-        if not produced and state.batches_in_epoch == 0:
+            batches_in_epoch += accumulation
+            yield window, (epoch, batches_in_epoch)
+        if not produced and batches_in_epoch == 0:
             raise ValueError(
                 "the training set is too small for one optimizer step: lower per_device_train_batch_size "
                 "or gradient_accumulation_steps, or use more data (with --streaming, the first "
                 "--streaming_validation_documents documents are held out for validation)"
             )
-        state.epoch += 1
-        state.batches_in_epoch = 0
+        epoch += 1
+        batches_in_epoch = 0
+
+
+class MaskingAhead:
+    """The training windows, each masked on a background thread while the step before it runs (`ahead=True`),
+    with the same masks, the same checkpoints and the same resume as masking in the loop (`ahead=False`).
+
+    `windows(...)` replaces `accumulation_windows(loader, accumulation, state, place ∘ finish_batch)`; the loop
+    checkpoints this object in place of `corruption` (`{"collator": masking}`). Ahead, when window k is handed
+    out the loop's thread reads raw window k+1 from the DataLoader (collated by its workers) and a one-thread
+    executor masks it (`finish_batch`) while step k runs; `place` (device placement) stays on the loop's thread.
+    What makes it exact: only one thread ever masks, one window at a time and in order, so the corruption's
+    generator draws the same stream; every window carries the generator's state and the loader position as of
+    its end, and handing it out publishes them, so `state_dict()` and `state` (a `TrainState`) after step k are
+    those of window k, not of window k+1 already masked; the DataLoader is iterated on the loop's thread only
+    (its epoch turnover, accelerate's `GradientState` bookkeeping and any collective stay in one order). The
+    background mask of the window after the last step is drawn and dropped, never checkpointed.
+
+    Written here because no library masks ahead with a checkpointable position: DataLoader workers would each
+    draw from a copy of the generator (other masks, no single state to save), and accelerate's and torch's
+    prefetching hold no notion of a per-window random state.
+    """
+
+    def __init__(self, corruption, ahead: bool):
+        self.corruption, self.ahead = corruption, ahead
+        self.consumed = None  # the corruption's state as of the last window handed out (ahead only)
+
+    def state_dict(self) -> dict:
+        return self.corruption.state_dict() if self.consumed is None else self.consumed
+
+    def load_state_dict(self, state: dict) -> None:
+        self.corruption.load_state_dict(state)
+        self.consumed = None
+
+    def windows(self, loader, accumulation: int, state, finish_batch, place=lambda batch: batch):
+        """Lists of `accumulation` micro-batches, `place(finish_batch(batch))` each, from `state` on, forever."""
+        if not self.ahead:
+            yield from accumulation_windows(loader, accumulation, state, lambda batch: place(finish_batch(batch)))
+            return
+        raw = positioned_windows(loader, accumulation, state.epoch, state.batches_in_epoch)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="masking") as executor:
+
+            def submit():
+                window, position = next(raw)
+                return executor.submit(self.finish, window, finish_batch), position
+
+            pending = submit()
+            while True:
+                future, position = pending
+                window, consumed = future.result()
+                pending = submit()  # masked on the background thread while the step of `window` runs
+                state.epoch, state.batches_in_epoch = position
+                self.consumed = consumed
+                yield [place(batch) for batch in window]
+
+    def finish(self, window: list, finish_batch) -> tuple[list, dict]:
+        """(the masked window, the corruption's state right after it): run on the background thread."""
+        masked = [finish_batch(batch) for batch in window]
+        return masked, self.corruption.state_dict()
 
 
 class LengthBucketedBatches:
