@@ -67,10 +67,12 @@ from concept_encoder.training.checkpoint import (
     resume_settings,
     save_checkpoint,
     saved_train_state,
+    saved_world_size,
     set_aside_later_history,
 )
 from concept_encoder.training.deepspeed_setup import (
     adamw_class,
+    deepspeed_config,
     fill_deepspeed_auto_values,
     outside_zero3,
     zero3_construction_config,
@@ -100,6 +102,7 @@ from concept_encoder.training.objective import ConceptObjective, build_concept_o
 from concept_encoder.training.optim import build_optimizer, build_scheduler
 from concept_encoder.training.plan import launch_command
 from concept_encoder.training.profiling import StepProfiler
+from concept_encoder.training.reshard import plan_universal_load
 from concept_encoder.training.runs import (
     ended_without_checkpoint,
     finished_run,
@@ -464,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         pin_memory=state.device.type == "cuda",
         generator=torch.Generator().manual_seed(args.seed),
     )
+    if resume is not None:  # a DeepSpeed checkpoint of another process count loads as a universal checkpoint
+        plan_universal_load(deepspeed_config(accelerator), resume, saved_world_size(resume), state.num_processes)
     model, optimizer = accelerator.prepare(model, optimizer)
     train_loader = accelerator.prepare_data_loader(train_loader, device_placement=False)  # masked on CPU first
     eval_loader = accelerator.prepare_data_loader(eval_loader, device_placement=False)
@@ -474,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     progress_state = TrainState()
     gates = GateMonitor(args.gates)
     if resume is not None:
-        progress_state = load_checkpoint(accelerator, resume, per_rank, shared)
+        progress_state = load_checkpoint(accelerator, resume, per_rank, shared, run_dir)
         gates.load_state_dict({"outcomes": progress_state.gates})
         logger.info("resumed from %s at step %d", resume, progress_state.step)
 

@@ -17,6 +17,7 @@ import torch
 
 from concept_encoder import ConceptEncoderForMaskedLM
 from concept_encoder.common import process_group
+from concept_encoder.training.checkpoint import CheckpointError, check_resume_settings, deepspeed_safe_globals
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOP = [
@@ -34,12 +35,13 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("deepspeed")
 
 
-def launch(workdir: Path, ds_config: str, *loop_args: str, machine: tuple[int, int] | None = None):
-    """`accelerate launch` of the loop under `ds_configs/<ds_config>.json`; `machine=(rank, port)`
-    makes it one of two single-process nodes of a simulated 2-machine run."""
+def launch(workdir: Path, ds_config: str, *loop_args: str, machine: tuple[int, int] | None = None, processes: int = 2):
+    """`accelerate launch` of the loop under `ds_configs/<ds_config>.json` on `processes` processes;
+    `machine=(rank, port)` makes it one of two single-process nodes of a simulated 2-machine run."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if machine is None:
         cmd += ["--config_file", str(ROOT / "launch/cpu.yaml"), "--main_process_port", str(next(_ports))]
+        cmd += ["--num_processes", str(processes)]
     else:
         rank, port = machine
         cmd += ["--config_file", str(ROOT / "launch/multi_node.yaml"), "--num_processes", "2"]
@@ -75,7 +77,7 @@ def zero0_losses(workdir):
 @pytest.mark.loop
 @pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
 def test_zero_config_matches_zero0(workdir, zero0_losses, ds_config):
-    finish(launch(workdir, ds_config, "--run_name", ds_config, "--max_steps", "4"))
+    finish(launch(workdir, ds_config, "--run_name", ds_config, "--max_steps", "4", "--save_steps", "2"))
     got = losses(workdir, ds_config)
     # DeepSpeed's CPU Adam (offload) rounds differently from torch's AdamW, and the default recipe's concept
     # losses carry the difference on: agreement to ~1e-3 relative after 4 steps (the others are bitwise equal)
@@ -90,12 +92,59 @@ def test_zero_config_matches_zero0(workdir, zero0_losses, ds_config):
         assert all(h["local"] == h["total"] for h in held)
 
 
+def tree_of(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.loop
+def test_a_two_process_zero2_run_resumes_on_one_process_through_a_universal_checkpoint(workdir):
+    checkpoint = workdir / "runs/zero2/checkpoints/step_0000002"
+    if not checkpoint.is_dir():  # saved by the ZeRO-2 comparison run above; launched here when this test runs alone
+        finish(launch(workdir, "zero2", "--run_name", "zero2", "--max_steps", "4", "--save_steps", "2"))
+    before = tree_of(checkpoint)
+    out = finish(launch(workdir, "zero2", "--run_name", "z2one", "--max_steps", "4", "--gradient_accumulation_steps",
+                        "2", "--save_steps", "2", "--resume_from_checkpoint", str(checkpoint), processes=1))  # fmt: skip
+    assert "resharding" in out and "DeepSpeed universal checkpoint" in out, out[-3000:]
+    assert tree_of(checkpoint) == before and not (workdir / "runs/z2one/resharding").exists()  # staged aside, removed
+    two = [json.loads(x) for x in (workdir / "runs/zero2/metrics.jsonl").read_text().splitlines()]
+    one = [json.loads(x) for x in (workdir / "runs/z2one/metrics.jsonl").read_text().splitlines()]
+    two, one = ([r for r in records if r["kind"] == "train"] for records in (two, one))
+    assert [r["step"] for r in one] == [3, 4] and [r["tokens_seen"] for r in one] == [r["tokens_seen"] for r in two[2:]]
+    # the same micro-batches each step, rank 1's masks now drawn by rank 0's generator: the two-process curve to
+    # within the masking's noise
+    assert [r["loss"] for r in one] == pytest.approx([r["loss"] for r in two[2:]], rel=0.02)
+    settings = json.loads((workdir / "runs/z2one/checkpoints/step_0000004/resume_settings.json").read_text())
+    assert (settings["world_size"], settings["gradient_accumulation_steps"]) == (1, 2)
+    # Adam's state went on from step 2 (moments dropped at the resume would count 2 steps, and their second
+    # moment would hold half the squared gradients): the one shard of step 4 against the two-process run's two
+    one, two = adam_state(workdir / "runs/z2one", 4, ranks=1), adam_state(workdir / "runs/zero2", 4, ranks=2)
+    assert one["step"] == two["step"] == 4
+    assert one["exp_avg_sq"].shape == two["exp_avg_sq"].shape
+    assert one["exp_avg_sq"].norm() == pytest.approx(two["exp_avg_sq"].norm().item(), rel=0.1)
+
+
+def adam_state(run_dir: Path, step: int, ranks: int) -> dict:
+    """A ZeRO-1/2 checkpoint's Adam state, its ranks' partitions joined: `step` and the moments' flat vectors."""
+    folder = run_dir / f"checkpoints/step_{step:07d}/pytorch_model"
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        states = [torch.load(folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=True)
+                  ["optimizer_state_dict"]["base_optimizer_state"]["state"][0] for rank in range(ranks)]  # fmt: skip
+    return {
+        "step": states[0]["step"].item(),
+        **{k: torch.cat([s[k] for s in states]) for k in ("exp_avg", "exp_avg_sq")},
+    }
+
+
 @pytest.mark.loop
 def test_zero3_resume_is_exact_and_export_is_a_plain_hf_model(workdir):
     finish(launch(workdir, "zero3", "--run_name", "z3full", "--max_steps", "6", "--save_steps", "3"))
     full = losses(workdir, "z3full")
     checkpoint = workdir / "runs/z3full/checkpoints/step_0000003"
     assert any(checkpoint.rglob("*optim_states.pt")), "ZeRO-3 writes per-rank optimizer shards"
+    settings = {**json.loads((checkpoint / "resume_settings.json").read_text()), "world_size": 1}
+    with pytest.raises(CheckpointError, match=r"world_size: checkpoint 2, this run 1 \(a ZeRO-3 checkpoint: its weights "
+                       r"are partitioned over 2 ranks; resume it with 2 processes, or export its weights"):  # fmt: skip
+        check_resume_settings(checkpoint, settings)  # refused before anything is loaded
 
     resumed_dir = workdir / "runs/z3resumed/checkpoints"
     resumed_dir.mkdir(parents=True)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from loop_runs import (  # noqa: F401 (fixtures)
     finished_run,
     fresh_accelerate,
@@ -212,7 +213,7 @@ def test_auto_picks_the_highest_intact_step_and_names_damage(finished_run, caplo
     assert train_losses("damaged") == train_losses("a")
 
 
-def test_another_process_count_is_refused_where_the_state_is_per_rank(tmp_path):
+def test_another_process_count_is_refused_where_the_state_cannot_move(tmp_path):
     from concept_encoder.training.checkpoint import TrainState, resharded_position, split_processes
 
     saved = {
@@ -226,9 +227,12 @@ def test_another_process_count_is_refused_where_the_state_is_per_rank(tmp_path):
     four = {**saved, "world_size": 4}
     assert "use a process count that divides 2" in split_processes(saved, four, tmp_path)[2]
     (tmp_path / "pytorch_model").mkdir()
-    (tmp_path / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    shard = tmp_path / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"zero_stage": 2}}, shard)
+    assert split_processes(saved, one, tmp_path)[2] is None  # ZeRO-1/2: through a universal checkpoint
+    torch.save({"optimizer_state_dict": {"zero_stage": 3}}, shard)
     assert (
-        "a DeepSpeed checkpoint: its optimizer state is partitioned over 2 ranks"
+        "(a ZeRO-3 checkpoint: its weights are partitioned over 2 ranks; resume it with 2 processes, or export"
         in split_processes(saved, one, tmp_path)[2]
     )
     streamed = {**saved, "data.streaming": True}

@@ -358,8 +358,8 @@ def split_processes(saved: dict, current: dict, checkpoint: Path) -> tuple[dict,
     its number of processes (None when it can). A run moves to another number of processes when the global
     batch (processes × per-device batch × accumulation) and the per-device batch stay: every optimizer step then
     trains on the same micro-batches of the same sampler, only spread over other ranks (`resharded_position`).
-    Refused for a DeepSpeed checkpoint (its state is partitioned per rank) and a streamed dataset (its position
-    is per process)."""
+    A DeepSpeed ZeRO-0/1/2 checkpoint moves through DeepSpeed's universal checkpoint (`reshard`); refused for
+    ZeRO-3 (its weights are partitioned per rank) and a streamed dataset (its position is per process)."""
     keys = ("world_size", "gradient_accumulation_steps", "args.gradient_accumulation_steps")
     if saved.get("world_size") in (None, current.get("world_size")):
         return saved, current, None
@@ -372,11 +372,8 @@ def split_processes(saved: dict, current: dict, checkpoint: Path) -> tuple[dict,
         )
 
     if sharded_by_deepspeed(checkpoint):
-        return rest[0], rest[1], (
-            f"{moved} (a DeepSpeed checkpoint: its optimizer state is partitioned over {saved['world_size']} "
-            f"ranks; resume it with {saved['world_size']} processes, or export its weights with `python -m "
-            "concept_encoder export` and start a new run from them)"
-        )  # fmt: skip
+        if problem := reshard_problem(checkpoint, saved["world_size"]):
+            return rest[0], rest[1], f"{moved} ({problem})"
     if saved.get("data.streaming"):
         return rest[0], rest[1], f"{moved} (--streaming: each process holds its own position in the stream)"
     if global_batch(saved) != global_batch(current) or saved.get("per_device_train_batch_size") != current.get(
@@ -401,6 +398,33 @@ def split_processes(saved: dict, current: dict, checkpoint: Path) -> tuple[dict,
 def sharded_by_deepspeed(checkpoint: Path) -> bool:
     """Whether DeepSpeed wrote `checkpoint` (per-rank `*_states.pt` shards)."""
     return any(Path(checkpoint).rglob("*_states.pt"))
+
+
+def saved_zero_stage(checkpoint: Path) -> int:
+    """The ZeRO stage of a DeepSpeed checkpoint, as its first optimizer shard records it (read `weights_only`,
+    memory-mapped); 0 when it holds no shard."""
+    import torch
+
+    from .reshard import optimizer_shards
+
+    shards = optimizer_shards(checkpoint)
+    if not shards:
+        return 0
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        state = load_state_file(shards[0], mmap=True)
+    return int(state.get("optimizer_state_dict", {}).get("zero_stage", 0))
+
+
+def reshard_problem(checkpoint: Path, saved_world: int) -> str | None:
+    """Why a DeepSpeed checkpoint cannot resume on another process count (None: it can, `reshard.staged_checkpoint`)."""
+    stage = saved_zero_stage(checkpoint)
+    if stage >= 3:
+        return (
+            f"a ZeRO-3 checkpoint: its weights are partitioned over {saved_world} ranks; resume it with "
+            f"{saved_world} processes, or export its weights with `python -m concept_encoder export` and start a "
+            "new run from them"
+        )
+    return None
 
 
 def saved_world_size(checkpoint: Path) -> int | None:
@@ -523,10 +547,14 @@ def checked_state(path: Path, obj) -> dict:
 
 
 def load_checkpoint(
-    accelerator, checkpoint: Path, per_rank: dict | None = None, shared: dict | None = None
+    accelerator, checkpoint: Path, per_rank: dict | None = None, shared: dict | None = None, run_dir: Path | None = None
 ) -> TrainState:
     """Restore accelerate's state, the `shared` objects, this rank's `per_rank` objects, and the loop position.
-    Every state file of ours is read (weights_only) and checked before anything is restored."""
+    Every state file of ours is read (weights_only) and checked before anything is restored. A DeepSpeed
+    checkpoint of another process count is loaded from its universal conversion, staged in `run_dir`
+    (`reshard.staged_checkpoint`; the engine was built with `reshard.plan_universal_load`)."""
+    from .reshard import needs_universal_load, staged_checkpoint
+
     saved_world = saved_world_size(checkpoint)
     new_rank = saved_world is not None and accelerator.process_index >= saved_world  # a run grown to more processes
     rng = checkpoint / f"random_states_{accelerator.process_index}.pkl"
@@ -549,7 +577,11 @@ def load_checkpoint(
             )
         states.append((obj, checked_state(path, obj)))
     verify_deepspeed_states(checkpoint)  # before DeepSpeed unpickles them in full
-    accelerator.load_state(str(checkpoint))
+    universal = needs_universal_load(checkpoint, saved_world, accelerator.num_processes)
+    if universal and run_dir is None:
+        raise CheckpointError(f"{checkpoint} was saved by {saved_world} processes: resharding it needs a run folder")
+    with staged_checkpoint(accelerator, checkpoint, run_dir, universal) as folder:
+        accelerator.load_state(str(folder))
     for obj, state in states:
         obj.load_state_dict(state)
     return resharded_position(saved_train_state(checkpoint), saved_world, accelerator.num_processes)
