@@ -185,24 +185,31 @@ def newest_intact(run_dir: Path) -> Path | None:
     return None
 
 
+def named_checkpoint_fault(path: Path, alternative: str = "") -> str | None:
+    """What is wrong with a checkpoint folder a user named (None: it is intact), to follow its name: "is not a
+    checkpoint folder (...); pass a <run>/checkpoints/step_N folder<alternative>" or "is damaged: <the faults>",
+    either with the run's newest intact checkpoint when it has one (`resolve_resume`, `export`)."""
+    run_dir = path if (path / "checkpoints").is_dir() else path.parent.parent
+    intact = newest_intact(run_dir) if (run_dir / "checkpoints").is_dir() else None
+    hint = f"; the newest intact checkpoint of that run is {intact}" if intact else ""
+    if not (path / TRAIN_STATE).is_file():
+        return (
+            f"is not a checkpoint folder (no {TRAIN_STATE}); pass a <run>/checkpoints/step_N folder{alternative}{hint}"
+        )
+    if problems := checkpoint_problems(path):
+        return f"is damaged: {'; '.join(problems)}{hint}"
+    return None
+
+
 def resolve_resume(spec: str | None, output_dir: str, run_name: str | None) -> Path | None:
     """`auto` → the newest intact checkpoint of `run_name` (or of the run under `output_dir` that
     saved last); a path → that checkpoint, refused with the damaged file named."""
     if spec is None:
         return None
     if spec != "auto":
-        path = Path(spec)
-        if not (path / TRAIN_STATE).exists():
-            raise CheckpointError(
-                f"--resume_from_checkpoint {spec}: not a checkpoint folder (no {TRAIN_STATE}); "
-                f"pass a <run>/checkpoints/step_N folder or `auto`"
-            )
-        problems = checkpoint_problems(path)
-        if problems:
-            intact = newest_intact(path.parent.parent)
-            hint = f"; the newest intact checkpoint of that run is {intact}" if intact else ""
-            raise CheckpointError(f"--resume_from_checkpoint {spec} is damaged: {'; '.join(problems)}{hint}")
-        return path
+        if fault := named_checkpoint_fault(Path(spec), " or `auto`"):
+            raise CheckpointError(f"--resume_from_checkpoint {spec} {fault}")
+        return Path(spec)
     if run_name:
         runs = [Path(output_dir) / run_name]
     else:  # the run that saved last: folder times choose the run, steps choose within it

@@ -31,14 +31,12 @@ from ..model.bert_baseline import BertForSparseMaskedLM
 from ..model.config import ConceptEncoderConfig
 from ..model.heads import ConceptEncoderForMaskedLM
 from .checkpoint import (
-    TRAIN_STATE,
     CheckpointError,
     TrainState,
-    checkpoint_problems,
     deepspeed_safe_globals,
     json_or_none,
     load_state_file,
-    newest_intact,
+    named_checkpoint_fault,
     saved_train_state,
     verify_deepspeed_states,
 )
@@ -82,15 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def checked_checkpoint(path: Path) -> Path:
     """`path` when it is an intact checkpoint; else `ExportError` naming the fault (no checkpoint, a damaged file)
-    and the run's newest intact checkpoint."""
-    run_dir = path if (path / "checkpoints").is_dir() else path.parent.parent
-    intact = newest_intact(run_dir) if (run_dir / "checkpoints").is_dir() else None
-    hint = f"; the newest intact checkpoint of that run is {intact}" if intact else ""
-    if not (path / TRAIN_STATE).is_file():
-        raise ExportError(f"{path} is not a checkpoint folder (no {TRAIN_STATE}); pass a <run>/checkpoints/step_N "
-                          f"folder{hint}")  # fmt: skip
-    if problems := checkpoint_problems(path):
-        raise ExportError(f"{path} is damaged: {'; '.join(problems)}{hint}")
+    and the run's newest intact checkpoint (`checkpoint.named_checkpoint_fault`)."""
+    if fault := named_checkpoint_fault(path):
+        raise ExportError(f"{path} {fault}")
     return path
 
 
