@@ -5,11 +5,11 @@ saved them, and DeepSpeed refuses to load those shards on another count. Its uni
 (`deepspeed.checkpoint.ds_to_universal`) holds each parameter's fp32 weights and moments whole, which the engine
 re-partitions for any count when its config says `"checkpoint": {"load_universal": true}`. DeepSpeed ships the
 converter as a script and the loading as a config key; what is written here is the glue (why hand-written): the
-stage read from the checkpoint with `weights_only`, the config key set before `accelerator.prepare` builds the
-engine, the conversion run once on the main process into a staging folder of the new run (the checkpoint itself is
-never touched) that links every other file of the checkpoint, and that folder removed when every rank has loaded.
-ZeRO-3 checkpoints (the weights themselves partitioned) are refused with one line naming `export`
-(`checkpoint.reshard_problem`).
+config key set before `accelerator.prepare` builds the engine, the conversion run once on the main process into a
+staging folder of the new run (the checkpoint itself is never touched) that links every other file of the
+checkpoint, and that folder removed when every rank has loaded. ZeRO-3 checkpoints (the weights themselves
+partitioned) are refused with one line naming `export` (`checkpoint.reshard_problem`, which reads the stage from
+the checkpoint with `weights_only`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from argparse import Namespace
 from pathlib import Path
 
 logger = logging.getLogger("concept_encoder")
-DEEPSPEED_MODEL_FOLDER = "pytorch_model"  # accelerate's `save_state` names the engine's checkpoint tag so
+DEEPSPEED_MODEL_FOLDER = "pytorch_model"  # the engine's checkpoint tag (folder) in accelerate's `save_state`
 RESHARDING_FOLDER = "resharding"  # <run>/resharding/<checkpoint name>: the staged universal copy, while loading
 
 
@@ -40,13 +40,11 @@ def needs_universal_load(checkpoint: Path | None, saved_world: int | None, world
     return bool(optimizer_shards(checkpoint))
 
 
-def plan_universal_load(ds_config: dict | None, checkpoint: Path | None, saved_world: int | None, world: int) -> bool:
+def plan_universal_load(ds_config: dict | None, checkpoint: Path | None, saved_world: int | None, world: int) -> None:
     """Before `accelerator.prepare`: sets `"checkpoint": {"load_universal": true}` in the launch's ds config when
-    the resume reshards (`needs_universal_load`), so the engine built from it loads whole parameters; True then."""
-    if ds_config is None or not needs_universal_load(checkpoint, saved_world, world):
-        return False
-    ds_config.setdefault("checkpoint", {})["load_universal"] = True
-    return True
+    the resume reshards (`needs_universal_load`), so the engine built from it loads whole parameters."""
+    if ds_config is not None and needs_universal_load(checkpoint, saved_world, world):
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
 
 def convert_to_universal(source: Path, target: Path) -> None:
