@@ -34,9 +34,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) launch/build_ops.py  # DeepSpeed's CPU ops, compiled once here rather than in the first DeepSpeed run
 	touch $@
 
-test: install  ## ruff, then the test suite (CPU, no GPU; pytest -m 'not loop' for the fast subset)
+test: install  ## ruff, then the test suite on 2 workers (tests/conftest.py says how; pytest -m "not loop": the fast subset)
 	$(VENV)/bin/ruff check concept_encoder loops launch benchmarks tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 lint: install  ## ruff check and format check
 	$(VENV)/bin/ruff check concept_encoder loops launch benchmarks tests

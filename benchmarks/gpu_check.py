@@ -144,10 +144,9 @@ def compile_part(settings: dict, work: Path):
 
 
 def zero_part(settings: dict, work: Path, cuda: bool):
-    configs = "zero2_offload,zero3_offload" if cuda else "zero3_offload"
-    command = [sys.executable, str(ROOT / "launch/zero_compare.py"), "--configs", configs,
+    command = [sys.executable, str(ROOT / "launch/zero_compare.py"), "--configs", "zero2_offload,zero3_offload",
                "--out_dir", str(work / "zero"), "--workdir", str(work), "--steps", "2", "--untimed_steps", "1",
-               "--timeout", str(TIME_LIMITS_S["zero"] // (2 if cuda else 1)), "--max_seq_length", str(settings["seq_len"]),
+               "--timeout", str(TIME_LIMITS_S["zero"] // 2), "--max_seq_length", str(settings["seq_len"]),
                "--per_device_train_batch_size", str(4 if cuda else settings["batch"]),
                "--tokenizer", "train:wordpiece:8000"]  # fmt: skip
     # from xl (1B) up: the presets below it fit 10 GB with room to spare, and each run costs time

@@ -1,5 +1,6 @@
 """Benchmarks run end to end at toy sizes and their analytic FLOP counts have the right shape in N."""
 
+import csv
 import json
 import sys
 
@@ -103,7 +104,17 @@ def test_gpu_check_dry_runs_every_part_and_marks_gpu_numbers_unavailable(tmp_pat
     assert (
         parts["compile"]["result"]["recompiles_after_warmup"] == 0 and parts["compile"]["result"]["graph_breaks"] == 0
     )
-    assert parts["zero"]["result"]["largest_that_completes"]["zero3_offload"]["status"] == "ok"
+    largest = parts["zero"]["result"]["largest_that_completes"]
+    assert largest["zero2_offload"]["status"] == largest["zero3_offload"]["status"] == "ok"
+    # the zero part is launch/zero_compare.py, as a user runs it: its csv, markdown and plot (once a test of its own,
+    # test_zero_compare_writes_csv_markdown_and_plot, with two more runs)
+    [csv_path] = (tmp_path / "zero").glob("zero_compare_*.csv")
+    rows = list(csv.DictReader(csv_path.open()))
+    assert [r["config"] for r in rows] == ["zero2_offload", "zero3_offload"], f"zero_compare's csv: {rows}"
+    assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 and float(r["rss_gb"]) > 0 for r in rows), rows
+    zero_markdown = csv_path.with_suffix(".md").read_text()
+    assert zero_markdown.count("| zero") == 2 and "GPU columns are unavailable" in zero_markdown, zero_markdown
+    assert csv_path.with_suffix(".png").stat().st_size > 10_000, "zero_compare's plot"
     markdown = (tmp_path / "summary.md").read_text()
     assert "GPU numbers are unavailable" in markdown and markdown.count("| ok |") == 4
     assert markdown in capsys.readouterr().out

@@ -379,6 +379,7 @@ def test_unreadable_files_other_models_and_a_full_disk_are_named(tmp_path, monke
     assert [p.name for p in Path("runs/full/checkpoints").iterdir()] == ["step_0000002"]  # no half checkpoint
 
 
+@pytest.mark.alone
 @pytest.mark.loop
 def test_a_stale_cpu_adam_lock_is_named_not_waited_on(workdir, tmp_path, monkeypatch, capsys):
     from concept_encoder.common import process_group

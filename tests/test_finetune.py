@@ -415,6 +415,7 @@ def test_task_files_as_spreadsheets_and_people_write_them(tmp_path, caplog):
         load_task(TaskArguments(task=str(folder)))
 
 
+@pytest.mark.alone
 @pytest.mark.loop
 def test_two_processes_agree_on_every_metric(workdir, concept_model):
     from concept_encoder.common import process_group

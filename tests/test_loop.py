@@ -158,6 +158,7 @@ def test_init_order(monkeypatch):
     assert calls.count("train_step") == 2
 
 
+@pytest.mark.alone
 @pytest.mark.loop
 @pytest.mark.parametrize("streaming", [False, True])
 def test_two_process_cpu_run_ranks_agree(workdir, streaming):
@@ -183,6 +184,7 @@ def launch_two_processes(workdir: Path, name: str, streaming: bool = False) -> N
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+@pytest.mark.alone  # reads the two-process run above, in the same worker
 @pytest.mark.loop
 def test_a_two_process_run_resumes_on_one_process_with_the_same_global_batch(workdir):
     checkpoint = workdir / "runs" / "ddp" / "checkpoints" / "step_0000002"

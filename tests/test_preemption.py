@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from loop_runs import COMMON, ROOT, fresh_accelerate, workdir  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.alone  # launches ranks and waits on them against the clock
+
 LAUNCHER_WITH_RANKS = """
 import subprocess, sys, time
 ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]) for _ in range(2)]
