@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+from concept_encoder.training.cpu_info import reuse_cpu_info  # noqa: E402
 from concept_encoder.training.extension_locks import stale_lock_message, stale_op_locks  # noqa: E402
 
 # (builder class, op folder name): CPU Adam everywhere, the shared-memory collectives on the CPU accelerator
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         if stale := stale_op_locks(op):
             print(f"error: {stale_lock_message(op, stale)}", file=sys.stderr)
             return 1
+    reuse_cpu_info()  # the build asks about the CPU once, and every later run finds the answer kept
     try:
         from deepspeed.accelerator import get_accelerator
     except ImportError as error:

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
+from .cpu_info import reuse_cpu_info
+
 logger = logging.getLogger("concept_encoder")
 DEFAULT_DDP_TIMEOUT_S = 1800
 
@@ -22,9 +24,11 @@ def setup_distributed() -> PartialState:
 
     Passing `backend="gloo"` on CPU is what makes multi-process CPU runs (DeepSpeed included)
     see the true world size. The timeout comes from `DDP_TIMEOUT` (seconds, default 1800)
-    because arguments are parsed after this step.
+    because arguments are parsed after this step. DeepSpeed's question about the CPU is answered once per
+    machine from here on (`cpu_info.reuse_cpu_info`: seconds of every DeepSpeed rank's start).
     """
     configure_cpu_runtime()
+    reuse_cpu_info()
     follow_launcher()
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or "LOCAL_RANK" in os.environ
     if not launched:
