@@ -37,7 +37,9 @@ def test_a_process_asks_once_and_the_next_process_reads_the_kept_answer(asked, m
     assert cpuinfo.get_cpu_info()["arch"] == "X86_64" and not fresh
 
 
-def test_a_half_written_answer_is_asked_again_and_an_unwritable_folder_only_costs_the_call(asked, monkeypatch, tmp_path):
+def test_a_half_written_answer_is_asked_again_and_an_unwritable_folder_only_costs_the_call(
+    asked, monkeypatch, tmp_path
+):
     kept = cpu_info.cache_file()
     kept.parent.mkdir(parents=True)
     kept.write_text('{"arch": "X86')  # a process killed while writing it

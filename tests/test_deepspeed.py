@@ -3,8 +3,12 @@ the same initial weights), a ZeRO-0/2 run resumes on one process, ZeRO-3 resumes
 model, and the simulated multi-node launch matches single-node (zero_compare's report is checked by the GPU check's
 dry run, tests/test_benchmarks.py, whose zero part it is).
 
-Every launch is a real `accelerate launch` with 2 processes on the tiny `micro` preset, with a timeout. The ZeRO-3
-comparison run is also the one the resume, export and partitioned-load tests start from (`comparison_run`).
+Every launch is a real `accelerate launch` with 2 processes on the tiny `micro` preset, with a timeout. The six
+comparison runs (one per ds config), the ZeRO-3 run from a saved model and the ZeRO-3 distillation are made by one
+launch, one run after another in the same two ranks (`made`, `tests/one_launch_several_runs.py`: the ranks start
+and import once, not eight times); the ZeRO-3 comparison run is also the one the resume, export, partitioned-load
+and multi-node tests start from. The resumes and the two-node run are launches of their own: a fresh process is
+what they check.
 """
 
 import itertools
@@ -38,9 +42,17 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("deepspeed")
 
 
-def launch(workdir: Path, ds_config: str, *loop_args: str, machine: tuple[int, int] | None = None, processes: int = 2):
+def launch(
+    workdir: Path,
+    ds_config: str,
+    *loop_args: str,
+    machine: tuple[int, int] | None = None,
+    processes: int = 2,
+    script: list[str] | None = None,
+):
     """`accelerate launch` of the loop under `ds_configs/<ds_config>.json` on `processes` processes;
-    `machine=(rank, port)` makes it one of two single-process nodes of a simulated 2-machine run."""
+    `machine=(rank, port)` makes it one of two single-process nodes of a simulated 2-machine run; `script` (a
+    script and its first arguments) is launched instead of the loop, with the loop's flags."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if machine is None:
         cmd += ["--config_file", str(ROOT / "launch/cpu.yaml"), "--main_process_port", str(next(_ports))]
@@ -50,7 +62,8 @@ def launch(workdir: Path, ds_config: str, *loop_args: str, machine: tuple[int, i
         cmd += ["--config_file", str(ROOT / "launch/multi_node.yaml"), "--num_processes", "2"]
         cmd += ["--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1"]
         cmd += ["--main_process_port", str(port)]
-    cmd += ["--deepspeed_config_file", str(ROOT / "ds_configs" / f"{ds_config}.json"), *LOOP, *loop_args]
+    cmd += ["--deepspeed_config_file", str(ROOT / "ds_configs" / f"{ds_config}.json")]
+    cmd += [*(script or [LOOP[0]]), *LOOP[1:], *loop_args]
     return process_group.start(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -69,19 +82,41 @@ def losses(workdir: Path, run: str) -> list[float]:
     return [r["loss"] for r in records if r["kind"] == "train"]
 
 
-def comparison_run(workdir: Path, ds_config: str) -> Path:
-    """The 4-step run of `ds_config` (checkpoints at steps 2 and 4, a final model), launched once per module: the
-    ZeRO comparison makes it, and the resharding, resume, export and multi-node tests read it (each launches it
-    when it runs alone)."""
-    run = workdir / "runs" / ds_config
-    if not (run / "summary.json").exists():
-        finish(launch(workdir, ds_config, "--run_name", ds_config, "--max_steps", "4", "--save_steps", "2"))
-    return run
+COMPARED = ("zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
+COMPARISON = ["--max_steps", "4", "--save_steps", "2"]  # checkpoints at steps 2 and 4, a final model
+ONE_LAUNCH = {  # run name: (ds config, its own flags, the runs it starts from); made in this order
+    **{config: (config, COMPARISON, ()) for config in COMPARED},
+    "z3loaded": ("zero3", ["--max_steps", "1", "--model_name_or_path", "runs/zero3/final", "--tokenizer",
+                           "runs/zero3/final", "--preset", "small"], ("zero3",)),
+    # a model folder is read with its own tokenizer and has its own shape ("small" is the default: no preset)
+    "z3distil": ("zero3", ["--max_steps", "4", "--objective", "distill", "--packing", "false", "--teacher",
+                           "teacher", "--learning_rate", "3e-3"], ()),
+}  # fmt: skip
+
+
+def made(workdir: Path, *names: str) -> list[Path]:
+    """The run folders of `names` (`ONE_LAUNCH`), the ones not made yet (and the runs they start from) made by
+    one launch of `tests/one_launch_several_runs.py`: the ZeRO comparison asks for all of them at once, and the
+    resharding, resume, export, multi-node, partitioned-load and distillation tests read theirs (each makes its
+    own when it runs alone)."""
+    wanted = set(names) | {start for name in names for start in ONE_LAUNCH[name][2]}
+    missing = [
+        name for name in ONE_LAUNCH if name in wanted and not (workdir / "runs" / name / "summary.json").exists()
+    ]
+    if "z3distil" in missing and not (workdir / "teacher").exists():
+        from loop_runs import tiny_teacher
+
+        tiny_teacher(workdir / "teacher")
+    if missing:
+        runs = json.dumps([[name, *ONE_LAUNCH[name][:2]] for name in missing])
+        script = [str(ROOT / "tests" / "one_launch_several_runs.py"), runs]
+        finish(launch(workdir, ONE_LAUNCH[missing[0]][0], script=script))
+    return [workdir / "runs" / name for name in names]
 
 
 @pytest.fixture(scope="module")
 def zero0_losses(workdir):
-    comparison_run(workdir, "zero0")
+    made(workdir, *ONE_LAUNCH)
     config = json.loads((workdir / "runs/zero0/config.json").read_text())
     assert config["system"]["world_size"] == 2 and "DEEPSPEED" in config["system"]["distributed_type"]
     return losses(workdir, "zero0")
@@ -90,7 +125,7 @@ def zero0_losses(workdir):
 @pytest.mark.loop
 @pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
 def test_zero_config_matches_zero0(workdir, zero0_losses, ds_config):
-    comparison_run(workdir, ds_config)
+    made(workdir, ds_config)[0]
     got = losses(workdir, ds_config)
     # DeepSpeed's CPU Adam (offload) rounds differently from torch's AdamW, and the default recipe's concept
     # losses carry the difference on: agreement to ~1e-3 relative after 4 steps (the others are bitwise equal)
@@ -112,7 +147,7 @@ def tree_of(folder: Path) -> dict[str, int]:
 @pytest.mark.loop
 @pytest.mark.parametrize("ds_config", ["zero0", "zero2"])
 def test_a_two_process_zero0_or_zero2_run_resumes_on_one_process(workdir, ds_config):
-    checkpoint = comparison_run(workdir, ds_config) / "checkpoints/step_0000002"
+    checkpoint = made(workdir, ds_config)[0] / "checkpoints/step_0000002"
     before, name = tree_of(checkpoint), f"{ds_config}-one"
     out = finish(launch(workdir, ds_config, "--run_name", name, "--max_steps", "4", "--gradient_accumulation_steps",
                         "2", "--save_steps", "2", "--resume_from_checkpoint", str(checkpoint), processes=1))  # fmt: skip
@@ -152,7 +187,7 @@ def adam_state(run_dir: Path, step: int, ranks: int) -> dict:
 
 @pytest.mark.loop
 def test_zero3_resume_is_exact_and_export_is_a_plain_hf_model(workdir):
-    full_run = comparison_run(workdir, "zero3")
+    full_run = made(workdir, "zero3")[0]
     full = losses(workdir, "zero3")
     checkpoint = full_run / "checkpoints/step_0000002"
     assert any(checkpoint.rglob("*optim_states.pt")), "ZeRO-3 writes per-rank optimizer shards"
@@ -180,23 +215,8 @@ def test_zero3_resume_is_exact_and_export_is_a_plain_hf_model(workdir):
 @pytest.mark.loop
 def test_zero3_continues_from_a_saved_model_loaded_partitioned(workdir):
     """`--model_name_or_path` under ZeRO-3: transformers loads the saved weights straight into partitions."""
-    final = comparison_run(workdir, "zero3") / "final"
-    finish(
-        launch(
-            workdir,
-            "zero3",
-            "--run_name",
-            "z3loaded",
-            "--max_steps",
-            "1",
-            "--model_name_or_path",
-            str(final),
-            "--tokenizer",
-            str(final),
-            "--preset",
-            "small",
-        )
-    )  # a model folder is read with its own tokenizer and has its own shape ("small" is the default: no preset)
+    made(workdir, "z3loaded")
+    final = workdir / "runs/zero3/final"
     held = [
         json.loads((workdir / f"runs/z3loaded/ranks/rank{r}.json").read_text())["held_at_construction"] for r in (0, 1)
     ]
@@ -215,7 +235,7 @@ def test_export_gathers_a_zero3_checkpoint_into_the_final_model(workdir, tmp_pat
     gathered by DeepSpeed's zero_to_fp32) computes what the run's final model computes."""
     from concept_encoder.training import export
 
-    run = comparison_run(workdir, "zero3")
+    run = made(workdir, "zero3")[0]
     checkpoint = run / "checkpoints/step_0000004"
     assert sorted(p.name for p in (checkpoint / "pytorch_model").glob("*_model_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt",
@@ -234,7 +254,7 @@ def test_export_gathers_a_zero3_checkpoint_into_the_final_model(workdir, tmp_pat
 
 @pytest.mark.loop
 def test_simulated_two_node_zero3_matches_single_node(workdir):
-    comparison_run(workdir, "zero3")  # the single-node run
+    made(workdir, "zero3")  # the single-node run
     port = next(_ports)
     nodes = [launch(workdir, "zero3", "--run_name", "z3nodes", "--max_steps", "4", machine=(r, port)) for r in (0, 1)]
     for node in nodes:
@@ -249,11 +269,7 @@ def test_simulated_two_node_zero3_matches_single_node(workdir):
 @pytest.mark.loop
 def test_distillation_under_zero3_trains_the_sharded_student_and_the_ranks_agree(workdir):
     """The teacher's targets are computed before the engine exists; the projection is the objective's own."""
-    from loop_runs import tiny_teacher
-
-    teacher = tiny_teacher(workdir / "teacher")
-    finish(launch(workdir, "zero3", "--run_name", "z3distil", "--max_steps", "4", "--objective", "distill",
-                  "--packing", "false", "--teacher", str(teacher), "--learning_rate", "3e-3"))  # fmt: skip
+    made(workdir, "z3distil")
     records = [json.loads(x) for x in (workdir / "runs/z3distil/metrics.jsonl").read_text().splitlines()]
     distilled = [r["distill/cosine"] for r in records if r["kind"] == "train"]
     assert len(distilled) == 4 and distilled[-1] < distilled[0]
