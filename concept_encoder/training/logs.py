@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import importlib.metadata
 import json
 import logging
 import os
@@ -122,11 +123,9 @@ def system_info(state: PartialState) -> dict:
             gpu_memory_gb=round(props.total_memory / 2**30, 1),
             capability=f"{props.major}.{props.minor}",
         )
-    try:
-        import deepspeed
-
-        info["deepspeed"] = deepspeed.__version__
-    except ImportError:
+    try:  # the installed version, read from its metadata: importing DeepSpeed costs a run without it ~0.6 s
+        info["deepspeed"] = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
         pass
     return info
 
