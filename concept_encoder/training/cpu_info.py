@@ -5,7 +5,7 @@ width for the compile flags of CPU Adam and, on a CPU-only machine, the shared-m
 when CPU Adam is created (the vendor, for a warning): 2 to 4 calls in every rank of a DeepSpeed run. Each
 call starts py-cpuinfo afresh in a Python subprocess that probes CPUID and times the clock, about a second
 on 2 cores, so a rank of an offloaded run spent ~4 s of its start asking the same question (measured with
-py-spy on a 1-process `zero2_offload` launch: 4.7 s of the rank's 20).
+py-spy on a 1-process `zero2_offload` launch: 4.7 s of its 25 s of CPU time).
 
 `reuse_cpu_info()` (step 1 of each loop, and `launch/build_ops.py` at `make install`) replaces
 `cpuinfo.get_cpu_info` with a version that answers from this process's first answer, and that first answer
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import platform
 from pathlib import Path
@@ -39,10 +40,8 @@ def cpu_fingerprint(proc_cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
         return None
     identifying = sorted({line.strip() for line in lines if line.split(":")[0].strip() in IDENTIFYING_FIELDS})
     try:
-        from importlib.metadata import version
-
-        cpuinfo_version = version("py-cpuinfo")
-    except Exception:  # not installed as a distribution: the answer's format is what we have
+        cpuinfo_version = importlib.metadata.version("py-cpuinfo")
+    except importlib.metadata.PackageNotFoundError:  # not installed as a distribution
         cpuinfo_version = "unknown"
     text = "\n".join([platform.machine(), cpuinfo_version, *identifying])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
