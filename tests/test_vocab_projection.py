@@ -80,3 +80,26 @@ def test_no_gradients_are_computed_under_no_grad():
         loss = linear_cross_entropy(hidden, weight, None, targets)
     assert inference.get_total_flops() == 2 * 6 * 8 * 20 and training.get_total_flops() == 3 * 2 * 6 * 8 * 20
     assert not loss.requires_grad
+
+
+def test_under_fp16_a_rare_tokens_gradient_survives_until_the_loss_scale_multiplies_it():
+    """fp16's GradScaler multiplies the gradient in backward; the gradients computed in forward must not have
+    flushed the small softmax entries of a large vocabulary to zero first (they are computed in float32)."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 4096
+    hidden = torch.randn(8, H, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, H, generator=g).mul_(0.3)
+    weight[:8] *= 30  # eight tokens take almost all the probability: the other rows' softmax entries are tiny
+    weight.requires_grad_()
+    targets = torch.arange(8)
+    scale = 2.0**16
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = linear_cross_entropy(hidden, weight, None, targets)
+    (scaled,) = torch.autograd.grad(loss * scale, [weight])  # what the scaler's backward computes
+    (want,) = torch.autograd.grad(reference(hidden, weight, None, targets), [weight])  # float32, unscaled
+    rare = want[8:].abs().amax(dim=1) > 0  # rows with a gradient in float32
+    small = want[8:].abs().amax(dim=1) < 6e-8  # below float16's smallest subnormal before scaling
+    assert (rare & small).sum() > 100  # the case exists in this example
+    assert (scaled[8:].abs().amax(dim=1)[rare] > 0).all()  # every rare row keeps a gradient
+    ratio = (scaled[8:][rare] / scale).norm(dim=1) / want[8:][rare].norm(dim=1)
+    assert ratio.min() > 0.9 and ratio.max() < 1.1  # and of the right size (fp16 logits: a few % off)

@@ -34,16 +34,27 @@ def chunk_rows(vocab_size: int) -> int:
     return max(1, VOCAB_CHUNK_ELEMENTS // max(vocab_size, 1))
 
 
+def gradient_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the gradients are computed in: float32 under float16. They are the gradients of the loss itself,
+    computed in forward before fp16's GradScaler multiplies them (in backward) by its scale of up to 2^16: in
+    float16 a softmax entry of a 30k vocabulary (~3e-5) is at the edge of its range (normal down to 6e-5, zero
+    below 6e-8), so rare tokens' rows would get no gradient. bf16 has float32's range and keeps its own dtype."""
+    return torch.float32 if compute_dtype == torch.float16 else compute_dtype
+
+
 def _chunked_loss_and_gradients(hidden, weight, bias, targets, row_weights, compute_dtype, needs):
-    """The work of `linear_cross_entropy`: (loss `[]` float32, grad_hidden `[L,H]`, grad_weight `[V,H]` float32,
-    grad_bias `[V]` float32), each gradient its own empty `[0]` (outputs may not alias) where `needs` (hidden, weight, bias) says it is not
-    wanted; the gradients are of the loss itself (backward multiplies them by the incoming scalar)."""
+    """The work of `linear_cross_entropy`: (loss `[]` float32, grad_hidden `[L,H]` in `gradient_dtype`, grad_weight
+    `[V,H]` float32, grad_bias `[V]` float32), each gradient its own empty `[0]` (outputs may not alias) where
+    `needs` (hidden, weight, bias) says it is not wanted; the gradients are of the loss itself (backward
+    multiplies them by the incoming scalar)."""
     with torch.autocast(hidden.device.type, enabled=False):
         h = hidden.to(compute_dtype)
         w = weight.to(compute_dtype)
         b = None if bias is None else bias.to(compute_dtype)
+        grad_type = gradient_dtype(compute_dtype)
+        hg, wg = h.to(grad_type), w.to(grad_type)  # the same tensors unless fp16 (then float32 copies)
         rows, vocab = h.shape[0], w.shape[0]
-        grad_hidden = torch.empty_like(h) if needs[0] else None  # [L,H]
+        grad_hidden = torch.empty_like(hg) if needs[0] else None  # [L,H]
         grad_weight = None  # [V,H] float32: the first chunk's product, then summed into (no [V,H] zero fill)
         grad_bias = torch.zeros(vocab, dtype=torch.float32, device=w.device) if needs[2] and b is not None else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -65,11 +76,11 @@ def _chunked_loss_and_gradients(hidden, weight, bias, targets, row_weights, comp
             zf.div_(total).scatter_add_(1, t, torch.full_like(picked, -1.0))  # softmax - onehot
             if scale is not None:
                 zf.mul_(scale)
-            g = zf.to(compute_dtype)  # [R,V]
+            g = zf.to(grad_type)  # [R,V]
             if grad_hidden is not None:
-                torch.mm(g, w, out=grad_hidden[part])
+                torch.mm(g, wg, out=grad_hidden[part])
             if needs[1]:
-                product = g.t() @ h[part]  # [V,H]
+                product = g.t() @ hg[part]  # [V,H]
                 if grad_weight is None:
                     grad_weight = product.float()  # no copy in float32
                 else:
@@ -86,7 +97,7 @@ def _fake_loss_and_gradients(hidden, weight, bias, targets, row_weights, compute
     f32 = torch.float32
     return (
         hidden.new_empty((), dtype=f32),
-        hidden.new_empty(hidden.shape, dtype=compute_dtype) if needs[0] else hidden.new_empty(0),
+        hidden.new_empty(hidden.shape, dtype=gradient_dtype(compute_dtype)) if needs[0] else hidden.new_empty(0),
         weight.new_empty(weight.shape, dtype=f32) if needs[1] else hidden.new_empty(0),
         weight.new_empty(weight.shape[:1], dtype=f32) if needs[2] and bias is not None else hidden.new_empty(0),
     )
@@ -102,7 +113,7 @@ def _save_gradients(ctx, inputs, output):
 def _scale_gradients(ctx, grad_loss, *unused_output_grads):
     grads = []
     for saved, dtype in zip(ctx.saved_tensors, ctx.grad_dtypes, strict=True):
-        grads.append(None if dtype is None else (saved * grad_loss.to(saved.dtype)).to(dtype))
+        grads.append(None if dtype is None else (saved * grad_loss.to(saved.dtype)).to(dtype))  # scaled, then cast
     return (*grads, None, None, None, None)
 
 
