@@ -8,8 +8,10 @@ every later run, and a first `make train-3080` or ZeRO test starts at once. Deep
 
     python launch/build_ops.py        # prints what it built or found, and how long it took
 
-A stale build lock (a build killed half-way) is named with the command that removes it, exit 1; without
-DeepSpeed or a compiler it says so and exits 0: the ops are then built on first use, or that run says why not.
+A stale build lock (a build killed half-way) is named with the command that removes it, exit 1; so is an op that
+fails to build (no compiler, a missing header), with the compiler's first error line (`--verbose`: all its output),
+since a run that needs the op would fail the same way minutes into its start. Without DeepSpeed it says so and
+exits 0: nothing is there to build.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ OPS = (("CPUAdamBuilder", "cpu_adam"), ("ShareMemCommBuilder", "deepspeed_shm_co
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="launch/build_ops.py", description="Build DeepSpeed's CPU Adam and CPU collectives once (make install)."
-    ).parse_args(argv)
+    )
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    args = parser.parse_args(argv)
     for _, op in OPS:  # a lock nobody holds would make the build below wait forever
         if stale := stale_op_locks(op):
             print(f"error: {stale_lock_message(op, stale)}", file=sys.stderr)
@@ -42,18 +46,41 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as error:
         print(f"DeepSpeed's ops are not built: deepspeed does not import ({error})", file=sys.stderr)
         return 0
+    failures = build(get_accelerator(), verbose=args.verbose)
+    for failure in failures:
+        print(f"error: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def build(accelerator, verbose: bool = False) -> list[str]:
+    """Build (or find built) each op of `OPS` that DeepSpeed's `accelerator` has; one line per op that failed,
+    naming it, why, and what to do."""
+    failures = []
     for name, op in OPS:
-        builder = get_accelerator().create_op_builder(name)
+        builder = accelerator.create_op_builder(name)
         if builder is None or not builder.is_compatible(verbose=False):
             continue  # this accelerator has no such op (the shared-memory collectives are CPU-only)
         started = time.perf_counter()
         try:
-            builder.load(verbose=False)
-        except Exception as error:  # a missing compiler or header: the run that needs the op says it again
-            print(f"DeepSpeed's {op} op is not built ({type(error).__name__}: {error})", file=sys.stderr)
+            builder.load(verbose=verbose)
+        except Exception as error:  # a missing compiler or header, a compile error
+            failures.append(
+                f"DeepSpeed's {op} op did not build ({failure_reason(error)}); install what it names (g++ and "
+                "ninja: apt-get install g++ ninja-build), then rerun python launch/build_ops.py (--verbose: the "
+                "compiler's output)"
+            )
             continue
         print(f"DeepSpeed op {op}: ready ({time.perf_counter() - started:.0f} s)")
-    return 0
+    return failures
+
+
+def failure_reason(error: BaseException) -> str:
+    """The error's type and first line, and the first later line that names an error (torch's build error
+    carries the compiler's whole output), in one line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    first_error = next((line for line in lines[1:] if "error" in line.lower()), None)
+    text = ": ".join(line for line in (lines[0] if lines else "", first_error) if line)
+    return f"{type(error).__name__}: {text[:300]}" if text else type(error).__name__
 
 
 if __name__ == "__main__":

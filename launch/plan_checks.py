@@ -1,9 +1,9 @@
 """The launch plan checker's checks: each family reads a resolved `Plan` and returns OK / WARNING / ERROR `Check`s.
 
 The families, in the order `run_checks` reports them: batch arithmetic and world size vs GPUs
-(`check_batch`), ZeRO / offload, CPU Adam, NVMe paths and host RAM (`check_zero`), precision
-(`check_precision`), shapes and tokenizer (`check_shapes`), dataset, model, output and resume paths
-(`check_paths`, `check_resume`), GPU memory (`check_memory`) and decision gates (`check_gates`);
+(`check_batch`), ZeRO / offload, torch.compile under ZeRO-3, CPU Adam, NVMe paths and build, host RAM
+(`check_zero`), precision (`check_precision`), shapes and tokenizer (`check_shapes`), dataset, model, output and
+resume paths (`check_paths`, `check_resume`), GPU memory (`check_memory`) and decision gates (`check_gates`);
 `suggest` ranks every ds config for the same plan. `launch/check_plan.py` resolves the plan from the
 command line and prints what these return.
 
@@ -32,11 +32,13 @@ from concept_encoder.data.modules import is_modules_spec
 from concept_encoder.training.args import ModelArguments, TrainingArguments
 from concept_encoder.training.checkpoint import CheckpointError, resolve_resume
 from concept_encoder.training.extension_locks import stale_lock_message, stale_op_locks
+from concept_encoder.training.machine_checks import nvme_offload_problem
 from concept_encoder.training.plan import (
     decoded_fraction,
     deepspeed_batch_values,
     fresh_model_fields,
     output_dir_problem,
+    zero3_compile_problem,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,14 +197,18 @@ def check_world_size(plan: Plan) -> Check:
 
 
 def check_zero(plan: Plan, ds_cfg, estimate) -> list[Check]:
-    """ZeRO stage and offload, the CPU Adam op, NVMe paths and host RAM for the offloaded model states."""
+    """ZeRO stage and offload, --torch_compile under ZeRO-3, the CPU Adam op, NVMe paths and what NVMe offload
+    builds with, host RAM for the offloaded model states."""
     if ds_cfg is None:
         return [Check("ZeRO / offload", OK, "no DeepSpeed: plain accelerate (DDP when several processes)")]
     stage, offload_opt, offload_par = memory.zero_settings(ds_cfg)
     checks = [check_offload(stage, offload_opt, offload_par)]
+    if problem := zero3_compile_problem(plan.train, ds_cfg):
+        checks.append(Check("torch.compile", ERROR, *problem))
     if offload_opt:
         checks.append(check_cpu_adam())
     checks += check_nvme_paths(ds_cfg)
+    checks += check_nvme_build(plan, ds_cfg)
     if plan.host_memory_gb:
         checks.append(check_host_ram(plan, ds_cfg, estimate))
     return checks
@@ -260,6 +266,17 @@ def check_nvme_paths(ds_cfg: dict) -> list[Check]:
             else:
                 checks.append(Check(f"NVMe path ({key})", OK, f"{path} is writable"))
     return checks
+
+
+def check_nvme_build(plan: Plan, ds_cfg: dict) -> list[Check]:
+    """NVMe offload's async_io op can be built on this machine: libaio, and nvcc for a GPU plan
+    (`machine_checks.nvme_offload_problem`, which the loop's preflight refuses on too)."""
+    if not memory.nvme_offloaded(ds_cfg):
+        return []
+    if problem := nvme_offload_problem(ds_cfg, cuda=plan.gpus_per_node > 0):
+        return [Check("NVMe offload op (async_io)", ERROR, *problem)]
+    needs = "libaio and nvcc found" if plan.gpus_per_node else "libaio found"
+    return [Check("NVMe offload op (async_io)", OK, f"buildable here ({needs}) or prebuilt in DeepSpeed")]
 
 
 def check_host_ram(plan: Plan, ds_cfg: dict, estimate) -> Check:

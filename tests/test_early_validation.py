@@ -100,6 +100,23 @@ def test_bad_arguments_fail_before_data_and_model_are_built(tmp_path, monkeypatc
     assert not (tmp_path / "escaped").exists() and not (tmp_path / "abs").exists()
 
 
+def test_a_gpu_torch_cannot_use_is_refused_by_the_loop_before_anything_is_built(tmp_path, monkeypatch):
+    """The driver's GPU is seen by the loop's own preflight (step 4, with the device it got: the CPU), before the
+    data, the model or a run folder; `--allow_cpu` and the unit cases: test_machine_checks.py."""
+    import torch
+
+    from concept_encoder.training import machine_checks
+
+    monkeypatch.setattr(machine_checks, "driver_gpu", lambda: machine_checks.DriverGpu("550.54.15", "12.4"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for chosen_cpu in ("CUDA_VISIBLE_DEVICES", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(chosen_cpu, raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^the NVIDIA driver sees a GPU \(nvidia-smi: driver 550.54.15, CUDA 12.4\)"):
+        run("--run_name", "unseen-gpu")
+    assert not Path("runs/unseen-gpu").exists() and not Path("Cache/datasets").exists()
+
+
 def yaml_file(folder: Path, text: str) -> Path:
     path = folder / "run.yaml"
     path.write_text(text)

@@ -43,6 +43,7 @@ TORCH_FREE = [
     "concept_encoder.training.faults",
     "concept_encoder.training.metrics_log",
     "concept_encoder.training.extension_locks",
+    "concept_encoder.training.machine_checks",
     "concept_encoder.training.preflight",
     "concept_encoder.decide.compare",
 ]

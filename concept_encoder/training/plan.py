@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..accounting.memory import zero_settings
 from ..common.dataclass_args import to_argv
 from ..common.paths import OWNER_MARKER, folder_problem, unusable_path
 from ..model.presets import PRESETS
@@ -110,6 +111,19 @@ def launched_ds_config() -> dict | None:
     for key, variable in (("offload_optimizer", "OPTIMIZER"), ("offload_param", "PARAM")):
         zero[key] = {"device": os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{variable}_DEVICE", "none")}
     return {"zero_optimization": zero}
+
+
+def zero3_compile_problem(training_args, ds_config: dict | None) -> tuple[str, str] | None:
+    """(why, the fix) when `--torch_compile` meets a ZeRO-3 ds config, else None. ZeRO-3 keeps each layer's
+    parameters partitioned and gathers them in forward hooks just before the layer runs; dynamo would trace
+    those hooks (collectives, parameters whose storage comes and goes) or break its graph at every layer."""
+    if not training_args.torch_compile or zero_settings(ds_config)[0] != 3:
+        return None
+    return (
+        "--torch_compile under ZeRO-3 (this launch's ds config has stage 3): dynamo would trace the hooks with which "
+        "ZeRO-3 gathers each layer's partitioned parameters",
+        "launch with a ZeRO-0/1/2 config (ds_configs/zero2.json) or drop --torch_compile",
+    )
 
 
 def output_dir_problem(output_dir: str) -> str | None:

@@ -15,6 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from ..accounting.architectures import readable_positions
 from ..accounting.memory import GIB, estimate_training_memory, zero_settings
 from ..common.paths import cache_path, folder_problem
 from ..data.base import DataSourceError
@@ -22,6 +23,7 @@ from .args import ARGUMENT_CLASSES, parse_args
 from .checkpoint import resolve_resume
 from .extension_locks import StaleLockError, stale_lock_message, stale_op_locks
 from .faults import DiskFullError, RunFolderError
+from .machine_checks import nvme_offload_problem, unseen_gpu_problem
 from .model_folder import model_folder_problem
 from .plan import (
     decoded_fraction,
@@ -30,6 +32,7 @@ from .plan import (
     fresh_model_fields,
     launched_ds_config,
     output_dir_problem,
+    zero3_compile_problem,
 )
 
 
@@ -46,8 +49,9 @@ def cuda_present() -> bool:
 
 
 def preflight(model_args, data_args, training_args, cuda: bool) -> None:
-    """ValueError naming the first argument this run cannot work with (`cuda`: a GPU is in use), or
-    `StaleLockError` when the launch offloads the optimizer and a stale CPU Adam build lock would hang it.
+    """ValueError naming the first argument this run cannot work with (`cuda`: a GPU is in use), or what this
+    machine lacks for it (`machine_checks`: a GPU torch cannot use, unless --allow_cpu; libaio or nvcc for NVMe
+    offload), or `StaleLockError` when the launch offloads the optimizer and a stale CPU Adam build lock would hang it.
 
     `model_args` needs `model_name_or_path`, `data_args` `max_seq_length` (both loops' arguments have them).
     """
@@ -59,6 +63,8 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
         raise RunFolderError(problem)  # someone's own folder: before any data or model is built
     if problem := folder_problem(cache_path("Cache"), "the cache folder (tokenizers, datasets, logs, reports)"):
         raise ValueError(f"{problem}; run from a folder whose Cache/ can be written, or make it writable")
+    if not cuda and not training_args.allow_cpu and (problem := unseen_gpu_problem()):
+        raise ValueError(problem)  # before the CPU's own refusals: their cause is the torch this machine has
     if effective_precision(training_args.mixed_precision) == "fp16" and not cuda:
         raise ValueError(
             "mixed precision fp16 needs a CUDA GPU and this run is on the CPU; "
@@ -66,6 +72,9 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
         )
     if (ds_config := launched_ds_config()) and (problems := ds_config_problems(ds_config)):
         raise ValueError(f"the DeepSpeed config of this launch is out of range: {'; '.join(problems)}")
+    for problem in (zero3_compile_problem(training_args, ds_config), nvme_offload_problem(ds_config, cuda)):
+        if problem:
+            raise ValueError("; ".join(problem))
     if zero_settings(ds_config)[1] and (stale := stale_op_locks("cpu_adam")):
         raise StaleLockError(stale_lock_message("cpu_adam", stale))  # the optimizer would wait on it forever
     config = None  # the saved model's config.json, read once for the checks below
@@ -73,11 +82,11 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
         if problem := model_folder_problem(model_args.model_name_or_path, weights=False):
             raise ValueError(f"--model_name_or_path: {problem}")
         config = json.loads((Path(model_args.model_name_or_path) / "config.json").read_text())
-        positions = config.get("max_position_embeddings")
+        positions = readable_positions(config)  # roberta-base's 514 rows read 512 tokens
         whole = not getattr(model_args, "chunk_length", None)  # chunks: checked against the table by chunk_problem
         if whole and positions is not None and data_args.max_seq_length > positions:
             if getattr(model_args, "extend_positions", "no") == "no":
-                raise ValueError(beyond_positions(data_args.max_seq_length, positions))
+                raise ValueError(beyond_positions(data_args.max_seq_length, positions, config))
         weights = not getattr(model_args, "from_scratch", False)  # a random twin needs the config only
         if weights and (problem := model_folder_problem(model_args.model_name_or_path)):
             raise ValueError(f"--model_name_or_path: {problem}")
@@ -85,10 +94,16 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
         raise ValueError(problem)
 
 
-def beyond_positions(max_seq_length: int, positions: int) -> str:
-    """The refusal of a saved model read past its position table, with both ways out."""
+def beyond_positions(max_seq_length: int, positions: int, config: dict | None = None) -> str:
+    """The refusal of a saved model read past its position table, with both ways out (`config`: its config.json,
+    to name table rows that sit before the first position, as RoBERTa's do)."""
+    rows = (config or {}).get("max_position_embeddings", positions)
+    table = f"max_position_embeddings={positions}"
+    if rows != positions:
+        table = f"{positions} positions (max_position_embeddings={rows}; its {config['model_type']} position ids start "
+        table += f"after the padding index, so {rows - positions} rows are never read)"
     return (
-        f"max_seq_length={max_seq_length} exceeds the model's max_position_embeddings={positions}; lower "
+        f"max_seq_length={max_seq_length} exceeds the model's {table}; lower "
         "--max_seq_length, or pass --extend_positions copy to grow its position table by repeating the trained "
         "rows (docs/model.md)"
     )
