@@ -180,13 +180,13 @@ def run_probe_only(preset: str, seq_len: int) -> int:
     from accelerate import PartialState
 
     from concept_encoder import config_from_preset
-    from concept_encoder.training.runtime import probe_attention_kernels
+    from concept_encoder.training.attention_probe import probe_attention_kernels
 
     config = config_from_preset(preset, vocab_size=8000)
     batch = {"input_ids": torch.zeros(2, seq_len, dtype=torch.long), "attention_mask": torch.ones(2, seq_len)}
-    verdict = probe_attention_kernels(config, batch, PartialState())
-    dtype = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
-    print(json.dumps({**verdict, "dtype": dtype, "preset": preset, "seq_len": seq_len}))
+    bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    verdict = probe_attention_kernels(config, batch, PartialState(), torch.bfloat16 if bf16 else torch.float32)
+    print(json.dumps({**verdict, "preset": preset, "seq_len": seq_len}))  # its dtype: bf16, or fp32 on the CPU
     return 0
 
 
@@ -195,7 +195,7 @@ def describe(part: str, result: dict) -> str:
         return result.get("error", "")
     r = result["result"]
     if part == "probe":
-        kernels = ", ".join(f"{k}={'yes' if r[k] else 'no'}" for k in ("flash", "memory_efficient", "math"))
+        kernels = ", ".join(f"{k}={'yes' if r[k] else 'no'}" for k in ("flash", "memory_efficient", "cudnn", "math"))
         return f"{r['preset']} at N={r['seq_len']}, {r['dtype']}: {kernels}"
     if part == "loop":
         mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ", MFU unavailable (no peak)"

@@ -20,11 +20,16 @@ forward matmul). The latent layers are counted on their C concept rows, not the 
     head                2·M·H² + 2·M·H·V   transform and vocabulary projection at the masked positions
 
 BERT (`model_type` "bert", the baseline), per layer 8·N·H² (queries, keys, values, output) + 4·N²·H
-(scores and values) + 4·N·H·I (FFN), and the same head at the masked positions.
+(scores and values) + 4·N·H·I (FFN), and the same head at the masked positions. The other token encoders with
+plain self-attention (`architectures.TOKEN_ENCODERS`: RoBERTa, DistilBERT, MPNet, ...) have BERT's encoder and
+classifier count; their MLM heads (every position, not the masked ones) are not modelled.
 
 A sequence classifier (`classifier_forward_flops`) is the encoder without the MLM decoder and head, plus its
-pooling head: 2·H² + 2·H·K for K labels (BERT's pooler and classifier; a Concept Encoder's dense and classifier,
-and 2·C·H for weighted concept pooling).
+pooling head: 2·H² + 2·H·K for K labels (BERT's pooler and classifier; RoBERTa's and MPNet's dense and out_proj,
+DistilBERT's pre_classifier and classifier; a Concept Encoder's dense and classifier, and 2·C·H for weighted
+concept pooling).
+
+An architecture outside these raises `UnmodelledArchitecture`, naming it: a count is never guessed.
 """
 
 from __future__ import annotations
@@ -32,15 +37,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..model.constants import refining_layers, token_kv_groups
+from .architectures import CONCEPT_MODEL_TYPE, TOKEN_ENCODERS, UnmodelledArchitecture, token_encoder_sizes, unmodelled
+
+
+def concept_config(config: Mapping, what: str = "the FLOPs") -> Mapping:
+    """`config` when it is a Concept Encoder's (its `model_type`, or none: a preset's fields), else
+    `UnmodelledArchitecture` naming what is not known of it."""
+    if config.get("model_type", CONCEPT_MODEL_TYPE) != CONCEPT_MODEL_TYPE:
+        raise UnmodelledArchitecture(unmodelled(config.get("model_type"), what))
+    return config
 
 
 def encoder_forward_flops(config: Mapping, seq_len: int, returns_tokens: bool = False) -> float:
     """Matmul FLOPs of one sequence's pass through the encoder alone (embeddings to the last layer);
     `returns_tokens`: the refined tokens are an output, so the last layer refines them too."""
+    if config.get("model_type") in TOKEN_ENCODERS:
+        sizes = token_encoder_sizes(config)
+        H, L, N, inner = sizes["hidden_size"], sizes["num_hidden_layers"], seq_len, sizes["intermediate_size"]
+        return L * (8 * N * H * H + 4 * N * N * H + 4 * N * H * inner)
+    concept_config(config)
     H, L, N = config["hidden_size"], config["num_hidden_layers"], seq_len
     inner = config["intermediate_size"]
-    if config.get("model_type") == "bert":
-        return L * (8 * N * H * H + 4 * N * N * H + 4 * N * H * inner)
     C = config["concept_num"]
     groups = token_kv_groups(config.get("token_kv_sharing", "none"), L)
     layer = 4 * C * N * H + 4 * C * H * H + 8 * C * H * H + 4 * C * C * H + 6 * C * H * inner
@@ -51,10 +68,11 @@ def encoder_forward_flops(config: Mapping, seq_len: int, returns_tokens: bool = 
 
 def classifier_forward_flops(config: Mapping, seq_len: int) -> float:
     """Matmul FLOPs of one sequence's forward pass through a sequence classifier (see the module doc)."""
-    H = config["hidden_size"]
     labels = len(config["id2label"]) if config.get("id2label") else config.get("num_labels", 2)
-    if config.get("model_type") == "bert":
+    if config.get("model_type") in TOKEN_ENCODERS:
+        H = token_encoder_sizes(config)["hidden_size"]
         return encoder_forward_flops(config, seq_len) + 2 * H * H + 2 * H * labels
+    H = concept_config(config)["hidden_size"]
     pooling = config.get("classifier_pooling", "weighted")
     weighted = 2 * config["concept_num"] * H if pooling == "weighted" else 0
     return (
@@ -63,12 +81,22 @@ def classifier_forward_flops(config: Mapping, seq_len: int) -> float:
 
 
 def mlm_forward_flops(config: Mapping, seq_len: int, mlm_probability: float = 0.15) -> float:
-    """Matmul FLOPs of one sequence's forward pass (`config`: a `ConceptEncoderConfig.to_dict()` or preset)."""
+    """Matmul FLOPs of one sequence's forward pass (`config`: a `ConceptEncoderConfig.to_dict()` or preset, or the
+    BERT baseline's, whose head reads the masked positions only)."""
+    bert = config.get("model_type") == "bert"
+    if not bert and config.get("model_type") in TOKEN_ENCODERS:
+        raise UnmodelledArchitecture(
+            f"the MLM FLOPs of model_type {config['model_type']!r} are not modelled: its MLM head predicts every "
+            "position, and this count has the Concept Encoder's decoders and the BERT baseline's head at the masked "
+            "positions only (its encoder and classifier are counted: classifier_forward_flops)"
+        )
+    if not bert:
+        concept_config(config)
     H, V = config["hidden_size"], config["vocab_size"]
     inner = config["intermediate_size"]
     M = mlm_probability * seq_len
     head = 2 * M * H * H + 2 * M * H * V
-    if config.get("model_type") == "bert":
+    if bert:
         return encoder_forward_flops(config, seq_len) + head
     C = config["concept_num"]
     if config.get("decoder_type", "perceiver") == "weighted":

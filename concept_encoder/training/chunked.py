@@ -16,12 +16,17 @@ feature is the mean of its tokens rather than its first token's state.
 With `length=None` the whole input is one chunk: the mean of its real tokens' states replaces `[CLS]` as the
 pooler's input (`--pooling mean` for a token encoder), so BERT has the mean pooling a Concept Encoder has.
 
+Both feed the pooler, so both need a classifier that has one (BERT's). RoBERTa's, DistilBERT's and MPNet's heads
+read the first token's state themselves: the pooled vector would be dropped and the classifier would go on reading
+`[CLS]` (of the first chunk only), so `pooler_problem` refuses them in one line instead.
+
 Why hand-written: transformers has no chunked reading for encoders (its strided `overflowing_tokens` splits an
 input into separate examples, which the classifier would then score one by one).
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -31,8 +36,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from .probe import CONCEPT_MODEL_TYPE, masked_mean
 
 
-def chunk_problem(config, length: int | None) -> str | None:
-    """Why a model of `config` cannot read in chunks of `length` tokens (None: mean-pooled whole), else None."""
+def chunk_problem(config, length: int | None, model=None) -> str | None:
+    """Why a model of `config` (`model`: its sequence classifier, when built) cannot read in chunks of `length`
+    tokens (None: mean-pooled whole), else None."""
     if config.model_type == CONCEPT_MODEL_TYPE:
         return (
             "a Concept Encoder reads the whole input (its cost is linear in it); --chunk_length is for token encoders"
@@ -40,7 +46,25 @@ def chunk_problem(config, length: int | None) -> str | None:
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and length is not None and length > positions:
         return f"--chunk_length {length} is longer than the model's {positions} positions; give at most {positions}"
-    return None
+    return pooler_problem(config, model)
+
+
+def pooler_problem(config, model=None) -> str | None:
+    """Why the chunked or mean reading cannot feed the sequence classifier of a token encoder of `config` (`model`:
+    that classifier, else built on the meta device, without memory, to look): it has no pooler (the module doc);
+    None when it has one."""
+    if model is None:
+        from transformers import AutoModelForSequenceClassification
+
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(copy.deepcopy(config))
+    if getattr(model.base_model, "pooler", None) is not None:
+        return None
+    return (
+        f"{config.model_type}'s sequence classifier reads its first token's state in its own head, not through a "
+        "pooler, so neither the mean token state (--pooling mean) nor chunks (--chunk_length) can feed it (it would "
+        "go on reading [CLS] alone); use --pooling auto without --chunk_length, or a model with a pooler (BERT)"
+    )
 
 
 def apply_reading(model, chunk_length: int | None, pooling: str) -> str | None:
@@ -59,7 +83,7 @@ def read_in_chunks(model, length: int | None) -> None:
     """Make `model` (an `AutoModelForSequenceClassification`) read its inputs in chunks of `length` tokens (None:
     the whole input as one chunk), as the module docstring draws; its weights and saved form are unchanged (apply
     again after loading)."""
-    if problem := chunk_problem(model.config, length):
+    if problem := chunk_problem(model.config, length, model):
         raise ValueError(problem)
     base = model.base_model
     encode = base.forward

@@ -17,9 +17,8 @@ import inspect
 import numpy as np
 import torch
 
+from ..accounting.architectures import CONCEPT_MODEL_TYPE
 from ..tasks.linear import fit_linear, label_arrays
-
-CONCEPT_MODEL_TYPE = "concept_encoder"
 
 
 def masked_mean(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
