@@ -66,6 +66,7 @@ from concept_encoder.tasks.metrics import (
     predictions_from_logits,
 )
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
+from concept_encoder.training.attention_probe import compute_dtype, probe_attention_kernels
 from concept_encoder.training.batches import LengthBucketedBatches, accumulation_windows
 from concept_encoder.training.checkpoint import (
     CheckpointError,
@@ -87,15 +88,19 @@ from concept_encoder.training.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, Gat
 from concept_encoder.training.logs import log_model_info, log_system_info, setup_logging
 from concept_encoder.training.metrics_log import MetricsWriter, read_metrics
 from concept_encoder.training.model import build_classifier, check_pooling
-from concept_encoder.training.model_folder import check_model_folder, holds_only_saved_model_files, model_digest
-from concept_encoder.training.optim import build_optimizer, build_scheduler
+from concept_encoder.training.model_folder import (
+    check_model_folder,
+    holds_only_saved_model_files,
+    model_digest,
+    save_model_weights,
+)
+from concept_encoder.training.optim import build_optimizer, build_scheduler, count_skipped_step, finish_step
 from concept_encoder.training.probe import describe_pooling, linear_probe
 from concept_encoder.training.runs import init_wandb, save_run_config, setup_run_dirs
 from concept_encoder.training.runtime import (
     maybe_compile,
     model_state_dict,
     plain_model,
-    probe_attention_kernels,
     set_tf32,
     setup_distributed,
 )
@@ -116,32 +121,25 @@ def model_tag(path: str, from_scratch: bool) -> str:
     return f"{name}{'-scratch' if from_scratch else ''}"
 
 
-def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm: float) -> float:
-    """One optimizer step over the micro-batches of `window`; returns the last micro-batch's loss. A loss that is
-    not finite on any rank (agreed across ranks, so all stop together) ends the run before the optimizer applies
-    it: `NonFiniteLossError`, no NaN weights saved or reported."""
+def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm: float) -> dict:
+    """One optimizer step over the micro-batches of `window`: {"loss": the last micro-batch's, "applied",
+    "what"}. A step whose loss is not finite on any rank (agreed across ranks, so all skip together) or whose
+    gradient is not is skipped as pretraining skips it (`optim.finish_step`: fp16's loss scale backs off); the
+    loop ends the run after `--max_bad_steps` in a row, before any NaN weights are saved or reported."""
+    broken = torch.zeros((), device=accelerator.device)  # 1 once a micro-batch's loss is not finite
+    applied, norm = True, None
     for batch in window:
         with accelerator.accumulate(model):
             out = model(**batch)
-            finite = torch.isfinite(out.loss.detach()).float().reshape(1)
-            if accelerator.num_processes > 1:
-                finite = accelerator.reduce(finite, reduction="min")
-            if finite.item() < 1:
-                raise NonFiniteLossError(
-                    "the fine-tuning loss is not finite (NaN/Inf); the step was not applied. Lower --learning_rates, "
-                    "or check the task's labels and the model"
-                )
+            broken = torch.maximum(broken, (~torch.isfinite(out.loss.detach())).float())
             accelerator.backward(out.loss)
-            if accelerator.sync_gradients and max_grad_norm > 0:
-                norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-                if norm is not None and not math.isfinite(float(norm)):  # DeepSpeed returns None here
-                    raise NonFiniteLossError(
-                        "the fine-tuning gradient norm is not finite (NaN/Inf) with a finite loss; the step was not "
-                        "applied. Lower --learning_rates, or check the model"
-                    )
-            optimizer.step()  # a no-op until the accumulation window is complete
-            optimizer.zero_grad(set_to_none=True)
-    return out.loss.item()
+            if accelerator.sync_gradients:  # the window's last micro-batch: one host sync a step
+                if accelerator.num_processes > 1:  # any rank's (accelerate reduces by sum or max, not min)
+                    broken = accelerator.reduce(broken, reduction="max")
+                applied, norm = finish_step(accelerator, model, optimizer, max_grad_norm, not broken.item())
+            optimizer.zero_grad(set_to_none=True)  # a no-op until the accumulation window is complete
+    what = "loss" if norm is None and not applied else "gradient norm"
+    return {"loss": out.loss.item(), "applied": applied, "what": what}
 
 
 def make_loaders(splits, tokenizer, model, args, seed: int, shuffle_train: bool = True,
@@ -216,7 +214,8 @@ def fine_tune(
     loaders = make_loaders({k: splits[k] for k in ("train", "dev")}, tokenizer, model, args, seed,
                            bucket_by_length=fargs.bucket_by_length)  # not validation  # fmt: skip
     # 8. attention-kernel probe (main process, attention calls of the model's shape)
-    probe_attention_kernels(model.config, next(iter(loaders["dev"])), state, decoder=False)
+    probe_attention_kernels(model.config, next(iter(loaders["dev"])), state, compute_dtype(args.mixed_precision),
+                            decoder=False)  # fmt: skip
     tf32 = set_tf32(args.tf32, state)
     pooling = describe_pooling(model, fargs.chunk_length, fargs.pooling)
     # 9. optional torch.compile
@@ -267,8 +266,13 @@ def fine_tune(
         last_evaluated = best.step
         model.train()
         while progress.step < args.max_steps and not gate_stopped:
-            loss = train_step(accelerator, model, optimizer, next(source), args.max_grad_norm)
-            scheduler.step()
+            stepped = train_step(accelerator, model, optimizer, next(source), args.max_grad_norm)
+            if stepped["applied"]:
+                scheduler.step()
+            count_skipped_step(progress, stepped["applied"], f"fine-tuning {stepped['what']}", args.max_bad_steps,
+                               "lower --learning_rates, use bf16 instead of fp16, or check the task's labels and the "
+                               "model")  # fmt: skip
+            loss = stepped["loss"]
             progress.step += 1
             step = progress.step
             bar.update(1)
@@ -306,6 +310,7 @@ def fine_tune(
                   "still_improving": still_improving, "dev": best.dev, "memory": memory_stats(accelerator.device),
                   "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir), "settings": settings,
                   **({"gates": gates.summary(), "stopped_by_gate": gate_stopped} if args.gate else {})}  # fmt: skip
+        last = model_state_dict(accelerator, model, args.save_dtype) if fargs.report_last_step else None  # collective
         if accelerator.is_main_process:
             losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
             ends = max(1, len(losses) // 10)  # mean of the first and the last tenth of the logged losses
@@ -313,11 +318,11 @@ def fine_tune(
             final = run_dir / "final"  # written aside: never half a model; replaces only a model folder ours
             try:
                 with written_aside(final, replace_existing=True, legacy=holds_only_saved_model_files) as partial:
-                    plain_model(accelerator, model).save_pretrained(partial, state_dict=best.weights)
+                    save_model_weights(plain_model(accelerator, model), partial, best.weights, args.save_dtype)
                     tokenizer.save_pretrained(partial)
                 if fargs.report_last_step:  # the weights the run ended with, beside the dev-chosen step's
                     with written_aside(run_dir / "last", replace_existing=True) as partial:
-                        plain_model(accelerator, model).save_pretrained(partial)
+                        save_model_weights(plain_model(accelerator, model), partial, last, args.save_dtype)
                         tokenizer.save_pretrained(partial)
                 with written_aside(run_dir / "summary.json") as partial:  # a seed is finished when this is whole
                     partial.write_text(json.dumps(result, indent=2))

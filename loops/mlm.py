@@ -41,7 +41,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import (
     DataLoaderConfiguration,
-    DistributedType,
     GradientAccumulationPlugin,
     send_to_device,
     set_seed,
@@ -57,6 +56,7 @@ from concept_encoder.data.objectives import build_corruption, evaluation_corrupt
 from concept_encoder.tasks.leakage import record_task_texts
 from concept_encoder.tasks.loading import training_texts
 from concept_encoder.training.args import parse_args
+from concept_encoder.training.attention_probe import compute_dtype, examples_of_two_lengths, probe_attention_kernels
 from concept_encoder.training.batches import MaskingAhead
 from concept_encoder.training.checkpoint import (
     TrainState,
@@ -74,11 +74,11 @@ from concept_encoder.training.deepspeed_setup import (
     adamw_class,
     deepspeed_config,
     fill_deepspeed_auto_values,
-    outside_zero3,
     zero3_construction_config,
 )
 from concept_encoder.training.distill import Distillation, attach_teacher, carried, init_word_embeddings, with_doc_index
 from concept_encoder.training.evaluation import evaluate, health_of, most_frequent_token
+from concept_encoder.training.export import saved_model_check
 from concept_encoder.training.faults import NonFiniteLossError, RunFolderError, is_disk_full
 from concept_encoder.training.gates import (
     GATE_ACTION_TEXT,
@@ -97,9 +97,9 @@ from concept_encoder.training.logs import (
 from concept_encoder.training.metrics_log import MetricsWriter
 from concept_encoder.training.model import build_model, held_parameters
 from concept_encoder.training.model_card import write_model_card
-from concept_encoder.training.model_folder import holds_only_saved_model_files
+from concept_encoder.training.model_folder import holds_only_saved_model_files, save_model_weights
 from concept_encoder.training.objective import ConceptObjective, build_concept_objective
-from concept_encoder.training.optim import build_optimizer, build_scheduler
+from concept_encoder.training.optim import build_optimizer, build_scheduler, count_skipped_step, finish_step, loss_scale
 from concept_encoder.training.plan import launch_command
 from concept_encoder.training.profiling import StepProfiler
 from concept_encoder.training.reshard import plan_universal_load
@@ -117,7 +117,6 @@ from concept_encoder.training.runtime import (
     maybe_compile,
     model_state_dict,
     plain_model,
-    probe_attention_kernels,
     set_tf32,
     setup_distributed,
 )
@@ -202,21 +201,13 @@ def train_step(
         means = accelerator.reduce(torch.stack([terms[n].to(accelerator.device) for n in names]), reduction="mean")
         terms = {n: float(v) for n, v in zip(names, means, strict=True)}
     loss = (totals[0] / window_labelled).item()
-    grad_norm, applied = None, math.isfinite(loss)
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    if applied and not deepspeed:  # the norm of the reduced gradient (clipped to max_grad_norm when > 0)
-        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf))
-        applied = math.isfinite(grad_norm)  # an Inf/NaN gradient with a finite loss: skipped like a NaN loss
-    if applied:
-        optimizer.step()
-        if deepspeed:  # DeepSpeed clips inside its step (and fp16's loss scaler skips an overflow): read the norm
-            norm = model.get_global_grad_norm()  # None where DeepSpeed computed none (ZeRO-0 without clipping)
-            grad_norm = None if norm is None else float(norm)
+    scaled_by = loss_scale(accelerator)  # fp16: the side optimizers' gradients carry it too
+    applied, grad_norm = finish_step(accelerator, model, optimizer, max_grad_norm, math.isfinite(loss))
     optimizer.zero_grad(set_to_none=True)
     if concept is not None:
-        concept.step(accelerator, apply=applied)
+        concept.step(accelerator, apply=applied, loss_scale=scaled_by)
     if distill is not None:
-        distill.step(accelerator, apply=applied)
+        distill.step(accelerator, apply=applied, loss_scale=scaled_by)
     return {
         "applied": applied,
         "terms": terms,
@@ -227,15 +218,16 @@ def train_step(
     }
 
 
-def save_model_folder(accelerator, model, tokenizer, folder: Path, run_dir: Path) -> None:
+def save_model_folder(accelerator, model, tokenizer, folder: Path, run_dir: Path, save_dtype: str) -> None:
     """`save_pretrained` + tokenizer into `folder`, written aside and moved into place when complete (a
-    folder that exists is whole); collective: every rank calls it (ZeRO-3 shards are gathered). A full
+    folder that exists is whole), the weights in `save_dtype` (float32: DeepSpeed's fp32 masters, not its
+    16-bit copies); collective: every rank calls it (ZeRO-3 shards are gathered). A full
     disk removes the partial folder and ends the run with one line naming the last intact checkpoint."""
-    state_dict = model_state_dict(accelerator, model)
+    state_dict = model_state_dict(accelerator, model, save_dtype)
     if accelerator.is_main_process:
         try:
             with written_aside(folder, replace_existing=True, legacy=holds_only_saved_model_files) as partial:
-                plain_model(accelerator, model).save_pretrained(partial, state_dict=state_dict)
+                save_model_weights(plain_model(accelerator, model), partial, state_dict, save_dtype)
                 tokenizer.save_pretrained(partial)
         except (OSError, RuntimeError) as error:
             if is_disk_full(error):
@@ -243,10 +235,10 @@ def save_model_folder(accelerator, model, tokenizer, folder: Path, run_dir: Path
             raise
 
 
-def save_snapshot(accelerator, model, tokenizer, run_dir: Path, step: int) -> None:
+def save_snapshot(accelerator, model, tokenizer, run_dir: Path, step: int, save_dtype: str) -> None:
     """The model at `step` as `<run>/snapshots/step-<step>` (`--snapshot_steps`; a resume rewrites it identically)."""
     folder = run_dir / "snapshots" / f"step-{step}"
-    save_model_folder(accelerator, model, tokenizer, folder, run_dir)
+    save_model_folder(accelerator, model, tokenizer, folder, run_dir, save_dtype)
     if accelerator.is_main_process:
         logger.info("snapshot at step %d: %s", step, folder)
     accelerator.wait_for_everyone()
@@ -264,33 +256,37 @@ def save_final(
     wandb_run,
     notes: dict | None = None,
     held: dict | None = None,
+    save_dtype: str = "float32",
 ):
-    """Final model (`save_pretrained` + tokenizer, ZeRO-3 shards gathered), export check, loss curve,
-    summary, W&B finish.
+    """Final model (`save_pretrained` + tokenizer in `save_dtype`, ZeRO-3 shards gathered), export check, loss
+    curve, summary, W&B finish.
 
-    Export check: the in-training model's logits on `probe_ids [1,N]` are compared with those of
-    the saved folder reloaded by `from_pretrained` (the max |difference| goes to `summary.json`),
-    which catches a broken ZeRO-3 gather or a lost tied weight at the end of the run, not later.
+    Export check: the in-training model's logits on `probe_ids [1,N]` are compared with those of the saved folder
+    reloaded and run like the run's model (same device, dtype and autocast: `export.saved_model_check`), which
+    catches a broken ZeRO-3 gather or a lost tied weight at the end of the run, not later; beyond its tolerance
+    the run is marked (a warning, `export_check.passed: false` in `summary.json`).
     With several processes each rank also writes `ranks/rank<r>.json` (its view of the last eval
     loss and a checksum of its parameters), so a run can show that the ranks agree, and `held`: the parameter
     elements it held right after construction (`held_parameters`; a fraction of the total under ZeRO-3).
     """
     accelerator.wait_for_everyone()
     final_dir = run_dir / "final"
-    export_diff = None
+    check = None
     if not preempted:
         model.eval()
         with torch.no_grad():  # every rank runs it: under ZeRO-3 the forward gathers parameters
             reference = model(input_ids=probe_ids.to(accelerator.device)).logits.float().cpu()
-        save_model_folder(accelerator, model, tokenizer, final_dir, run_dir)
+        save_model_folder(accelerator, model, tokenizer, final_dir, run_dir, save_dtype)
         if accelerator.is_main_process:
-            with outside_zero3():
-                reloaded = type(plain_model(accelerator, model)).from_pretrained(final_dir).eval()
-            with torch.no_grad():
-                export_diff = (reloaded(input_ids=probe_ids).logits.float() - reference).abs().max().item()
-            logger.info(
-                "export check: reloaded final model matches the trained one to %.2e (max |Δlogit|)", export_diff
-            )
+            check = saved_model_check(accelerator, model, final_dir, probe_ids, reference)
+            if check["passed"]:
+                logger.info("export check: the reloaded final model matches the trained one to %.2e (max |Δlogit|, "
+                            "%s on %s)", check["max_abs_diff"], check["dtype"], check["device"])  # fmt: skip
+            else:
+                logger.warning("export check failed: the reloaded final model differs from the trained one by %.2e "
+                               "(max |Δlogit|) > %g (%s on %s): the saved weights are not the trained ones (a lost "
+                               "ZeRO-3 gather or tied weight?); summary.json marks it", check["max_abs_diff"],
+                               check["tolerance"], check["dtype"], check["device"])  # fmt: skip
     if accelerator.num_processes > 1:
         params = list(plain_model(accelerator, model).parameters())
         sharded = any(hasattr(p, "ds_numel") for p in params)  # ZeRO-3 holds only a shard per rank
@@ -306,7 +302,8 @@ def save_final(
             "tokens_seen": progress.tokens_seen,
             "mixed_precision": accelerator.mixed_precision,  # what ran (flag, launch config or default)
             "preempted": preempted,
-            "export_max_abs_diff": export_diff,
+            "export_max_abs_diff": None if check is None else check["max_abs_diff"],
+            "export_check": check,
             **(last_eval or {}),
             **(notes or {}),  # e.g. a detected divergence
         }
@@ -384,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     extra_eval_states = {name: extra.state_dict() for name, extra in extra_evals.items()}
     first_validation_example = next(iter(data.validation))  # also for the export check at the end
     unigram_id = most_frequent_token(data.validation, data.tokenizer)  # the baseline every eval is set beside
-    probe_attention_kernels(model.config, eval_collator([first_validation_example]), state)
+    probe_batch = eval_collator.collate(examples_of_two_lengths(data.validation))  # padded as the run pads
+    probe_attention_kernels(model.config, probe_batch, state, compute_dtype(args.mixed_precision))
     system["tf32"] = set_tf32(args.tf32, state)
     # 9. optional torch.compile
     model = maybe_compile(model, args.torch_compile)
@@ -526,16 +524,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if step["applied"]:
             scheduler.step()
-            progress_state.bad_steps = 0
-        else:
-            progress_state.bad_steps += 1
-            what = "loss" if not math.isfinite(step["loss"]) else "gradient norm"
-            logger.warning("non-finite %s at step %d (update skipped)", what, progress_state.step + 1)
-            if progress_state.bad_steps >= args.max_bad_steps:
-                raise NonFiniteLossError(
-                    f"the {what} was non-finite for {progress_state.bad_steps} consecutive steps, last at step "
-                    f"{progress_state.step + 1}; lower the learning rate, use bf16 instead of fp16, or check the data"
-                )
+        count_skipped_step(progress_state, step["applied"], "loss" if not math.isfinite(step["loss"]) else
+                           "gradient norm", args.max_bad_steps, "lower the learning rate, use bf16 instead of fp16, "
+                           "or check the data")  # fmt: skip
         progress_state.step += 1
         progress_state.tokens_seen += step["tokens"]
         if step["labelled"] == 0:  # nothing was predicted: the step's loss is undefined, not 0
@@ -603,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
             progress_state.gates = gates.summary()
 
         if at_snapshot:
-            save_snapshot(accelerator, model, data.tokenizer, run_dir, progress_state.step)
+            save_snapshot(accelerator, model, data.tokenizer, run_dir, progress_state.step, args.save_dtype)
         stop = torch.tensor([float(preemption.raised), float(budget.spent())], device=accelerator.device)
         preempted, out_of_time = (bool(v) for v in accelerator.reduce(stop, reduction="max").tolist())  # any rank
         out_of_time = out_of_time and progress_state.step < args.max_steps
@@ -638,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
                              "stopped_by_max_time": out_of_time and not preempted}  # fmt: skip
     save_final(
         accelerator, model, data.tokenizer, probe_ids, run_dir, progress_state, preempted, last_eval, wandb_run, notes,
-        held,
+        held, args.save_dtype,
     )  # fmt: skip
     if accelerator.is_main_process and not preempted:
         summary = json.loads((run_dir / "summary.json").read_text())

@@ -1,5 +1,6 @@
 """Shared by the loop's test modules: the tiny run's arguments, in-process runs, their records, a finished run."""
 
+import math
 import os
 import signal
 import subprocess
@@ -132,3 +133,34 @@ def load_without_the_package(final: Path, tmp_path: Path, trust_remote_code: boo
     assert out.returncode == 0, out.stderr[-3000:]
     name, module, logits_sum = out.stdout.split("LOADED")[1].split()
     return name, module, float(logits_sum)
+
+
+def fp16_scaler_on_cpu(monkeypatch, loop) -> list:
+    """The loop's `Accelerator` as accelerate builds it for fp16 on a GPU, on the CPU: fp16 autocast around the
+    model's forward, a real `torch.amp.GradScaler` (scale 2^16, halved on an overflow) that `backward` scales by,
+    `clip_grad_norm_` unscales through and `optimizer.step()` steps through. accelerate builds the scaler on CUDA
+    only, so it is patched in before `prepare`. Returns the list the accelerators built are appended to."""
+    real, made = loop.Accelerator, []
+
+    def with_scaler(*args, **kwargs):
+        kwargs.pop("mixed_precision", None)  # the state's first precision is "no"; patched to fp16 below
+        accelerator = real(*args, **kwargs)
+        accelerator.state._mixed_precision = "fp16"  # what unscale_gradients and the autocast wrapper read
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        made.append(accelerator)
+        return accelerator
+
+    monkeypatch.setattr(loop, "Accelerator", with_scaler)
+    return made
+
+
+def overflowing_once(parameter: torch.nn.Parameter) -> None:
+    """`parameter`'s gradient is infinite in the first backward pass only: an fp16 overflow, once."""
+    calls = {"n": 0}
+
+    def first_backward_overflows(grad):
+        calls["n"] += 1
+        return grad + math.inf if calls["n"] == 1 else grad
+
+    parameter.register_hook(first_backward_overflows)

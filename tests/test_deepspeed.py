@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from concept_encoder import ConceptEncoderForMaskedLM
 from concept_encoder.common import process_group
@@ -250,6 +251,34 @@ def test_export_gathers_a_zero3_checkpoint_into_the_final_model(workdir, tmp_pat
     ids = torch.randint(5, 2000, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, final(ids).logits)
+
+
+@pytest.mark.loop
+def test_a_bf16_zero2_run_saves_its_fp32_masters_and_fine_tuning_loads_float32(workdir, tmp_path):
+    """DeepSpeed's bf16 casts the module to bf16 and keeps the fp32 weights in its optimizer: `final/` holds those
+    masters in float32 (what an export of the same step reads from the checkpoint, bit for bit), config.json says
+    float32, the end-of-run check ran the reload as the run ran (bf16) and agrees, and the classifier a fine-tuning
+    run builds on it, and its from-scratch twin, are float32."""
+    from concept_encoder.training import export
+    from concept_encoder.training.model import build_classifier
+
+    finish(launch(workdir, "zero2", "--run_name", "z2bf16", "--mixed_precision", "bf16", "--max_steps", "2",
+                  "--save_steps", "2", processes=1))  # fmt: skip
+    run = workdir / "runs/z2bf16"
+    final = run / "final"
+    weights = load_file(final / "model.safetensors")
+    assert {w.dtype for w in weights.values()} == {torch.float32}
+    assert json.loads((final / "config.json").read_text())["dtype"] == "float32"
+    check = json.loads((run / "summary.json").read_text())["export_check"]
+    assert check["dtype"] == "bfloat16" and check["alike"] and check["passed"] and check["max_abs_diff"] < 1e-4
+    export.export(run / "checkpoints/step_0000002", tmp_path / "exported")
+    exported = load_file(tmp_path / "exported/model.safetensors")
+    assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in weights.values())  # masters, not bf16 copies
+    task = type("Task", (), {"num_labels": 2, "task_type": "single_label_classification", "label_names": None})()
+    for from_scratch in (False, True):
+        classifier, _ = build_classifier(str(final), task, from_scratch)
+        assert {p.dtype for p in classifier.parameters()} == {torch.float32}
 
 
 @pytest.mark.loop

@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 from loop_runs import finished_run, fresh_accelerate, workdir  # noqa: F401 (fixtures)
+from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM, AutoTokenizer
 
 import concept_encoder  # noqa: F401 (registers the model with the Auto classes)
@@ -44,6 +45,14 @@ def test_the_last_checkpoint_exports_as_the_final_model(finished_run, tmp_path, 
     assert export.main([str(finished_run / "checkpoints/step_0000002"), str(earlier)]) == 0
     assert not torch.allclose(logits(earlier), logits(out))  # it reads the checkpoint, not the final model
     assert "masked-token loss" not in (earlier / "README.md").read_text()  # no evaluation at step 2
+
+    small = tmp_path / "bf16"  # --save_dtype: smaller files on request, checked like with like (bf16 both sides)
+    assert export.main([str(finished_run / "checkpoints/step_0000006"), str(small), "--save_dtype", "bfloat16"]) == 0
+    assert {t.dtype for t in load_file(small / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((small / "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((small / "export.json").read_text())["check"]["max_abs_logit_diff"] == 0.0
+    assert "weights saved in bfloat16" in (small / "README.md").read_text()
+    assert "weights saved in float32" in card
 
 
 @pytest.mark.loop

@@ -10,13 +10,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from loop_runs import fresh_accelerate, workdir  # noqa: F401 (fixtures: a module work folder, accelerate reset)
+from loop_runs import (  # noqa: F401 (fixtures: a module work folder, accelerate reset)
+    fp16_scaler_on_cpu,
+    fresh_accelerate,
+    overflowing_once,
+    workdir,
+)
 from safetensors.torch import load_file, save_file
+from token_encoders import POSITIONS, save_token_encoder, tiny_config
 
 import loops.finetune as finetune
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
 from concept_encoder.data import DataSourceError, load_tokenizer
 from concept_encoder.tasks import TaskArguments, load_task
+from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,6 +151,33 @@ def test_a_pretrained_encoder_loads_into_the_classifier_and_bert_runs_the_same_p
                           *COMMON]) == 0  # fmt: skip
     report = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())
     assert [row["model"] for row in report["rows"]] == ["concept", "bert"]
+
+
+@pytest.mark.loop
+@pytest.mark.parametrize(("kind", "precision"), [("roberta", "no"), ("distilbert", "bf16"), ("mpnet", "no")])
+def test_roberta_distilbert_and_mpnet_fine_tune_two_steps_probe_and_are_kernel_probed_in_the_runs_dtype(
+    workdir, concept_model, monkeypatch, kind, precision
+):
+    from transformers import AutoTokenizer
+
+    folder = save_token_encoder(workdir / kind, kind, AutoTokenizer.from_pretrained(concept_model))
+    verdicts, real = [], finetune.probe_attention_kernels
+    monkeypatch.setattr(finetune, "probe_attention_kernels", lambda *a, **k: verdicts.append(real(*a, **k)))
+    assert finetune.main(["--model_name_or_path", str(folder), "--task", str(write_tasks(workdir / "tasks")["single"]),
+                          "--seeds", "1", "--run_name", kind, "--probe", *COMMON, "--max_steps", "2", "--eval_steps",
+                          "2", "--mixed_precision", precision]) == 0  # fmt: skip
+    report = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())
+    methods = [(row["model"], row["method"]) for row in report["rows"]]
+    assert methods == [(kind, "probe: hidden mean"), (kind, "fine-tune")]
+    [run] = [run for run in report["runs"] if run["method"] == "fine-tune"]
+    saved = json.loads(Path(run["run_dir"], "final", "config.json").read_text())
+    assert run["best_step"] == 2 and saved["model_type"] == kind
+    [verdict] = verdicts
+    assert verdict["dtype"] == {"no": "fp32", "bf16": "bf16"}[precision] and verdict["dropout"] == 0.1
+    if kind == "mpnet":  # eager attention: no SDPA kernel to choose, and the probe says so instead of guessing
+        assert verdict["chosen"] is None and "attn_implementation='eager'" in verdict["not_probed"]
+    else:
+        assert verdict["math"] and not verdict["cudnn"] and verdict["chosen"] in ("flash", "math")
 
 
 @pytest.mark.loop
@@ -315,6 +349,46 @@ def test_pooling_choice_and_new_weights_are_named_in_full(workdir, concept_model
     _, note = build_classifier(str(bert_model), task)
     # the saved BertForMaskedLM has no pooler: it and the classifier are new, named parameter by parameter
     assert "'bert.pooler.dense.weight'" in note and "'classifier.weight'" in note and "['bert'" not in note
+
+
+@pytest.mark.parametrize("kind", ["roberta", "distilbert", "mpnet"])
+def test_mean_pooling_and_chunks_are_refused_for_a_classifier_without_a_pooler(kind):
+    from concept_encoder.training.chunked import chunk_problem
+    from concept_encoder.training.model import check_pooling
+
+    without = tiny_config(kind, vocab_size=100)  # its head reads [CLS] itself: mean-pooled input would be dropped
+    with pytest.raises(ValueError, match=f"--pooling mean: m: {kind}'s sequence classifier reads its first token's"):
+        check_pooling(without, "mean", "m")
+    assert "nor chunks (--chunk_length) can feed it" in chunk_problem(without, 16)
+    assert check_pooling(without, "cls", "m") == {}
+    bert = tiny_config("bert", vocab_size=100)  # a pooler: both readings feed it
+    assert check_pooling(bert, "mean", "m") == {} and chunk_problem(bert, 16) is None
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta", "distilbert", "mpnet"])
+def test_a_token_encoder_is_refused_past_the_positions_its_table_reads(kind, tmp_path):
+    """RoBERTa's and MPNet's position ids start after their padding index: their tables read fewer tokens than
+    they have rows (roberta-base: 514 rows, 512 tokens), and one more token would fail mid-run."""
+    from concept_encoder.accounting.architectures import readable_positions
+    from concept_encoder.training.preflight import preflight
+
+    config = tiny_config(kind, vocab_size=100, pad_token_id=3)
+    config.save_pretrained(tmp_path)
+    assert readable_positions(config.to_dict()) == POSITIONS
+    fargs, task_args, args = finetune.parse_args(["--model_name_or_path", str(tmp_path), "--from_scratch",
+                                                  "--max_seq_length", str(POSITIONS)],
+                                                 classes=FINETUNE_ARGUMENT_CLASSES, defaults=FINETUNE_DEFAULTS)  # fmt: skip
+    preflight(fargs, task_args, args, cuda=False)  # every position it reads: accepted
+    task_args.max_seq_length = POSITIONS + 1
+    with pytest.raises(ValueError, match=f"max_seq_length={POSITIONS + 1} exceeds the model's") as refused:
+        preflight(fargs, task_args, args, cuda=False)
+    assert ("are never read" in str(refused.value)) == (kind in ("roberta", "mpnet"))
+    with torch.no_grad():  # the refusal is right: the table has no row for the next position
+        model = finetune.AutoModelForSequenceClassification.from_config(config).eval()
+        model(input_ids=torch.full((1, POSITIONS), 5))
+        if kind in ("roberta", "mpnet"):
+            with pytest.raises((IndexError, RuntimeError), match="out of"):
+                model(input_ids=torch.full((1, POSITIONS + 1), 5))
 
 
 def test_labels_keep_their_identity_and_bad_labels_are_named(tmp_path, caplog):
@@ -644,10 +718,35 @@ def test_a_non_finite_loss_stops_fine_tuning_before_the_step_is_applied(workdir,
 
     monkeypatch.setattr(finetune, "build_classifier", poisoned)
     argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "1", "--run_name", "nan"]
-    with pytest.raises(NonFiniteLossError, match="the fine-tuning loss is not finite"):
+    with pytest.raises(NonFiniteLossError, match="the fine-tuning loss was non-finite for 3 consecutive steps"):
         finetune.main([*argv, *COMMON])
     [run_dir] = Path("Cache/finetune").glob("nan-*")
     assert not (run_dir / "final").exists() and not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.loop
+def test_an_fp16_overflow_in_fine_tuning_backs_the_loss_scale_off_and_the_run_goes_on(
+    workdir, concept_model, monkeypatch, capsys
+):
+    made = fp16_scaler_on_cpu(monkeypatch, finetune)
+    real = finetune.build_classifier
+
+    def with_one_overflow(*args, **kwargs):
+        model, note = real(*args, **kwargs)
+        overflowing_once(model.classifier.weight)
+        return model, note
+
+    monkeypatch.setattr(finetune, "build_classifier", with_one_overflow)
+    task_file = str(write_tasks(workdir / "tasks")["single"])
+    argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "1", "--run_name", "fp16"]
+    assert finetune.main([*argv, *COMMON, "--max_steps", "4", "--eval_steps", "2"]) == 0
+    assert "non-finite fine-tuning gradient norm at step 1 (update skipped)" in capsys.readouterr().out
+    assert made[0].scaler.get_scale() == 2.0**15  # halved once, by the first run's overflow
+    [run_dir] = Path("Cache/finetune").glob("fp16-*")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["best_step"] in (2, 4)
+    weights = load_file(run_dir / "final" / "model.safetensors")
+    assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())
 
 
 def test_a_full_disk_while_writing_a_report_leaves_no_empty_or_half_report(tmp_path, monkeypatch):

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from loop_runs import fresh_accelerate, run, train_losses, workdir  # noqa: F401 (fixtures)
+from loop_runs import (  # noqa: F401 (fixtures)
+    fp16_scaler_on_cpu,
+    fresh_accelerate,
+    overflowing_once,
+    run,
+    train_losses,
+    workdir,
+)
 from safetensors.torch import load_file
 
 import loops.mlm as mlm
@@ -168,3 +175,28 @@ def test_tf32_is_turned_on_where_the_gpu_has_it_and_off_on_request(monkeypatch):
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
     assert training_args("--no_tf32").tf32 is False and training_args().tf32 is True
+
+
+@pytest.mark.loop
+def test_an_fp16_overflow_backs_the_loss_scale_off_and_the_run_goes_on(monkeypatch, capsys):
+    """fp16 without DeepSpeed: the skipped step still reaches the GradScaler (else the next clip raises "unscale_()
+    has already been called"), whose scale halves; the next steps apply."""
+    made = fp16_scaler_on_cpu(monkeypatch, mlm)
+    real = mlm.build_model
+
+    def with_one_overflow(*args, **kwargs):
+        model = real(*args, **kwargs)
+        overflowing_once(model.get_input_embeddings().weight)
+        return model
+
+    monkeypatch.setattr(mlm, "build_model", with_one_overflow)
+    assert run("--run_name", "fp16", "--max_steps", "3", "--concept_losses", "none") == 0
+    assert "non-finite gradient norm at step 1 (update skipped)" in capsys.readouterr().out
+    [accelerator] = made
+    assert accelerator.scaler.get_scale() == 2.0**15  # halved once; no growth within 3 steps
+    logged = [json.loads(line) for line in Path("runs/fp16/metrics.jsonl").read_text().splitlines()]
+    norms = [r["grad_norm"] for r in logged if r["kind"] == "train"]
+    assert not math.isfinite(norms[0]) and all(math.isfinite(n) and n > 0 for n in norms[1:])  # steps 2, 3 applied
+    assert [r["lr"] for r in logged if r["kind"] == "train"] == pytest.approx([5e-4, 5e-4 * 0.75, 5e-4 * 0.25])
+    weights = load_file("runs/fp16/final/model.safetensors")
+    assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())

@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Arguments that name, place or display a run: varying them changes nothing the loop learns.
 NOT_EXPERIMENTAL = ("run_name", "output_dir", "resume_from_checkpoint", "progress_bar", "report_to", "wandb_project",
-                    "logging_steps", "save_steps", "save_total_limit", "snapshot_steps", "peak_tflops")  # fmt: skip
+                    "logging_steps", "save_steps", "save_total_limit", "snapshot_steps", "peak_tflops",
+                    "save_dtype", "allow_cpu")  # fmt: skip
 
 
 def experiment_settings(parsed) -> dict:

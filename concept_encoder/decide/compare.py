@@ -30,6 +30,7 @@ NOT_SETTINGS = (
     "training_args.resume_from_checkpoint", "training_args.progress_bar", "training_args.report_to",
     "training_args.wandb_project", "model_config.auto_map.", "model_config.transformers_version",
     "model_config._name_or_path", "model_config.architectures", "finetune_args.model_name_or_path", "note",
+    "training_args.allow_cpu",
 )  # fmt: skip
 LOWER_IS_BETTER = ("loss", "perplexity", "cosine", "collapsed", "seconds", "step_time")
 

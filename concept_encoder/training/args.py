@@ -69,6 +69,7 @@ EXTEND_HELP = (
 )
 
 
+SAVE_DTYPES = ("float32", "bfloat16", "float16")  # --save_dtype: float32 unless the user asks for smaller files
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 WSD_DECAYS = ("1-sqrt", "linear", "cosine")  # transformers' get_wsd_schedule decay_type
 SCHEDULE_ARGUMENTS = ("lr_scheduler_type", "warmup_steps", "warmup_ratio", "decay_steps", "decay_type", "min_lr_ratio")
@@ -263,6 +264,12 @@ class TrainingArguments:
             "help": "no, bf16 or fp16 (default: the accelerate launch config's, else no; under DeepSpeed set it there)"
         },
     )
+    save_dtype: str = field(
+        default="float32",
+        metadata={"help": "dtype of every model folder the run writes (final/, snapshots, fine-tuned models): float32 "
+                  "(the fp32 master weights, whatever --mixed_precision trained), or bfloat16/float16 to halve the "
+                  "files (recorded in config.json and the model card)"},
+    )  # fmt: skip
     logging_steps: int = field(default=10, metadata={"help": "log train metrics every N optimizer steps"})
     eval_steps: int = field(default=100, metadata={"help": "evaluate every N optimizer steps (0: only at the end)"})
     max_eval_batches: int | None = field(default=None, metadata={"help": "cap evaluation batches per process"})
@@ -319,6 +326,11 @@ class TrainingArguments:
     cuda_memory_budget_gb: float | None = field(
         default=None, metadata={"help": "cap this process's CUDA memory (e.g. 10 to emulate an RTX 3080)"}
     )
+    allow_cpu: bool = field(
+        default=False,
+        metadata={"help": "train on the CPU even where the NVIDIA driver sees a GPU this torch cannot use (a CPU "
+                  "wheel, or one built for a newer CUDA than the driver runs): refused without it"},
+    )  # fmt: skip
     objective: str = field(
         default="mlm",
         metadata={"help": f"pretraining objective: one of {OBJECTIVES} (concept_encoder.data.objectives)"},
@@ -382,6 +394,8 @@ class TrainingArguments:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.mixed_precision not in (None, "no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: choose no, bf16 or fp16")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ValueError(f"save_dtype={self.save_dtype!r}: choose one of {', '.join(SAVE_DTYPES)}")
         check_schedule(self)
         if self.max_time is not None:
             parse_duration(self.max_time, "max_time")

@@ -266,6 +266,8 @@ RESUME_FREE = frozenset({
     "progress_bar", "peak_tflops", "cuda_memory_budget_gb", "gate", "gate_action", "gradient_checkpointing",
     "streaming_validation_documents", "seeds", "compare_to", "learning_rates", "probe", "finetune", "report_dir",
     "max_time", "tf32", "profile_steps", "checkpoint_steps",  # how long this invocation may run, matmul precision, tracing
+    "save_dtype",  # how the model folders are stored, not what is trained
+    "allow_cpu",  # whether a machine whose GPU torch cannot use may train on its CPU
     "task",  # a task file's path: its content is keyed by task_sha256 (a moved file is the same task)
 })  # fmt: skip
 

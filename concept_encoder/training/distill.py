@@ -64,7 +64,7 @@ def teacher_identity(folder: Path) -> str:
 
 def load_teacher(folder: str | Path):
     """The teacher's encoder (`AutoModel`, frozen, eval mode) and its own tokenizer, from a local folder only."""
-    model = AutoModel.from_pretrained(folder, local_files_only=True).eval()
+    model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()  # on the CPU
     model.requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
@@ -152,8 +152,8 @@ class Distillation:
         term = self.loss(student_features(out, batch["attention_mask"]), batch[DOC_INDEX])
         return self.mlm_weight * mlm_objective + self.weight * term, {self.loss_name: term.detach()}
 
-    def step(self, accelerator, apply: bool) -> None:
-        step_own_parameters(accelerator, self.projection.parameters(), self.optimizer, apply)
+    def step(self, accelerator, apply: bool, loss_scale: float = 1.0) -> None:
+        step_own_parameters(accelerator, self.projection.parameters(), self.optimizer, apply, loss_scale)
 
     @torch.no_grad()
     def evaluate(self, accelerator, model, loader, max_batches: int | None) -> dict:

@@ -30,6 +30,7 @@ from ..common.paths import OWNER_MARKER, NotOursError, folder_problem, replace_p
 from ..model.bert_baseline import BertForSparseMaskedLM
 from ..model.config import ConceptEncoderConfig
 from ..model.heads import ConceptEncoderForMaskedLM
+from .args import SAVE_DTYPES
 from .checkpoint import (
     CheckpointError,
     TrainState,
@@ -40,11 +41,19 @@ from .checkpoint import (
     saved_train_state,
     verify_deepspeed_states,
 )
+from .deepspeed_setup import deepspeed_config, outside_zero3
 from .metrics_log import read_metrics
 from .model import construct
 from .model_card import write_model_card
-from .model_folder import ModelFolderError, holds_only_saved_model_files, load_checked
+from .model_folder import (
+    ModelFolderError,
+    holds_only_saved_model_files,
+    load_checked,
+    save_model_weights,
+    stored_float_dtypes,
+)
 from .runs import RUN_TOKENIZER
+from .runtime import plain_model
 
 TOLERANCE = 1e-5  # max |Δlogit| between the written folder, reloaded, and the model that loaded the checkpoint
 PROBE_LENGTH = 64
@@ -75,6 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="replace the folder when it holds a model folder this project wrote (never anyone else's)")  # fmt: skip
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="the tokenizer folder to include (default: the run's own, <run>/tokenizer)")  # fmt: skip
+    parser.add_argument("--save_dtype", choices=SAVE_DTYPES, default="float32",
+                        help="dtype of the written weights (default float32, the checkpoint's fp32 weights; the check "
+                        "then runs the checkpoint's model in this dtype too)")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -199,8 +211,41 @@ def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def reloaded_logits(model_class, folder: Path, ids: torch.Tensor) -> torch.Tensor:
-    """The logits of `folder` loaded back by `from_pretrained` (`load_checked`: every tensor present, finite)."""
-    return logits_of(load_checked(model_class, folder, whole=True)[0], ids)
+    """The logits of `folder` loaded back by `from_pretrained` in its stored dtype (`load_checked`: every tensor
+    present, finite)."""
+    return logits_of(load_checked(model_class, folder, whole=True, dtype="auto")[0], ids)
+
+
+# The end-of-run check of `final/` (`saved_model_check`): the same weights on the same device in the same precision
+# compute the same logits, up to kernel noise; 1e-4 is held by the tests under bf16 autocast on the CPU. Where the
+# two sides cannot be alike (the saved weights rounded below the run's precision by --save_dtype, or the reloaded
+# copy run on the CPU because the run offloads its parameters), only a gross fault (a lost gather: logits off by
+# their own size) is told from precision noise.
+RUN_CHECK_TOLERANCE = 1e-4
+ROUNDED_CHECK_TOLERANCE = 1e-1
+
+
+def saved_model_check(accelerator, model, folder: Path, ids: torch.Tensor, reference: torch.Tensor) -> dict:
+    """`folder` (the run's `final/`) reloaded and run as the run's model ran: on its device, its parameters in the
+    run's dtype (DeepSpeed's 16-bit copies, or fp32 under autocast), under `accelerator.autocast()` (the autocast
+    `prepare` wrapped the model's forward in, or none). Its logits on `ids [1,N]` against `reference [1,N,V]` (the
+    run's model's, float). Returns what `summary.json` records: the max |Δlogit|, the tolerance, whether it passed,
+    where and in what dtype it ran. Main process only; the run's model is not touched."""
+    plain = plain_model(accelerator, model)
+    dtype = next(plain.parameters()).dtype
+    offloaded = ((deepspeed_config(accelerator) or {}).get("zero_optimization") or {}).get("offload_param") or {}
+    device = torch.device("cpu") if offloaded.get("device", "none") != "none" else accelerator.device
+    saved = {getattr(torch, name) for name in stored_float_dtypes(folder)}
+    rounded = any(torch.finfo(d).eps > torch.finfo(dtype).eps for d in saved)
+    alike = device == accelerator.device and not rounded
+    with outside_zero3():
+        reloaded = type(plain).from_pretrained(folder, dtype=dtype).to(device).eval()
+    with torch.no_grad(), accelerator.autocast():
+        logits = reloaded(input_ids=ids.to(device)).logits.float().cpu()
+    difference = (logits - reference).abs().max().item()
+    tolerance = RUN_CHECK_TOLERANCE if alike else ROUNDED_CHECK_TOLERANCE
+    return {"max_abs_diff": difference, "tolerance": tolerance, "passed": difference <= tolerance,
+            "device": str(device), "dtype": str(dtype).removeprefix("torch."), "alike": alike}  # fmt: skip
 
 
 def card_summary(run_dir: Path, progress: TrainState) -> dict:
@@ -216,8 +261,11 @@ def card_summary(run_dir: Path, progress: TrainState) -> dict:
     return card
 
 
-def export(checkpoint: Path, folder: Path, overwrite: bool = False, tokenizer: Path | None = None) -> dict:
-    """Write the model of `checkpoint` into `folder` (see the module doc); returns what `export.json` records."""
+def export(
+    checkpoint: Path, folder: Path, overwrite: bool = False, tokenizer: Path | None = None, save_dtype: str = "float32"
+) -> dict:
+    """Write the model of `checkpoint` into `folder` in `save_dtype` (see the module doc); returns what
+    `export.json` records."""
     checkpoint = checked_checkpoint(checkpoint)
     run_dir = checkpoint.parent.parent
     config = run_config(run_dir)
@@ -228,17 +276,20 @@ def export(checkpoint: Path, folder: Path, overwrite: bool = False, tokenizer: P
     model = untrained_model(config["model_config"])
     state, source = checkpoint_state_dict(checkpoint)
     load_strictly(model, plain_names(state))
+    model.to(getattr(torch, save_dtype))  # compared like with like: the written weights, reloaded, in their dtype
     ids = probe_ids(model.config.vocab_size, model.config.max_position_embeddings)
     reference = logits_of(model, ids)
     record = {"checkpoint": str(checkpoint.resolve()), "run": str(run_dir.resolve()), "step": progress.step,
-              "tokens_seen": progress.tokens_seen, "weights_from": source, "tokenizer": str(tokenizer.resolve())}  # fmt: skip
+              "tokens_seen": progress.tokens_seen, "weights_from": source, "tokenizer": str(tokenizer.resolve()),
+              "dtype": save_dtype}  # fmt: skip
     command = ["python", "-m", "concept_encoder", "export", *map(str, (checkpoint, folder))]
     with written_aside(folder, replace_existing=overwrite, legacy=holds_only_saved_model_files) as partial:
-        model.save_pretrained(partial)
+        save_model_weights(model, partial, dtype=save_dtype)
         for file in sorted(tokenizer.iterdir()):
             if file.is_file() and not file.is_symlink() and file.name != OWNER_MARKER:
                 shutil.copy2(file, partial / file.name)
-        write_model_card(partial, run_dir.name, config, card_summary(run_dir, progress), command, checkpoint)
+        write_model_card(partial, run_dir.name, config, {**card_summary(run_dir, progress), "save_dtype": save_dtype},
+                         command, checkpoint)  # fmt: skip
         difference = (reloaded_logits(type(model), partial, ids) - reference).abs().max().item()
         record["check"] = {"probe_ids": list(ids.shape), "max_abs_logit_diff": difference, "tolerance": TOLERANCE}
         if not difference <= TOLERANCE:  # NaN fails too
@@ -253,7 +304,7 @@ def export(checkpoint: Path, folder: Path, overwrite: bool = False, tokenizer: P
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        record = export(args.checkpoint, args.folder, args.overwrite, args.tokenizer)
+        record = export(args.checkpoint, args.folder, args.overwrite, args.tokenizer, args.save_dtype)
     except ExportCheckError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

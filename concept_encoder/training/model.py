@@ -11,7 +11,8 @@ from ..model.constants import CLASSIFIER_POOLINGS
 from ..model.heads import ConceptEncoderForMaskedLM
 from ..model.positions import extend_position_tables
 from ..model.summary import parameter_counts
-from .model_folder import check_model_folder, load_checked
+from .chunked import pooler_problem
+from .model_folder import check_model_folder, load_checked, note_upcast
 from .plan import fresh_model_fields
 from .preflight import beyond_positions
 
@@ -114,16 +115,19 @@ def build_model(model_args, data_args, tokenizer, objective: str = "mlm", seed: 
 
 
 def from_pretrained(model_class, path: str, zero3_config: dict | None):
-    """`model_class.from_pretrained(path)`; under `zero3_config` loaded partitioned (transformers' ZeRO-3
-    loading, which reads the ds config through `HfDeepSpeedConfig`, kept alive only while loading)."""
+    """`model_class.from_pretrained(path)` in float32 (a 16-bit folder is upcast: the optimizer updates fp32
+    weights); under `zero3_config` loaded partitioned (transformers' ZeRO-3 loading, which reads the ds config
+    through `HfDeepSpeedConfig`, kept alive only while loading)."""
     if zero3_config is None:
         return load_checked(model_class, path)[0]
     check_model_folder(path)  # partitioned loading: the files are checked, the tensors not gathered to check
+    note_upcast(path)
+    import torch
     from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
     keep_alive = HfDeepSpeedConfig(zero3_config)  # noqa: F841 (transformers holds only a weak reference)
     try:
-        return model_class.from_pretrained(path)
+        return model_class.from_pretrained(path, dtype=torch.float32)  # DeepSpeed casts to 16 bits itself
     finally:
         unset_hf_deepspeed_config()
 
@@ -131,8 +135,8 @@ def from_pretrained(model_class, path: str, zero3_config: dict | None):
 def check_pooling(config, pooling: str, where: str) -> dict:
     """Config overrides for `--pooling`: a Concept Encoder pools its concepts (`weighted` or `mean`) or, refining
     its tokens, the `[CLS]` token (`cls`); a Hugging Face encoder's classification head pools `[CLS]`, or the mean
-    token state (`mean`: a reading mode, `chunked.apply_reading`); any other combination is an error naming the
-    choices."""
+    token state (`mean`: a reading mode, `chunked.apply_reading`, for a classifier with a pooler only:
+    `chunked.pooler_problem`); any other combination is an error naming the choices."""
     if pooling == "auto":
         return {}
     concept = config.model_type == "concept_encoder"
@@ -144,6 +148,8 @@ def check_pooling(config, pooling: str, where: str) -> dict:
     if concept and pooling in CLASSIFIER_POOLINGS:
         return {"classifier_pooling": pooling}
     if not concept and pooling in ("cls", "mean"):
+        if pooling == "mean" and (problem := pooler_problem(config)):
+            raise ValueError(f"--pooling mean: {where}: {problem}")
         return {}
     allowed = ["auto", *sorted(CLASSIFIER_POOLINGS)] if concept else ["auto", "cls", "mean"]
     raise ValueError(
@@ -161,6 +167,7 @@ def build_classifier(
     position tables shorter than this grow to it (`extend_position_tables`; a fresh twin's table is sized to it).
     Returns (model, what was done, for the log: the dropped tensors and, by full name, every newly initialised
     parameter)."""
+    import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     labels = {}
@@ -176,7 +183,9 @@ def build_classifier(
     if from_scratch:
         if extend_to is not None and extend_to > config.max_position_embeddings:
             config.max_position_embeddings = extend_to
-        return AutoModelForSequenceClassification.from_config(config), "fresh weights (--from_scratch)"
+        # float32 whatever config.json's dtype says (transformers' from_config would follow it)
+        twin = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+        return twin, "fresh weights (--from_scratch)"
     model, info = load_checked(AutoModelForSequenceClassification, model_path, config=config)
     grown = ""
     if extend_to is not None and extend_to > config.max_position_embeddings:

@@ -94,7 +94,8 @@ def model_card(
         f"| steps | {summary.get('steps')} optimizer steps, {summary.get('tokens_seen', 0):,} tokens seen |",
         f"| batch | {batch} sequences per step ({world} process(es)) |",
         f"| optimizer | AdamW, peak learning rate {train['learning_rate']}, {train['lr_scheduler_type']} schedule |",
-        f"| precision | {summary.get('mixed_precision') or train['mixed_precision'] or 'as launched'} |",
+        f"| precision | {summary.get('mixed_precision') or train['mixed_precision'] or 'as launched'} training; "
+        f"weights saved in {summary.get('save_dtype') or train.get('save_dtype', 'float32')} |",
     ]
     if summary.get("eval_loss") is not None:
         lines += [

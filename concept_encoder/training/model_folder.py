@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 from ..common.paths import unusable_path
+
+logger = logging.getLogger("concept_encoder")
 
 SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
@@ -63,6 +66,50 @@ def safetensors_problem(path: Path) -> str | None:
     if 8 + length + end != size:
         return f"{path}: its tensors need {8 + length + end:,} bytes and the file holds {size:,}: cut short; {again}"
     return None
+
+
+SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # header name → torch's
+
+
+def stored_float_dtypes(folder: str | Path) -> set[str]:
+    """The floating dtypes (torch's names) of the tensors in the folder's safetensors files, from their headers
+    alone (torch-free; the folder is assumed checked by `model_folder_problem`)."""
+    found = set()
+    for path in Path(folder).glob("*.safetensors"):
+        with open(path, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        found |= {SAFETENSORS_FLOATS[e["dtype"]] for k, e in header.items() if e.get("dtype") in SAFETENSORS_FLOATS
+                  and k != "__metadata__"}  # fmt: skip
+    return found
+
+
+def save_model_weights(model, folder: Path, state_dict: dict | None = None, dtype: str = "float32") -> None:
+    """`model.save_pretrained(folder, state_dict=...)` with every floating tensor in `dtype` (`--save_dtype`, float32
+    by default) and `config.json`'s `dtype` saying so.
+
+    transformers records the module's dtype in `config.json`, and transformers 5 reloads with `dtype="auto"`, which
+    reads it: under DeepSpeed's bf16 the module holds bf16 copies (the fp32 masters live in its optimizer), so a
+    folder of fp32 masters would still reload, and fine-tune, as bf16 weights whose spacing at 1.0 (2^-7) rounds
+    most updates away. Tensors that share memory (tied weights) still share it after the cast."""
+    import torch
+
+    target = getattr(torch, dtype)
+    state = model.state_dict() if state_dict is None else state_dict
+    cast: dict[tuple, torch.Tensor] = {}  # one cast per storage: tied weights stay one tensor
+
+    def in_target(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_floating_point() or tensor.dtype == target:
+            return tensor
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in cast:
+            cast[key] = tensor.to(target)
+        return cast[key]
+
+    model.save_pretrained(folder, state_dict={name: in_target(tensor) for name, tensor in state.items()})
+    config = Path(folder) / "config.json"
+    settings = json.loads(config.read_text())
+    settings["dtype"] = dtype
+    config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def model_folder_problem(path: str | Path, weights: bool = True) -> str | None:
@@ -118,14 +165,30 @@ def non_finite_parameters(model) -> list[str]:
     return [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
 
 
-def load_checked(model_class, path: str | Path, whole: bool = False, **kwargs):
+def note_upcast(path: str | Path) -> None:
+    """One log line when the folder's weights are stored in less than float32 and are loaded as float32."""
+    if stored := sorted(stored_float_dtypes(path) - {"float32", "float64"}):
+        logger.info("%s holds %s weights: loaded as float32 (training keeps fp32 weights)", path, "/".join(stored))
+
+
+def load_checked(model_class, path: str | Path, whole: bool = False, dtype: str = "float32", **kwargs):
     """`model_class.from_pretrained(path, **kwargs)` after `check_model_folder`, then refused (`ModelFolderError`)
     when a tensor of the backbone (`base_model_prefix`; a BERT pooler excepted: MLM checkpoints have none) was not
     in the file (with `whole`: any tensor, heads included, for tools that read the model's own predictions), when
-    shapes do not match, or when a parameter is not finite. Returns (model, loading info)."""
+    shapes do not match, or when a parameter is not finite. Returns (model, loading info).
+
+    The parameters are loaded in `dtype`: float32 by default, whatever the folder holds, because every caller but
+    the export check trains or fine-tunes them (a 16-bit folder is upcast, with one log line); `"auto"` keeps the
+    stored dtype."""
+    import torch
+
     check_model_folder(path)
+    if dtype == "float32":
+        note_upcast(path)
     try:
-        model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+        model, info = model_class.from_pretrained(
+            path, output_loading_info=True, dtype=dtype if dtype == "auto" else getattr(torch, dtype), **kwargs
+        )
     except (RuntimeError, ValueError, OSError) as error:  # size mismatches, unreadable files
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelFolderError(f"{path}: the weights do not load into its config's model ({first})") from error

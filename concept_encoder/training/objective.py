@@ -11,13 +11,19 @@ from ..concepts.weighting import ConceptRegularizedLoss
 logger = logging.getLogger("concept_encoder")
 
 
-def step_own_parameters(accelerator, parameters, optimizer, apply: bool) -> None:
+def step_own_parameters(accelerator, parameters, optimizer, apply: bool, loss_scale: float = 1.0) -> None:
     """Step parameters a loss owns outside the model (DDP and DeepSpeed average and step the model's only): their
-    gradients averaged over ranks, then `optimizer` stepped when `apply` (a finite step), gradients cleared."""
+    gradients averaged over ranks and divided by `loss_scale` (fp16's GradScaler multiplied the loss by it, and it
+    unscales only the model's optimizer: `optim.loss_scale`), then `optimizer` stepped when `apply` (the model's
+    step was applied) and, under fp16 (where an overflow may reach these gradients alone), they are finite;
+    gradients cleared."""
+    grads = []
     for param in parameters:
         if param.grad is not None:
-            param.grad = accelerator.reduce(param.grad, reduction="mean")
-    if apply:
+            param.grad = accelerator.reduce(param.grad, reduction="mean") / loss_scale
+            grads.append(param.grad)
+    overflowed = loss_scale != 1.0 and grads and not bool(torch.stack([g.isfinite().all() for g in grads]).all())
+    if apply and not overflowed:  # (checked under fp16 only: one host sync a step)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -44,9 +50,9 @@ class ConceptObjective:
         """`objective []` (the micro-batch's scaled MLM term), `concepts [B,C,H]` → (total [], terms)."""
         return self.loss(objective, concepts, step)
 
-    def step(self, accelerator, apply: bool) -> None:
+    def step(self, accelerator, apply: bool, loss_scale: float = 1.0) -> None:
         if self.optimizer is not None:
-            step_own_parameters(accelerator, self.loss.parameters(), self.optimizer, apply)
+            step_own_parameters(accelerator, self.loss.parameters(), self.optimizer, apply, loss_scale)
 
     def state_dict(self) -> dict:
         # "manager" holds the weighting's own parameters under their plain names ("log_vars", ...):

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
 from torch import nn
 from transformers import get_scheduler
+
+from .faults import NonFiniteLossError
+
+logger = logging.getLogger("concept_encoder")
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -99,3 +106,62 @@ def schedule_problem(saved: dict, current: dict, step: int) -> str | None:
                 "(extendable while its stable phase lasts: before step max_steps - decay_steps)"
             )
     return None
+
+
+def finish_step(accelerator, model, optimizer, max_grad_norm: float, loss_finite: bool) -> tuple[bool, float | None]:
+    """The end of one optimizer step, after its backward passes: the gradient's norm (clipped to `max_grad_norm`
+    when > 0), then the update, or none when the step's loss or gradient is not finite. Returns (applied, norm).
+
+    Under fp16 without DeepSpeed, accelerate's `GradScaler` must see every step, skipped ones too: the clip
+    unscales the gradients (`GradScaler.unscale_`, recorded per optimizer until `update()`), so a step that
+    returned before `optimizer.step()` would leave that record and the next clip would raise "unscale_() has
+    already been called". The dynamic scale starts at 2^16 and doubles after 2,000 clean steps, so every long fp16
+    run overflows now and then, by design. So an overflowing gradient goes through `optimizer.step()` all the same:
+    `GradScaler.step` sees the inf found while unscaling and skips the update, `update()` multiplies the scale by
+    its backoff factor (0.5), and the run goes on (`--max_bad_steps` bounds how long). A non-finite loss whose
+    gradient is finite (a cross-entropy's gradient does not depend on its value) is not stepped; the scale backs
+    off by `update(new_scale)` (torch's public way, which leaves the count towards the next growth as it was).
+    Under DeepSpeed its engine clips and its own fp16 loss scaler skips an overflow: only the norm is read."""
+    from accelerate.utils import DistributedType
+
+    scaler = getattr(accelerator, "scaler", None)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        if not loss_finite:
+            return False, None
+        optimizer.step()
+        norm = model.get_global_grad_norm()  # None where DeepSpeed computed none (ZeRO-0 without clipping)
+        return True, None if norm is None else float(norm)
+    if not loss_finite:
+        if scaler is not None:
+            scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+        return False, None
+    norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf))
+    if not math.isfinite(norm):  # an Inf/NaN gradient with a finite loss: skipped like a non-finite loss
+        if scaler is not None:
+            optimizer.step()  # GradScaler skips it (the inf found while unscaling) and backs off
+        return False, norm
+    optimizer.step()
+    return True, norm
+
+
+def loss_scale(accelerator) -> float:
+    """The factor `accelerator.backward` multiplied the loss by (fp16's GradScaler), 1 without one: what
+    gradients of parameters outside the model's optimizer must be divided by. Read before `finish_step`, whose
+    `update()` may change it."""
+    scaler = getattr(accelerator, "scaler", None)
+    return 1.0 if scaler is None else float(scaler.get_scale())
+
+
+def count_skipped_step(progress, applied: bool, what: str, max_bad_steps: int, advice: str) -> None:
+    """`progress.bad_steps`: consecutive skipped steps; at `max_bad_steps` the run ends (`NonFiniteLossError`,
+    one line naming `what` was not finite, the step, and `advice`), before anything is saved of them."""
+    if applied:
+        progress.bad_steps = 0
+        return
+    progress.bad_steps += 1
+    logger.warning("non-finite %s at step %d (update skipped)", what, progress.step + 1)
+    if progress.bad_steps >= max_bad_steps:
+        raise NonFiniteLossError(
+            f"the {what} was non-finite for {progress.bad_steps} consecutive steps, last at step {progress.step + 1}; "
+            f"{advice}"
+        )

@@ -1,5 +1,6 @@
 """Init-order helpers for the process and its runtime: distributed setup (step 1), CPU threads and
-allocator, CUDA memory cap (step 4), attention-kernel probe (step 8), optional compile (step 9)."""
+allocator, CUDA memory cap (step 4), TF32 (step 8, beside the attention-kernel probe of `attention_probe`),
+optional compile (step 9)."""
 
 from __future__ import annotations
 
@@ -75,22 +76,41 @@ def follow_launcher() -> bool:
 
 def configure_cpu_runtime() -> None:
     """The CPU set-up of every training process (and of the benchmarks' timing processes): its
-    share of the cores, and freed tensor memory kept for reuse. Both are no-ops on GPU machines."""
+    share of the cores (GPU machines too), and freed tensor memory kept for reuse (CPU machines only)."""
     use_cpu_cores()
     retain_freed_cpu_memory()
 
 
-def use_cpu_cores() -> None:
-    """On CPU, give each process its share of the cores.
+def cpu_threads() -> int | None:
+    """The policy for the number of torch's CPU threads in each process, on CPU and GPU machines alike; None
+    leaves torch's own (which follows OMP_NUM_THREADS).
 
-    `accelerate launch` exports OMP_NUM_THREADS=1 to every process on a machine without GPUs, which
-    halves a single-process run on 2 cores. `CPU_THREADS` overrides the share (cores / local processes).
+    1. `CPU_THREADS=<n>` wins: the project's own setting, never written by a launcher.
+    2. Else an OMP_NUM_THREADS other than 1 is kept: someone chose it (an export, accelerate's
+       `--num_cpu_threads_per_process`, or accelerate's own physical-core share on a `--cpu` launch).
+    3. Else (OMP_NUM_THREADS unset or 1) the cores this process may run on (`os.sched_getaffinity`, which a
+       scheduler's or `taskset`'s limit narrows; `os.cpu_count()` where it is missing) divided by the processes on
+       this machine (`LOCAL_WORLD_SIZE`, else `WORLD_SIZE`), at least 1. A 1 cannot be told apart from the
+       launcher's default: `accelerate launch` writes OMP_NUM_THREADS=1 into every process whenever it was given
+       no value (and torchrun does for several processes), GPU machines included. Left there, masking, the export
+       check's CPU forward pass, a distillation teacher on the CPU and CPU Adam under offload would each run on one
+       core. To pin one thread, set `CPU_THREADS=1`.
     """
-    if torch.cuda.is_available():
-        return
+    if explicit := int(os.environ.get("CPU_THREADS", 0) or 0):
+        return explicit
+    if os.environ.get("OMP_NUM_THREADS", "1").strip() not in ("", "1"):
+        return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    threads = int(os.environ.get("CPU_THREADS", 0)) or max(1, (os.cpu_count() or 1) // max(local, 1))
-    torch.set_num_threads(threads)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(local, 1))
+
+
+def use_cpu_cores() -> int:
+    """Apply `cpu_threads()` to torch's intra-op threads (OpenMP's too: CPU Adam's loops run in torch's OpenMP
+    runtime); returns the number of threads this process now uses."""
+    if (threads := cpu_threads()) is not None:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def retain_freed_cpu_memory() -> bool:
@@ -126,19 +146,6 @@ def apply_memory_budget(budget_gb: float | None, state: PartialState) -> None:
     logger.info("CUDA memory capped at %.1f GiB (%.1f%% of %.1f GiB)", budget_gb, 100 * fraction, total / 2**30)
 
 
-def attention_calls(config, seq_len: int, decoder: bool = True) -> list[tuple[str, int, int, bool]]:
-    """The SDPA calls one forward of a model with `config` makes on `seq_len` tokens, as (what, queries,
-    keys, masked by padding): BERT's self-attention; the concepts reading the tokens and each other, and
-    with `decoder` the MLM decoder's masked positions (15%) reading the concepts."""
-    if config.model_type == "bert":
-        return [("tokens ← tokens", seq_len, seq_len, True)]
-    concepts = config.concept_num
-    calls = [("concepts ← tokens", concepts, seq_len, True), ("concepts ← concepts", concepts, concepts, False)]
-    if decoder and config.decoder_type != "weighted":
-        calls.append(("positions ← concepts", max(1, round(0.15 * seq_len)), concepts, False))
-    return calls
-
-
 def set_tf32(enabled: bool, state: PartialState) -> str:
     """Step 8, with the kernel probe: fp32 matmuls and cuDNN convolutions in TF32 where the GPU has it (compute
     capability 8.0 and later: RTX 30xx, A100, H100), as nanoGPT, litgpt and Cramming do (a 10-bit mantissa in the
@@ -155,56 +162,6 @@ def set_tf32(enabled: bool, state: PartialState) -> str:
         verdict = f"not available ({where})"
     logger.info("TF32 matmuls: %s", verdict)
     return verdict
-
-
-def probe_attention_kernels(config, batch: dict, state: PartialState, decoder: bool = True) -> dict[str, bool]:
-    """Step 8: which SDPA backends can serve the model's attention calls on this device.
-
-    Runs every call of `attention_calls` (the model's head count, head size and lengths, two rows of
-    `batch`, its padding mask where one is needed, bf16 on CUDA) on random queries, keys and values under
-    `sdpa_kernel([backend])`, one backend at a time; a backend that cannot serve a call (mask, dtype, head
-    size, device) raises and is reported as unavailable. PyTorch picks the first available in the order
-    listed. Probing attention calls, not the model, keeps the model where it is: a ZeRO-3 model stays
-    partitioned, and a model larger than the GPU is never moved onto it whole.
-    """
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if not state.is_main_process:
-        return {}
-    candidates = [("flash", SDPBackend.FLASH_ATTENTION), ("memory_efficient", SDPBackend.EFFICIENT_ATTENTION)]
-    candidates.append(("math", SDPBackend.MATH))
-    ids = batch["input_ids"][:2]
-    rows, seq_len = ids.shape
-    mask = batch.get("attention_mask")
-    padded = mask is not None and not bool(mask[:2].all())
-    key_mask = mask[:2].bool().to(state.device)[:, None, None, :] if padded else None  # [B,1,1,N]
-    dtype = torch.bfloat16 if state.device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    heads = config.num_attention_heads
-    head_dim = config.hidden_size // heads
-    calls = attention_calls(config, seq_len, decoder)
-    result = {}
-    for name, backend in candidates:
-        try:
-            with torch.no_grad(), sdpa_kernel([backend]):
-                for _, queries, keys, masked in calls:
-                    q = torch.randn(rows, heads, queries, head_dim, device=state.device, dtype=dtype)
-                    kv = torch.randn(2, rows, heads, keys, head_dim, device=state.device, dtype=dtype)
-                    F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=key_mask if masked else None)
-            result[name] = True
-        except RuntimeError:
-            result[name] = False
-    chosen = next((name for name, ok in result.items() if ok), "none")
-    logger.info(
-        "attention kernels on %s (%s batch, %s; %s): %s → PyTorch will use %s",
-        state.device,
-        "padded" if padded else "unpadded",
-        "bf16" if dtype == torch.bfloat16 else "fp32",
-        ", ".join(f"{what} {q}×{k}" for what, q, k, _ in calls),
-        ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in result.items()),
-        chosen,
-    )
-    return result
 
 
 def maybe_compile(model, enabled: bool, backend="inductor"):
@@ -227,10 +184,50 @@ def plain_model(accelerator, model):
     return accelerator.unwrap_model(model, keep_torch_compile=False)
 
 
-def model_state_dict(accelerator, model) -> dict | None:
-    """`accelerator.get_state_dict(model)` (a collective under ZeRO-3: the shards are gathered, and only the
-    main process gets them; None elsewhere) under the plain model's parameter names: a compiled model's
-    names carry torch.compile's `_orig_mod.` prefix, which a saved model must not (it would load as missing
-    weights)."""
+def model_state_dict(accelerator, model, dtype: str = "float32") -> dict | None:
+    """The model's weights to save, in `dtype`: `accelerator.get_state_dict(model)` (a collective under ZeRO-3:
+    the shards are gathered, and only the main process gets them; None elsewhere) under the plain model's
+    parameter names (a compiled model's names carry torch.compile's `_orig_mod.` prefix, which a saved model must
+    not: it would load as missing weights), with DeepSpeed's fp32 master weights in place of its 16-bit copies
+    (`fp32_master_weights`: a collective too, so every rank calls this function)."""
+    masters = fp32_master_weights(accelerator, model)
     state = accelerator.get_state_dict(model)
-    return None if state is None else {name.removeprefix("_orig_mod."): value for name, value in state.items()}
+    if state is None:
+        return None
+    state = {name.removeprefix("_orig_mod."): value for name, value in state.items()}
+    target = getattr(torch, dtype)
+    return {name: masters.get(name, value).to(target) if value.is_floating_point() else value
+            for name, value in state.items()}  # fmt: skip
+
+
+def fp32_master_weights(accelerator, model) -> dict[str, torch.Tensor]:
+    """Parameter name → the fp32 master weight DeepSpeed's optimizer holds for a 16-bit (bf16/fp16) module, on the
+    main process (empty elsewhere, and when the module trains in fp32 or without DeepSpeed: its parameters are
+    the weights). DeepSpeed casts the module to 16 bits and keeps the fp32 weights it updates in its optimizer
+    (ZeRO 1/2/3, and bf16 without ZeRO); `deepspeed.utils.safe_get_full_fp32_param` assembles one from its
+    partitions (an all-reduce or all-gather: every rank asks for every parameter in the same order). This is what
+    `export` reads from a checkpoint's optimizer states, so `final/` and an export of the same step agree. Where
+    DeepSpeed keeps no master for a parameter (a frozen one; fp16 without ZeRO) the 16-bit tensor is saved,
+    upcast, with one log line."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return {}
+    plain = plain_model(accelerator, model)
+    if all(p.dtype == torch.float32 for p in plain.parameters()):
+        return {}
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    masters, by_parameter, lacking = {}, {}, []
+    for name, param in plain.named_parameters(remove_duplicate=False):  # tied names share their parameter's master
+        if id(param) not in by_parameter:
+            full = safe_get_full_fp32_param(param)
+            by_parameter[id(param)] = None if full is None or not accelerator.is_main_process else full.detach().cpu()
+        if by_parameter[id(param)] is not None:
+            masters[name] = by_parameter[id(param)]
+        elif accelerator.is_main_process:
+            lacking.append(name)
+    if lacking:
+        logger.info("DeepSpeed keeps no fp32 master of %d parameter(s) (e.g. %s): saved from their 16-bit copies",
+                    len(lacking), lacking[0])  # fmt: skip
+    return masters
