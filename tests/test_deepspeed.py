@@ -92,6 +92,7 @@ ONE_LAUNCH = {  # run name: (ds config, its own flags, the runs it starts from);
     # a model folder is read with its own tokenizer and has its own shape ("small" is the default: no preset)
     "z3distil": ("zero3", ["--max_steps", "4", "--objective", "distill", "--packing", "false", "--teacher",
                            "teacher", "--learning_rate", "3e-3"], ()),
+    "z3bf16": ("zero3", ["--max_steps", "2", "--save_steps", "2", "--mixed_precision", "bf16"], ()),
 }  # fmt: skip
 
 
@@ -279,6 +280,23 @@ def test_a_bf16_zero2_run_saves_its_fp32_masters_and_fine_tuning_loads_float32(w
     for from_scratch in (False, True):
         classifier, _ = build_classifier(str(final), task, from_scratch)
         assert {p.dtype for p in classifier.parameters()} == {torch.float32}
+
+
+@pytest.mark.loop
+def test_a_bf16_zero3_run_gathers_its_fp32_masters_from_both_ranks_into_final(workdir, tmp_path):
+    """Under ZeRO-3 each rank holds a shard of the fp32 masters: `final/` gathers them (DeepSpeed's
+    `safe_get_full_fp32_param` on every rank), and equals what `export` gathers from the checkpoint's shards."""
+    from concept_encoder.training import export
+
+    run = made(workdir, "z3bf16")[0]
+    weights = load_file(run / "final/model.safetensors")
+    assert {w.dtype for w in weights.values()} == {torch.float32}
+    check = json.loads((run / "summary.json").read_text())["export_check"]
+    assert check["dtype"] == "bfloat16" and check["alike"] and check["passed"]
+    export.export(run / "checkpoints/step_0000002", tmp_path / "exported")
+    exported = load_file(tmp_path / "exported/model.safetensors")
+    assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in weights.values())  # masters, not bf16 copies
 
 
 @pytest.mark.loop
