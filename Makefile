@@ -17,7 +17,7 @@ BATCH     ?= 16
 ARGS      ?=
 LAUNCH    := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
-.PHONY: help install test lint format clean bench gpu-check train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
+.PHONY: help install test lint format clean bench gpu-check gpu-kit train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
 	finetune probe reference glue compare ablate curve long-context recipes listops
 
 help:  ## this list: every target, one line each
@@ -189,9 +189,16 @@ bench: install  ## speed and memory benchmarks (CPU sizes; BENCH_ARGS=--full on 
 	$(PY) benchmarks/decode_memory.py --json $(BENCH_OUT)/decode_memory.json $(BENCH_ARGS)
 	$(PY) benchmarks/compile_speed.py --json $(BENCH_OUT)/compile_speed.json $(BENCH_ARGS)
 
-# Ten minutes on one GPU (benchmarks/gpu_check.py): kernel probe, bf16 loop with MFU, compile vs eager, the
-# largest preset under ZeRO offload in 10 GB. Summary in Cache/reports/gpu_check_<time>/. Without CUDA: --dry.
+# Ten minutes on one GPU (benchmarks/gpu_check.py): bf16 loop with MFU, BERT of the same shape, kernel probe,
+# compile vs eager, xl (and 3b) under ZeRO offload in 10 GB. Summary in Cache/reports/gpu_check_<time>/. --dry: CPU.
 #   make gpu-check GPU_CHECK_ARGS="--peak_tflops 312"
 GPU_CHECK_ARGS ?=
-gpu-check: install  ## ten minutes on one GPU: kernels, bf16 loop with MFU, compile, ZeRO offload in 10 GB
+gpu-check: install  ## ten minutes on one GPU: bf16 loop with MFU, BERT ratio, kernels, compile, ZeRO offload in 10 GB
 	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Wheels for a bare GPU image (python3 3.12, torch, no DeepSpeed, no datasets, no network) into .whl/, at most
+# 64 MiB with the working tree; docs/scaling.md gives the one command that installs them there and runs the check.
+#   make gpu-kit KIT_ARGS="--ship pandas"     (also ship a package the image was assumed to have)
+KIT_ARGS ?=
+gpu-kit: install  ## wheels a bare GPU image lacks (this project, DeepSpeed, datasets, ...) into .whl/, <= 64 MiB
+	$(PY) launch/gpu_kit.py $(KIT_ARGS)

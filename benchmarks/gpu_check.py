@@ -1,25 +1,30 @@
 """One GPU check, for anyone lent a single GPU for ten minutes: `make gpu-check`.
 
-    python benchmarks/gpu_check.py                      # on a CUDA machine: the four parts below
+    python benchmarks/gpu_check.py                      # on a CUDA machine: the parts below, ten minutes
     python benchmarks/gpu_check.py --dry                # anywhere: a tiny version of every part (CI runs it)
     python benchmarks/gpu_check.py --peak_tflops 312    # MFU against your own peak (default: looked up)
 
-Parts, each in its own process with its own time limit (a part that fails or runs out of time is
-reported and the next one runs; the whole stays under `--budget_s`, 8 minutes by default):
+Parts, most valuable first, each in its own process with its own time limit (`TIME_LIMITS_S`, ten minutes in
+all on an H100-class GPU); a part that fails, cannot run (a package missing: it says which) or runs out of time is
+reported and the next one runs; a part out of time is ended with every process it started (`timed_part.py`):
 
-1. `probe`: the loop's attention-kernel probe for the `base` preset under bf16: is flash eligible?
-2. `loop`: `loops/mlm.py` on the `base` preset with bf16 through `accelerate launch`: tokens/s,
+1. `loop`: `loops/mlm.py` on the `base` preset with bf16 through `accelerate launch`, N = 512: tokens/s,
    achieved TFLOP/s (analytic matmul FLOPs, `concept_encoder/accounting/flops.py`) and MFU against the GPU's
    peak bf16 dense TFLOP/s, looked up from the device name (`PEAK_BF16_TFLOPS`) or `--peak_tflops`.
-3. `compile`: `benchmarks/compile_speed.py` on `base` with bf16: compiled / eager step-time ratio,
-   compile time, recompiles after warm-up.
-4. `zero`: `launch/zero_compare.py --find_max --find_max_from xl --memory_budget 10GB` for
-   `zero2_offload` and `zero3_offload` (micro-batch 4, N=512): the largest preset from xl (1B) up that
-   completes on a 10 GB slice of the GPU (xl or 3b), with its parameter count at the 8k vocabulary.
+2. `bert`: `benchmarks/scaling.py`: the Concept Encoder's training step beside BERT of the same shape (SDPA) at
+   N = 512 and 4,096, interleaved in one process, so the speed ratio is measured in one run.
+3. `probe`: the loop's attention-kernel probe for `base` under bf16: which kernels may run (flash?).
+4. `syncs`: host-device syncs per micro-batch and per optimizer step (`HOST_SYNCS_HOOK`, issue #53 item 1).
+5. `compile`: `benchmarks/compile_speed.py` on `base` with bf16: compiled / eager step time, compile time,
+   recompiles after warm-up.
+6. `zero`: DeepSpeed's CPU Adam built once (`launch/build_ops.py`), then `launch/zero_compare.py`, one run
+   each, under a 10 GB cap (micro-batch 4, N = 512): `xl` (1B) under `zero2_offload` and `zero3_offload`, then
+   `3b` under `zero3_offload` (where time is left; zero_compare skips a preset the host lacks the RAM for).
 
-Writes `summary.json` and `summary.md` under `--out` and prints the markdown. Without CUDA (or with
-`--dry`) every part runs at toy size on the CPU (micro preset, a few steps, compile traced by
-dynamo with the `eager` backend, ZeRO-3 offload without `--find_max`): the plumbing is checked and each GPU number is marked
+Every part's entry holds the peak host RSS of its process tree; `summary.json` and `summary.md` under `--out` are
+rewritten as each part (and each zero run) finishes, so a check cut short keeps what it measured. Without CUDA (or
+with `--dry`) every part runs at toy size on the CPU (micro preset, a few steps, compile traced by dynamo with the
+`eager` backend, the ZeRO runs at micro without the cap): the plumbing is checked and each GPU number is marked
 unavailable, never invented.
 """
 
@@ -27,9 +32,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
+import importlib.util
 import json
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from concept_encoder.common import process_group  # noqa: E402
+from benchmarks import gpu_parts  # noqa: E402
+from benchmarks.gpu_parts import HOST_SYNCS_HOOK, PART_NEEDS, PARTS  # noqa: E402
+from benchmarks.timed_part import error_line, run_part  # noqa: E402
 from concept_encoder.common.report_files import claim_report_folder  # noqa: E402
 
 # Dense bf16 tensor-core peak per GPU (vendor data sheets, no sparsity), by a name fragment; first match wins.
@@ -46,8 +53,19 @@ PEAK_BF16_TFLOPS = [
     ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0),
     ("A10", 125.0), ("RTX 4090", 165.0), ("RTX 3090", 71.0), ("RTX 3080", 59.5), ("A6000", 155.0),
 ]  # fmt: skip
-PARTS = ("probe", "loop", "compile", "zero")
-TIME_LIMITS_S = {"probe": 30, "loop": 120, "compile": 100, "zero": 230}  # on an H100-class GPU, 480 s in all
+# Seconds per part on an H100-class GPU, 600 in all (`--budget_s`); estimates from the CPU runs and the models'
+# FLOPs, until a GPU run measures them. A part gets its limit or what is left of the budget, whichever is less;
+# the last part (zero) gets all that is left: its share, and whatever the parts before it did not use.
+TIME_LIMITS_S = {
+    "loop": 100,  # launch, imports and tokenizer ~20 s, `base` built, 30 bf16 steps (ms each), final save and check
+    "bert": 70,  # four base-shape models built once; 1 + 5 interleaved steps each at N = 512 and 4,096 (~1 s a round)
+    "probe": 25,  # one process: imports, a few attention calls
+    "syncs": 25,  # one process: each loop's step counted over one and two micro-batches
+    "compile": 120,  # inductor's first compile of a base step's forward and backward dominates
+    "zero": 260,  # CPU Adam's build (~40 s), two xl runs (<= 110 s each: 1B fp32 built on the host, offload set up)
+}
+BUDGET_S = sum(TIME_LIMITS_S.values())
+MIN_PART_S = 10  # less than this left of the budget: the part is skipped
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -55,123 +73,40 @@ def peak_tflops(device_name: str) -> float | None:
     return next((peak for fragment, peak in PEAK_BF16_TFLOPS if fragment.lower() in device_name.lower()), None)
 
 
-def part_settings(dry: bool) -> dict:
-    """Model size and step counts: the GPU check, or its toy-sized `--dry` twin (compile traced by dynamo alone, `eager` backend)."""
-    if dry:
-        return {"preset": "micro", "seq_len": 64, "batch": 4, "steps": 4, "precision": "no", "backend": "eager"}
-    return {"preset": "base", "seq_len": 512, "batch": 16, "steps": 30, "precision": "bf16", "backend": "inductor"}
+def missing_modules(part: str) -> list[str]:
+    """The packages `part` needs that this Python lacks (the GPU image has no DeepSpeed and no datasets)."""
+    return [name for name in PART_NEEDS[part] if importlib.util.find_spec(name) is None]
 
 
-def loop_flags(settings: dict, steps: int) -> list[str]:
-    return [
-        "--preset", settings["preset"], "--max_seq_length", str(settings["seq_len"]),
-        "--per_device_train_batch_size", str(settings["batch"]), "--max_steps", str(steps),
-        "--tokenizer", "train:wordpiece:8000", "--report_to", "none", "--progress_bar", "false",
-        "--eval_steps", "0", "--save_steps", "0", "--max_eval_batches", "2", "--logging_steps", "5",
-    ]  # fmt: skip
+def cannot_run(part: str) -> str | None:
+    """Why `part` cannot run here, in one line, or None."""
+    if missing := missing_modules(part):
+        return (f"needs {', '.join(missing)}, which this Python ({sys.executable}) lacks: build the wheels with "
+                "`make gpu-kit` where pip works and install them here (docs/scaling.md, `make gpu-check`)")  # fmt: skip
+    if part == "syncs":
+        module, name = HOST_SYNCS_HOOK
+        if importlib.util.find_spec(module) is None or not hasattr(importlib.import_module(module), name):
+            return f"not counted yet: {module} has no {name}(preset, device, precision) (issue #53 item 1)"
+    return None
 
 
-def accelerate_launch(*options: str) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-            "--dynamo_backend", "no", *options]  # fmt: skip
-
-
-def run_part(command: list[str], limit_s: float, cwd: Path) -> tuple[int | None, str, float]:
-    """(exit code or None on timeout, output tail, seconds): the command in its own process group, ended
-    whole when it runs past `limit_s`."""
-    started = time.perf_counter()
-    process = process_group.start(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        code, out, _ = process_group.finish(process, limit_s)
-    except subprocess.TimeoutExpired:
-        return None, f"ran past its {limit_s:.0f} s limit", time.perf_counter() - started
-    return code, (out or "")[-3000:], time.perf_counter() - started
-
-
-# --- the four parts: each returns (command, how to read its result) -------------------------------------------
-
-
-def probe_part(settings: dict, work: Path):
-    command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--probe_only",
-        settings["preset"],
-        str(settings["seq_len"]),
-    ]
-
-    def read(output: str) -> dict:
-        verdict = json.loads(output.strip().splitlines()[-1])
-        return {**verdict, "flash_eligible": verdict.get("flash", False)}
-
-    return command, read
-
-
-def loop_part(settings: dict, work: Path, peak: float | None):
-    run = "gpu-check-loop"
-    precision = settings["precision"]
-    command = accelerate_launch("--mixed_precision", precision, str(ROOT / "loops/mlm.py"),
-                                *loop_flags(settings, settings["steps"]), "--output_dir", str(work / "runs"),
-                                "--run_name", run, *(["--peak_tflops", str(peak)] if peak else []))  # fmt: skip
-
-    def read(output: str) -> dict:
-        records = [json.loads(line) for line in (work / "runs" / run / "metrics.jsonl").read_text().splitlines()]
-        train = [r for r in records if r["kind"] == "train"][1:] or [r for r in records if r["kind"] == "train"]
-        median = {k: statistics.median(r[k] for r in train) for k in ("tokens_per_s", "tflops_per_s") if k in train[0]}
-        result = {"preset": settings["preset"], "precision": precision, "steps": settings["steps"], **median}
-        if peak and "mfu" in train[0]:
-            result["mfu"] = statistics.median(r["mfu"] for r in train)
-        result["cuda_peak_gb"] = max((r.get("cuda_peak_allocated_gb") or 0 for r in train), default=None) or None
-        return result
-
-    return command, read
-
-
-def compile_part(settings: dict, work: Path):
-    out = work / "compile.json"
-    precision = "bf16" if settings["precision"] == "bf16" else "fp32"
-    dry = settings["backend"] != "inductor"
-    command = [sys.executable, str(ROOT / "benchmarks/compile_speed.py"), "--preset", settings["preset"],
-               "--lengths", str(settings["seq_len"]), "--batch_size", str(settings["batch"]), "--precision", precision,
-               "--backend", settings["backend"], "--repeats", "2" if dry else "5", "--json", str(out),
-               *(["--vocab_size", "2000"] if dry else [])]  # fmt: skip
-
-    def read(output: str) -> dict:
-        [row] = json.loads(out.read_text())["rows"]
-        return {"backend": settings["backend"], **row}
-
-    return command, read
-
-
-def zero_part(settings: dict, work: Path, cuda: bool):
-    command = [sys.executable, str(ROOT / "launch/zero_compare.py"), "--configs", "zero2_offload,zero3_offload",
-               "--out_dir", str(work / "zero"), "--workdir", str(work), "--steps", "2", "--untimed_steps", "1",
-               "--timeout", str(TIME_LIMITS_S["zero"] // 2), "--max_seq_length", str(settings["seq_len"]),
-               "--per_device_train_batch_size", str(4 if cuda else settings["batch"]),
-               "--tokenizer", "train:wordpiece:8000"]  # fmt: skip
-    # from xl (1B) up: the presets below it fit 10 GB with room to spare, and each run costs time
-    command += (
-        ["--find_max", "--find_max_from", "xl", "--memory_budget", "10GB"] if cuda else ["--preset", settings["preset"]]
-    )
-
-    def read(output: str) -> dict:
-        [path] = sorted((work / "zero").glob("zero_compare_*.csv"))[-1:]
-        import csv
-
-        with path.open() as f:
-            rows = list(csv.DictReader(f))
-        from concept_encoder.accounting.memory import model_parameter_count
-        from concept_encoder.model.presets import PRESETS
-
-        largest = {}
-        for row in rows:
-            fields = {**PRESETS.get(row["preset"], {}), "vocab_size": 8000}
-            params = model_parameter_count(fields)["total"] if row["preset"] in PRESETS else None
-            largest[row["config"]] = {"preset": row["preset"], "parameters": params, "status": row["status"],
-                                      "cuda_peak_allocated_gb": row.get("cuda_peak_allocated_gb") or None}  # fmt: skip
-        return {"memory_budget_gb": 10 if cuda else None, "largest_that_completes": largest}
-
-    return command, read
+def run_single(command: list[str], read, limit_s: float, work: Path) -> dict:
+    """Run a one-command part; its entry: status, seconds, host RSS peak, and its result or why it has none."""
+    outcome = run_part(command, limit_s, cwd=work)
+    entry = {"status": "failed", "seconds": round(outcome.seconds, 1), "host_rss_peak_gb": outcome.host_rss_peak_gb,
+             "command": command}  # fmt: skip
+    if outcome.code is None:
+        entry.update(status="timed out", error=f"ran past its {limit_s:.0f} s limit", output_tail=outcome.output)
+    elif outcome.code != 0:
+        entry.update(
+            error=f"exit {outcome.code}: {error_line(outcome.output)}".rstrip(": "), output_tail=outcome.output
+        )
+    else:
+        try:
+            entry.update(status="ok", result=read(outcome.output))
+        except (OSError, ValueError, KeyError, IndexError) as error:
+            entry.update(error=f"could not read the result: {error!r}", output_tail=outcome.output)
+    return entry
 
 
 def run_probe_only(preset: str, seq_len: int) -> int:
@@ -190,30 +125,12 @@ def run_probe_only(preset: str, seq_len: int) -> int:
     return 0
 
 
-def describe(part: str, result: dict) -> str:
-    if result["status"] != "ok":
-        return result.get("error", "")
-    r = result["result"]
-    if part == "probe":
-        kernels = ", ".join(f"{k}={'yes' if r[k] else 'no'}" for k in ("flash", "memory_efficient", "cudnn", "math"))
-        return f"{r['preset']} at N={r['seq_len']}, {r['dtype']}: {kernels}"
-    if part == "loop":
-        mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ", MFU unavailable (no peak)"
-        tflops = f", {r['tflops_per_s']:.2f} TFLOP/s" if r.get("tflops_per_s") else ""
-        precision = "fp32" if r["precision"] == "no" else r["precision"]
-        return f"{r['preset']}, {precision}: {r['tokens_per_s']:,.0f} tokens/s{tflops}{mfu}"
-    if part == "compile":
-        return (f"{r['speedup']:.2f}x eager ({r['backend']}), compile {r['compile_s']:.1f} s, "
-                f"{r['recompiles_after_warmup']} recompiles after warm-up, {r['graph_breaks']} graph breaks")  # fmt: skip
-    largest = r["largest_that_completes"]
-    return "; ".join(f"{config}: {v['preset']} ({params_text(v['parameters'])} parameters, {v['status']})"
-                     for config, v in largest.items())  # fmt: skip
-
-
-def params_text(count: int | None) -> str:
-    if not count:
-        return "?"
-    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:,.1f}M"
+def run_syncs_only(preset: str, device: str, precision: str) -> int:
+    """`--syncs_only`: the counts of `HOST_SYNCS_HOOK` for `preset`'s training steps; prints one JSON line."""
+    module, name = HOST_SYNCS_HOOK
+    counts = getattr(importlib.import_module(module), name)(preset, device, precision)
+    print(json.dumps({**counts, "preset": preset, "device": device, "precision": precision}, default=str))
+    return 0
 
 
 def markdown(summary: dict) -> str:
@@ -221,11 +138,22 @@ def markdown(summary: dict) -> str:
     if not summary["cuda"]:
         lines += ["No CUDA device: every part ran its toy-sized `--dry` version on the CPU; "
                   "the GPU numbers are unavailable.", ""]  # fmt: skip
-    lines += ["| part | status | seconds | result |", "|---|---|---|---|"]
+    lines += ["| part | status | seconds | host RSS peak | result |", "|---|---|---|---|---|"]
     for part in PARTS:
-        result = summary["parts"][part]
-        lines.append(f"| {part} | {result['status']} | {result['seconds']:.0f} | {describe(part, result)} |")
+        entry = summary["parts"].get(part, {"status": "pending", "seconds": 0})
+        rss = f"{entry['host_rss_peak_gb']:.1f} GB" if entry.get("host_rss_peak_gb") else "—"
+        said = [gpu_parts.describe(part, entry)] if "result" in entry else []  # a zero part cut short: its runs
+        text = "; ".join(said + ([entry["error"]] if entry.get("error") else []))
+        lines.append(f"| {part} | {entry['status']} | {entry['seconds']:.0f} | {rss} | {text} |")
     return "\n".join(lines)
+
+
+def write_summary(work: Path, summary: dict) -> str:
+    """`summary.json` and `summary.md` as they stand: written after every part and every ZeRO run."""
+    text = markdown(summary)
+    (work / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (work / "summary.md").write_text(text + "\n")
+    return text
 
 
 def parse_args(argv=None):
@@ -233,9 +161,10 @@ def parse_args(argv=None):
     parser.add_argument("--dry", action="store_true", help="toy-sized parts on the CPU (automatic without CUDA)")
     parser.add_argument("--peak_tflops", type=float, default=None, help="the GPU's peak for MFU (default: looked up)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
-    parser.add_argument("--budget_s", type=float, default=480, help="time for all parts together")
+    parser.add_argument("--budget_s", type=float, default=BUDGET_S, help="time for all parts together")
     parser.add_argument("--out", default=None, help="output folder (default Cache/reports/gpu_check_<time>)")
     parser.add_argument("--probe_only", nargs=2, metavar=("PRESET", "N"), help=argparse.SUPPRESS)
+    parser.add_argument("--syncs_only", nargs=3, metavar=("PRESET", "DEVICE", "PRECISION"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(args.parts) - set(PARTS))
@@ -248,6 +177,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.probe_only:
         return run_probe_only(args.probe_only[0], int(args.probe_only[1]))
+    if args.syncs_only:
+        return run_syncs_only(*args.syncs_only)
     import torch
 
     cuda = torch.cuda.is_available() and not args.dry
@@ -258,47 +189,36 @@ def main(argv=None) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     work = Path(args.out).resolve() if args.out else claim_report_folder("Cache/reports", "gpu_check")
     work.mkdir(parents=True, exist_ok=True)
-    settings = part_settings(dry=not cuda)
-    builders = {
-        "probe": lambda: probe_part(settings, work),
-        "loop": lambda: loop_part(settings, work, peak),
-        "compile": lambda: compile_part(settings, work),
-        "zero": lambda: zero_part(settings, work, cuda),
-    }
+    settings = gpu_parts.part_settings(dry=not cuda)
     summary = {"device": device_name, "cuda": cuda, "peak_bf16_tflops": peak, "started": stamp,
-               "settings": settings, "parts": {}}  # fmt: skip
+               "budget_s": args.budget_s, "time_limits_s": TIME_LIMITS_S, "settings": settings,
+               "host_syncs_per_micro_batch": None, "host_syncs_per_optimizer_step": None, "parts": {}}  # fmt: skip
     deadline = time.perf_counter() + args.budget_s
     for part in PARTS:
-        if part not in args.parts:
-            summary["parts"][part] = {"status": "skipped", "seconds": 0, "error": "not in --parts"}
-            continue
         left = deadline - time.perf_counter()
-        if left < 10:
-            summary["parts"][part] = {"status": "skipped", "seconds": 0, "error": "the time budget was spent"}
-            continue
-        print(f"gpu-check: {part} (limit {min(TIME_LIMITS_S[part], left):.0f} s) ...", file=sys.stderr, flush=True)
-        command, read = builders[part]()
-        code, output, seconds = run_part(command, min(TIME_LIMITS_S[part], left), cwd=work)
-        entry = {"status": "failed", "seconds": round(seconds, 1), "command": command}
-        if code is None:
-            entry["error"] = output
-        elif code != 0:
-            entry["error"] = (
-                f"exit {code}: " + output.strip().splitlines()[-1][:300] if output.strip() else f"exit {code}"
-            )
-            entry["output_tail"] = output
+        if part not in args.parts:
+            entry = {"status": "skipped", "seconds": 0, "error": "not in --parts"}
+        elif left < MIN_PART_S:
+            entry = {"status": "skipped", "seconds": 0, "error": f"the {args.budget_s:.0f} s budget was spent"}
+        elif reason := cannot_run(part):
+            entry = {"status": "cannot run", "seconds": 0, "error": reason}
         else:
-            try:
-                entry.update(status="ok", result=read(output))
-            except (OSError, ValueError, KeyError, IndexError) as error:
-                entry.update(error=f"could not read the result: {error!r}", output_tail=output)
+            limit = left if part == PARTS[-1] else min(TIME_LIMITS_S[part], left)  # the last: what the rest left
+            print(f"gpu-check: {part} (limit {limit:.0f} s) ...", file=sys.stderr, flush=True)
+            if part == "zero":  # several runs, each in the summary as it finishes
+                entry = summary["parts"][part] = {}
+                gpu_parts.run_zero(settings, work, cuda, limit, entry, lambda: write_summary(work, summary))
+            else:
+                command, read = gpu_parts.BUILDERS[part](settings, work, peak)
+                entry = run_single(command, read, limit, work)
         if entry["status"] == "ok" and not cuda:
             entry["gpu_numbers"] = "unavailable: no CUDA, toy-sized run on the CPU"
         summary["parts"][part] = entry
-    text = markdown(summary)
-    (work / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    (work / "summary.md").write_text(text + "\n")
-    print(text)
+        if part == "syncs" and entry["status"] == "ok":
+            for key in ("host_syncs_per_micro_batch", "host_syncs_per_optimizer_step"):
+                summary[key] = entry["result"].get(key)
+        write_summary(work, summary)
+    print(write_summary(work, summary))
     print(f"\nwrote {work / 'summary.json'} and {work / 'summary.md'}")
     return 0
 

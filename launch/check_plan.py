@@ -39,6 +39,7 @@ from concept_encoder.common import process_group  # noqa: E402
 from concept_encoder.common.cli_types import at_least  # noqa: E402
 from concept_encoder.common.dataclass_args import read_yaml_mapping  # noqa: E402
 from concept_encoder.training.args import parse_args  # noqa: E402
+from concept_encoder.training.machine_checks import host_memory_bytes  # noqa: E402
 from concept_encoder.training.plan import ds_config_problems, launch_command  # noqa: E402
 from launch.plan_checks import ERROR, HEADROOM, OK, Check, Plan, run_checks, suggest  # noqa: E402
 
@@ -117,14 +118,9 @@ def visible_gpus() -> list[dict]:
 
 
 def host_memory_gb() -> float | None:
-    """This machine's RAM in GiB from /proc/meminfo; None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return None
+    """This machine's RAM in GiB (/proc/meminfo's MemTotal: the plan is for the machine); None where unreadable."""
+    total = host_memory_bytes("MemTotal")
+    return None if total is None else total / memory.GIB
 
 
 def read_profile(name: str) -> dict:
@@ -220,6 +216,16 @@ def plan_launch_command(plan: Plan, args) -> list[str]:
     return launch_command(options, plan.model, plan.data, plan.train)
 
 
+def memory_verdict(plan: Plan, estimate) -> str:
+    """`~7.0 GiB of 10 GiB GPU, ~25.6 GiB of 31.3 GiB host RAM`: the GPU and the host memory the plan needs."""
+
+    def of(needed: int, have: float | None) -> str:
+        return f"~{needed / memory.GIB:.1f} GiB" + (f" of {have:.3g} GiB" if have else "")
+
+    host = f"{of(estimate.host_peak, plan.host_memory_gb)} host RAM"
+    return f"{of(estimate.gpu_peak, plan.gpu_memory_gb)} GPU, {host}" if plan.gpus_per_node else f"{host}, CPU plan"
+
+
 def format_table(checks: list[Check]) -> str:
     """One line per check (status, name, reason), then its fix unless it is OK."""
     width = max(len(c.name) for c in checks)
@@ -307,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {mark:<16} {r['ds_config']:<14} stage {r['zero_stage']}  offload={r['offload']:<16}  "
                       f"~{r['est_gpu_peak_gib']:.2f} GiB GPU, ~{r['est_host_gib']:.2f} GiB host{nvme}")  # fmt: skip
         verdict = f"{errors} error(s): fix them before launching" if errors else "plan is sound"
+        verdict += f" ({memory_verdict(plan, estimate)})"
         print(f"\n{verdict}\n\n  {shlex.join(command)}")
     if errors:
         return 1

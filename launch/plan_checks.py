@@ -1,9 +1,10 @@
 """The launch plan checker's checks: each family reads a resolved `Plan` and returns OK / WARNING / ERROR `Check`s.
 
 The families, in the order `run_checks` reports them: batch arithmetic and world size vs GPUs
-(`check_batch`), ZeRO / offload, torch.compile under ZeRO-3, CPU Adam, NVMe paths and build, host RAM
-(`check_zero`), precision (`check_precision`), shapes and tokenizer (`check_shapes`), dataset, model, output and
-resume paths (`check_paths`, `check_resume`), GPU memory (`check_memory`) and decision gates (`check_gates`);
+(`check_batch`), ZeRO / offload, torch.compile under ZeRO-3, CPU Adam, NVMe paths and build (`check_zero`), host
+RAM (`check_host_ram`), precision (`check_precision`), shapes and tokenizer (`check_shapes`), dataset, model,
+output and resume paths (`check_paths`, `check_resume`), GPU memory (`check_memory`) and decision gates
+(`check_gates`);
 `suggest` ranks every ds config for the same plan. `launch/check_plan.py` resolves the plan from the
 command line and prints what these return.
 
@@ -114,7 +115,9 @@ def model_config(plan: Plan, vocab_size: int | None) -> dict:
 
 
 def plan_estimate(plan: Plan, config: dict, ds_cfg):
-    """The memory model's training estimate for this plan under `ds_cfg` (None: no DeepSpeed)."""
+    """The memory model's training estimate for this plan under `ds_cfg` (None: no DeepSpeed), with the ZeRO
+    buffers it sets; a CPU plan (no GPUs) as the loop runs it, its device side in host RAM and attention by the
+    math kernel."""
     stage, offload_opt, offload_par = memory.zero_settings(ds_cfg)
     return memory.estimate_training_memory(
         config,
@@ -128,13 +131,18 @@ def plan_estimate(plan: Plan, config: dict, ds_cfg):
         mixed_precision=plan.mixed_precision,
         gradient_checkpointing=plan.model.gradient_checkpointing,
         mlm_probability=decoded_fraction(plan.train, plan.data.mlm_probability),
+        fused_attention=bool(plan.gpus_per_node),
+        ds_config=ds_cfg,
+        cpu_run=not plan.gpus_per_node,
     )
 
 
 def host_and_nvme_gib(ds_cfg, estimate) -> tuple[float, float]:
-    """(host RAM, NVMe) GiB of the offloaded model states per machine (`memory.host_and_nvme_bytes`)."""
-    host, nvme = memory.host_and_nvme_bytes(ds_cfg, estimate.cpu_model_states, estimate.parameters)
-    return host / memory.GIB, nvme / memory.GIB
+    """(host RAM, NVMe) GiB per machine: the estimate's host peak (`MemoryEstimate.host_peak`: process baselines,
+    fp32 models, offloaded states or NVMe swap buffers) and the model states on the NVMe
+    (`memory.host_and_nvme_bytes`)."""
+    nvme = memory.host_and_nvme_bytes(ds_cfg, estimate.cpu_model_states, estimate.parameters)[1]
+    return estimate.host_peak / memory.GIB, nvme / memory.GIB
 
 
 # Batch arithmetic and world size.
@@ -196,9 +204,9 @@ def check_world_size(plan: Plan) -> Check:
 # ZeRO and offload.
 
 
-def check_zero(plan: Plan, ds_cfg, estimate) -> list[Check]:
+def check_zero(plan: Plan, ds_cfg) -> list[Check]:
     """ZeRO stage and offload, --torch_compile under ZeRO-3, the CPU Adam op, NVMe paths and what NVMe offload
-    builds with, host RAM for the offloaded model states."""
+    builds with."""
     if ds_cfg is None:
         return [Check("ZeRO / offload", OK, "no DeepSpeed: plain accelerate (DDP when several processes)")]
     stage, offload_opt, offload_par = memory.zero_settings(ds_cfg)
@@ -209,8 +217,6 @@ def check_zero(plan: Plan, ds_cfg, estimate) -> list[Check]:
         checks.append(check_cpu_adam())
     checks += check_nvme_paths(ds_cfg)
     checks += check_nvme_build(plan, ds_cfg)
-    if plan.host_memory_gb:
-        checks.append(check_host_ram(plan, ds_cfg, estimate))
     return checks
 
 
@@ -279,18 +285,18 @@ def check_nvme_build(plan: Plan, ds_cfg: dict) -> list[Check]:
     return [Check("NVMe offload op (async_io)", OK, f"buildable here ({needs}) or prebuilt in DeepSpeed")]
 
 
-def check_host_ram(plan: Plan, ds_cfg: dict, estimate) -> Check:
-    """The offloaded model states (or NVMe swap buffers) against the host RAM per machine."""
+def check_host_ram(plan: Plan, ds_cfg, estimate) -> list[Check]:
+    """The host RAM per machine (`memory.describe_host`: process baselines, fp32 models built before `prepare`,
+    offloaded states or NVMe swap buffers, and a CPU plan's device side) against the machine's."""
+    if not plan.host_memory_gb:
+        return []
     host, nvme = host_and_nvme_gib(ds_cfg, estimate)
     share = host / plan.host_memory_gb
     status = ERROR if share > 1 else WARNING if share > HEADROOM else OK
-    source = f"swap buffers; ~{nvme:.1f} GiB of model states on the NVMe" if nvme else "DeepSpeed's estimator"
-    return Check(
-        "host RAM for model states",
-        status,
-        f"~{host:.1f} GiB of {plan.host_memory_gb:.1f} GiB per machine ({source})",
-        "" if status == OK else "NVMe offload (ds_configs/zero3_nvme.json), a smaller preset, or more RAM",
-    )
+    on_nvme = f"; ~{nvme:.1f} GiB of model states on the NVMe" if nvme else ""
+    reason = f"{memory.describe_host(estimate)} of {plan.host_memory_gb:.1f} GiB per machine{on_nvme}"
+    fix = "" if status == OK else "NVMe offload (ds_configs/zero3_nvme.json), a smaller preset, or more RAM"
+    return [Check("host RAM", status, reason, fix)]
 
 
 # Precision.
@@ -492,12 +498,14 @@ def check_resume(plan: Plan, out: Path) -> Check:
 
 
 def check_memory(plan: Plan, estimate) -> list[Check]:
-    """The estimated GPU peak against the budget: ERROR above it, WARNING above `HEADROOM` of it."""
+    """The estimated GPU peak against the budget: ERROR above it, WARNING above `HEADROOM` of it. The verdict
+    names the host RAM the plan needs beside it (`check_host_ram` judges it)."""
     peak = estimate.gpu_peak / memory.GIB
     parts = estimate.as_gib()
     detail = (
         f"model states {parts['gpu_model_states_gib']:.2f} + activations {parts['activations_gib']:.2f} "
-        f"+ workspace {parts['workspace_gib']:.2f}"
+        f"+ ZeRO buffers {parts['zero_buffers_gib']:.2f} + workspace {parts['workspace_gib']:.2f}, of which "
+        f"{parts['cuda_context_gib']:.2f} CUDA context; host ~{parts['host_peak_gib']:.1f} GiB"
     )
     if plan.gpu_memory_gb is None:
         return [Check("GPU memory", OK, f"no GPU planned; a GPU would need ~{peak:.2f} GiB ({detail})")]
@@ -536,7 +544,8 @@ def run_checks(plan: Plan, ds_cfg) -> tuple[list[Check], dict, object]:
     config = model_config(plan, tok.get("vocab_size"))
     estimate = plan_estimate(plan, config, ds_cfg)
     checks = check_batch(plan, ds_cfg)
-    checks += check_zero(plan, ds_cfg, estimate)
+    checks += check_zero(plan, ds_cfg)
+    checks += check_host_ram(plan, ds_cfg, estimate)
     checks += check_precision(plan, ds_cfg)
     checks += check_shapes(plan, config, tok)
     checks += check_paths(plan)
@@ -546,9 +555,9 @@ def run_checks(plan: Plan, ds_cfg) -> tuple[list[Check], dict, object]:
 
 
 def suggest(plan: Plan, config: dict) -> list[dict]:
-    """Every ds config (and plain DDP) with its estimated GPU peak, host RAM and NVMe use: those that fit
-    both the GPU and the host RAM first, and among them no offload before optimizer offload before
-    parameter offload before NVMe (each costs step time), then by estimated peak memory."""
+    """Every ds config (and plain DDP) with its estimated GPU peak, host RAM (`host_and_nvme_gib`) and NVMe use:
+    those that fit both the GPU and the host RAM first, and among them no offload before optimizer offload
+    before parameter offload before NVMe (each costs step time), then by estimated peak memory."""
     rows = []
     candidates = [("none", None)] + [
         (p.stem, json.loads(p.read_text())) for p in sorted((ROOT / "ds_configs").glob("*.json"))

@@ -12,9 +12,12 @@ Each config runs `loops/mlm.py` in its own `accelerate launch` process for `--un
 plus `--steps` optimizer steps. Measured: peak CUDA memory allocated and reserved (max over
 ranks, where CUDA exists), peak host RSS (max over ranks), median step time, tokens/s and the
 final loss; beside them the analytic estimate (`concept_encoder.accounting.memory`: DeepSpeed's ZeRO
-estimators plus our activation model) and its error against the measurement. A config that
-fails (OOM, missing op) gets a row with the error and the comparison goes on.
-Writes `Cache/reports/zero_compare_<time>.{csv,md,png}` and prints the markdown table.
+estimators plus the buffers the ds config sets and our activation model; on the host, process baselines, fp32
+models and offloaded states) and its error against the measurement. A config that fails (OOM, missing op) gets
+a row with the error and the comparison goes on. A run whose estimated host memory exceeds what this machine
+has available (/proc/meminfo MemAvailable) is not launched: its row says why (`--find_max` stops there, the
+larger presets needing more). Writes `Cache/reports/zero_compare_<time>.{csv,md,png}` and prints the markdown
+table.
 """
 
 from __future__ import annotations
@@ -34,24 +37,33 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from concept_encoder.accounting.memory import GIB, estimate_training_memory, parse_size_gb, zero_settings  # noqa: E402
+from concept_encoder.accounting.memory import (  # noqa: E402
+    GIB,
+    describe_host,
+    estimate_training_memory,
+    parse_size_gb,
+    zero_settings,
+)
 from concept_encoder.common import process_group  # noqa: E402
 from concept_encoder.common.cli_types import at_least  # noqa: E402
 from concept_encoder.common.report_files import ReportFolderError, check_report_dir, claim_report_folder  # noqa: E402
 from concept_encoder.training.args import parse_args as parse_loop_args  # noqa: E402
 from concept_encoder.training.faults import written_whole  # noqa: E402
+from concept_encoder.training.machine_checks import host_memory_bytes  # noqa: E402
 from concept_encoder.training.plan import (  # noqa: E402
     LOOP_SCRIPT,
     PYTHON_ACCELERATE_LAUNCH,
     fresh_model_fields,
     launch_command,
 )
+from launch.plan_checks import tokenizer_info  # noqa: E402
 
 PRESET_ORDER = ["micro", "tiny", "small", "base", "large", "xl", "3b"]
 COLUMNS = [
-    "config", "preset", "status", "cuda_peak_allocated_gb", "cuda_peak_reserved_gb", "rss_gb",
-    "est_gpu_peak_gb", "est_model_states_gpu_gb", "est_model_states_cpu_gb", "est_activations_gb",
-    "est_error_pct", "median_step_s", "tokens_per_s", "final_loss", "error",
+    "config", "preset", "status", "cuda_peak_allocated_gb", "cuda_peak_reserved_gb", "rss_gb", "est_rss_gb",
+    "rss_error_pct", "est_host_gb", "est_gpu_peak_gb", "est_model_states_gpu_gb", "est_model_states_cpu_gb",
+    "est_zero_buffers_gb", "est_activations_gb", "est_error_pct", "median_step_s", "tokens_per_s", "final_loss",
+    "error", "note",
 ]  # fmt: skip
 
 
@@ -92,10 +104,32 @@ def last_error(text: str) -> str:
 
 
 def measure(args, config: str, preset: str, report_dir: Path, port: int) -> dict:
-    """One `accelerate launch` of the loop under `config`; its measurements and the estimate."""
+    """One `accelerate launch` of the loop under `config`, its measurements and the estimate; not launched when
+    the estimated host memory exceeds what this machine has available (status `skipped`, the reason in `error`)."""
     run_dir = report_dir / "runs" / f"{config}-{preset}"
     row: dict = {"config": config, "preset": preset}
-    log_path = report_dir / "logs" / f"{config}-{preset}.log"
+    if reason := host_shortfall(estimate_for(args, config, preset, run_dir)):
+        row.update(status="skipped", error=reason)
+    else:
+        row.update(launch_and_read(args, config, preset, run_dir, report_dir / "logs" / f"{config}-{preset}.log", port))
+    row.update(estimate(args, config, preset, run_dir, row))
+    return row
+
+
+def host_shortfall(est) -> str | None:
+    """Why a run does not fit this machine's host RAM now (`describe_host` against MemAvailable); None if it does,
+    or if the machine's memory cannot be read."""
+    have = host_memory_bytes("MemAvailable")
+    if have is None or est.host_peak <= have:
+        return None
+    return (
+        f"needs {describe_host(est)}, this machine has {have / GIB:.1f} GiB available (MemAvailable): not launched; "
+        "free memory, or compare a smaller preset"
+    )
+
+
+def launch_and_read(args, config: str, preset: str, run_dir: Path, log_path: Path, port: int) -> dict:
+    """Launch the run and read its metrics: status, step time, tokens/s, loss, peak RSS and CUDA memory."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
@@ -114,37 +148,41 @@ def measure(args, config: str, preset: str, report_dir: Path, port: int) -> dict
     train = [r for r in records if r.get("kind") == "train"]
     timed = train[args.untimed_steps :] or train
     if failed or not timed:
-        row.update(status="failed", error=error or "no metrics written")
-    else:
-        step_s = statistics.median(r["step_time_s"] for r in timed)
-        tokens_per_step = timed[-1]["tokens_seen"] / timed[-1]["step"]
-        row.update(
-            status="ok",
-            median_step_s=round(step_s, 4),
-            tokens_per_s=round(tokens_per_step / step_s, 1),
-            final_loss=round(train[-1]["loss"], 4),
-            rss_gb=max(r["rss_gb"] for r in train),
-            cuda_peak_allocated_gb=max(
-                (r["cuda_peak_allocated_gb"] for r in train if "cuda_peak_allocated_gb" in r), default=None
-            ),
-            cuda_peak_reserved_gb=max(
-                (r["cuda_peak_reserved_gb"] for r in train if "cuda_peak_reserved_gb" in r), default=None
-            ),
-        )
-    row.update(estimate(args, config, preset, run_dir, row))
-    return row
+        return {"status": "failed", "error": error or "no metrics written"}
+    step_s = statistics.median(r["step_time_s"] for r in timed)
+    tokens_per_step = timed[-1]["tokens_seen"] / timed[-1]["step"]
+    return {
+        "status": "ok",
+        "median_step_s": round(step_s, 4),
+        "tokens_per_s": round(tokens_per_step / step_s, 1),
+        "final_loss": round(train[-1]["loss"], 4),
+        "rss_gb": max(r["rss_gb"] for r in train),
+        "cuda_peak_allocated_gb": max(
+            (r["cuda_peak_allocated_gb"] for r in train if "cuda_peak_allocated_gb" in r), default=None
+        ),
+        "cuda_peak_reserved_gb": max(
+            (r["cuda_peak_reserved_gb"] for r in train if "cuda_peak_reserved_gb" in r), default=None
+        ),
+    }
 
 
-def estimate(args, config: str, preset: str, run_dir: Path, measured: dict) -> dict:
+def ds_config_of(config: str) -> dict | None:
+    return None if config == "none" else json.loads((ROOT / "ds_configs" / f"{config}.json").read_text())
+
+
+def estimate_for(args, config: str, preset: str, run_dir: Path):
+    """The memory model's estimate of one run: the vocabulary the run used (its config.json), else the one its
+    tokenizer spec names (`train:wordpiece:8000`), else BERT's 30,522; on a machine without CUDA as the loop runs
+    there (device side in host RAM, the math attention kernel)."""
     config_path = run_dir / "config.json"
-    vocab = json.loads(config_path.read_text())["model_config"]["vocab_size"] if config_path.exists() else 30522
+    if config_path.exists():
+        vocab = json.loads(config_path.read_text())["model_config"]["vocab_size"]
+    else:
+        vocab = tokenizer_info(args.loop[1].tokenizer).get("vocab_size") or 30522
     model, data, train = run_arguments(args, preset, run_dir)
-    stage, offload_opt, offload_par = (
-        (0, False, False)
-        if config == "none"
-        else zero_settings(json.loads((ROOT / "ds_configs" / f"{config}.json").read_text()))
-    )
-    est = estimate_training_memory(
+    ds_config = ds_config_of(config)
+    stage, offload_opt, offload_par = zero_settings(ds_config)
+    return estimate_training_memory(
         fresh_model_fields(model, data.max_seq_length, vocab_size=vocab),
         train.per_device_train_batch_size,
         data.max_seq_length,
@@ -155,15 +193,30 @@ def estimate(args, config: str, preset: str, run_dir: Path, measured: dict) -> d
         mixed_precision=args.mixed_precision,
         gradient_checkpointing=model.gradient_checkpointing,
         mlm_probability=data.mlm_probability,
+        fused_attention=args.has_cuda,
+        ds_config=ds_config,
+        cpu_run=not args.has_cuda,
     )
+
+
+def estimate(args, config: str, preset: str, run_dir: Path, measured: dict) -> dict:
+    """The estimate's columns, and its errors against the measured CUDA peak reserved (the caching allocator's
+    share: the estimate less the CUDA context) and the peak RSS of the largest rank."""
+    est = estimate_for(args, config, preset, run_dir)
+    rss = est.host_per_process + est.host_offloaded / est.processes
     out = {
+        "est_rss_gb": round(rss / GIB, 3),
+        "est_host_gb": round(est.host_peak / GIB, 3),
         "est_gpu_peak_gb": round(est.gpu_peak / GIB, 3),
         "est_model_states_gpu_gb": round(est.gpu_model_states / GIB, 3),
         "est_model_states_cpu_gb": round(est.cpu_model_states / GIB, 3),
+        "est_zero_buffers_gb": round(est.zero_buffers / GIB, 3),
         "est_activations_gb": round(est.activations / GIB, 3),
     }
     if measured.get("cuda_peak_reserved_gb"):
-        out["est_error_pct"] = round(100 * (out["est_gpu_peak_gb"] / measured["cuda_peak_reserved_gb"] - 1), 1)
+        out["est_error_pct"] = round(100 * (est.allocator_peak / GIB / measured["cuda_peak_reserved_gb"] - 1), 1)
+    if measured.get("rss_gb"):
+        out["rss_error_pct"] = round(100 * (out["est_rss_gb"] / measured["rss_gb"] - 1), 1)
     return out
 
 
@@ -183,8 +236,11 @@ def format_markdown(rows: list[dict], args, has_cuda: bool) -> str:
         lines.append("| " + " | ".join("—" if row.get(c) in (None, "") else str(row[c]) for c in COLUMNS) + " |")
     lines += [
         "",
-        "est_*: analytic estimate per GPU (DeepSpeed's ZeRO-2/3 estimators + our activation model + 0.75 GiB "
-        "workspace); est_error_pct compares it with the measured CUDA peak reserved.",
+        "est_*: analytic estimate per GPU (DeepSpeed's ZeRO-2/3 estimators + the ZeRO buffers the ds config sets + "
+        "our activation model + 0.75 GiB workspace, of which 0.5 GiB CUDA context); est_error_pct compares it, less "
+        "the CUDA context, with the measured CUDA peak reserved. est_rss_gb: host memory per process (baseline, "
+        "fp32 model, offloaded states, on a CPU run the device side), rss_error_pct against the largest rank's RSS; "
+        "est_host_gb: per machine. A run whose est_host_gb exceeds the machine's available RAM is skipped.",
     ]
     return "\n".join(lines)
 
@@ -278,6 +334,7 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
+    args.has_cuda = has_cuda
     args.mixed_precision = args.loop[2].mixed_precision or ("bf16" if has_cuda else "no")
     report_dir = claim_report_folder(args.out_dir, "zero_compare")  # zero_compare_<time>[_NN]: this invocation's
     rows = []
@@ -290,12 +347,16 @@ def main(argv=None) -> int:
             bar.set_postfix_str(f"{config} {preset}")
             row = measure(args, config, preset, report_dir, args.port + i)
             bar.update(1)
+            if row["status"] == "skipped":
+                tqdm.write(f"{config} {preset}: {row['error']}", file=sys.stderr)
             if not args.find_max:
                 rows.append(row)
             elif row["status"] == "ok":
                 best = row
             else:
                 bar.update(len(presets) - presets.index(preset) - 1)
+                if row["status"] == "skipped":  # the row that completed says where the walk stopped, and why
+                    best = {**best, "note": f"{preset} skipped: {row['error']}"} if best else row
                 break  # larger presets need more memory
         if args.find_max:
             rows.append(best or {"config": config, "preset": "—", "status": "failed", "error": "nothing fits"})

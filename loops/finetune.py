@@ -67,7 +67,7 @@ from concept_encoder.tasks.metrics import (
 )
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from concept_encoder.training.attention_probe import compute_dtype, probe_attention_kernels
-from concept_encoder.training.batches import LengthBucketedBatches, accumulation_windows
+from concept_encoder.training.batches import LengthBucketedBatches, accumulation_windows, unpadded_or_marked
 from concept_encoder.training.checkpoint import (
     CheckpointError,
     TrainState,
@@ -94,7 +94,7 @@ from concept_encoder.training.model_folder import (
     model_digest,
     save_model_weights,
 )
-from concept_encoder.training.optim import build_optimizer, build_scheduler, count_skipped_step, finish_step
+from concept_encoder.training.optim import build_optimizer, build_scheduler, count_skipped_step
 from concept_encoder.training.probe import describe_pooling, linear_probe
 from concept_encoder.training.runs import init_wandb, save_run_config, setup_run_dirs
 from concept_encoder.training.runtime import (
@@ -105,7 +105,8 @@ from concept_encoder.training.runtime import (
     setup_distributed,
 )
 from concept_encoder.training.selection import BestStep
-from concept_encoder.training.tracking import PreemptionFlag, memory_stats
+from concept_encoder.training.steps import finetuning_step as train_step  # the loop's step (tests patch it here)
+from concept_encoder.training.tracking import PreemptionFlag, any_rank, memory_stats
 
 logger = logging.getLogger("concept_encoder")
 
@@ -121,27 +122,6 @@ def model_tag(path: str, from_scratch: bool) -> str:
     return f"{name}{'-scratch' if from_scratch else ''}"
 
 
-def train_step(accelerator, model, optimizer, window: list[dict], max_grad_norm: float) -> dict:
-    """One optimizer step over the micro-batches of `window`: {"loss": the last micro-batch's, "applied",
-    "what"}. A step whose loss is not finite on any rank (agreed across ranks, so all skip together) or whose
-    gradient is not is skipped as pretraining skips it (`optim.finish_step`: fp16's loss scale backs off); the
-    loop ends the run after `--max_bad_steps` in a row, before any NaN weights are saved or reported."""
-    broken = torch.zeros((), device=accelerator.device)  # 1 once a micro-batch's loss is not finite
-    applied, norm = True, None
-    for batch in window:
-        with accelerator.accumulate(model):
-            out = model(**batch)
-            broken = torch.maximum(broken, (~torch.isfinite(out.loss.detach())).float())
-            accelerator.backward(out.loss)
-            if accelerator.sync_gradients:  # the window's last micro-batch: one host sync a step
-                if accelerator.num_processes > 1:  # any rank's (accelerate reduces by sum or max, not min)
-                    broken = accelerator.reduce(broken, reduction="max")
-                applied, norm = finish_step(accelerator, model, optimizer, max_grad_norm, not broken.item())
-            optimizer.zero_grad(set_to_none=True)  # a no-op until the accumulation window is complete
-    what = "loss" if norm is None and not applied else "gradient norm"
-    return {"loss": out.loss.item(), "applied": applied, "what": what}
-
-
 def make_loaders(splits, tokenizer, model, args, seed: int, shuffle_train: bool = True,
                  bucket_by_length: bool = False) -> dict[str, DataLoader]:  # fmt: skip
     """split → DataLoader, padded per batch, with only the keys `model.forward` accepts (the row `id` stays out);
@@ -150,10 +130,11 @@ def make_loaders(splits, tokenizer, model, args, seed: int, shuffle_train: bool 
     pad = DataCollatorWithPadding(tokenizer)
 
     def collate(examples):
-        return {k: v for k, v in pad(examples).items() if k in accepted}
+        return {k: v for k, v in unpadded_or_marked(pad(examples)).items() if k in accepted}
 
     loaders = {}
-    # --dataloader_workers collate in worker processes (the sampler stays here, so order and resume are unchanged)
+    # --dataloader_workers collate in worker processes (the sampler stays here, so order and resume are unchanged);
+    # pinned: accelerate copies each batch to the GPU as it is (with non_blocking=True, `fine_tune`'s Accelerator)
     workers = {"num_workers": args.dataloader_num_workers, "pin_memory": torch.cuda.is_available()}
     for name, split in splits.items():
         if name == "train" and shuffle_train and bucket_by_length:
@@ -238,7 +219,8 @@ def fine_tune(
         accelerator = Accelerator(
             mixed_precision=args.mixed_precision,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
+            # non_blocking: the pinned batches (`make_loaders`) are copied to the GPU without a host sync
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed, non_blocking=True),
         )
         fill_deepspeed_auto_values(accelerator, run_args)
         optimizer = build_optimizer(model, run_args, adamw=adamw_class(accelerator))
@@ -290,8 +272,7 @@ def fine_tune(
                                    GATE_ACTION_TEXT[args.gate_action])  # fmt: skip
                     gate_stopped = args.gate_action == "stop"
                 progress.gates = gates.summary()
-            stop = torch.tensor(float(preemption.raised), device=accelerator.device)
-            preempted = bool(accelerator.reduce(stop, reduction="max").item())
+            [preempted] = any_rank(accelerator, preemption.raised)
             if preempted or gate_stopped or (args.save_steps and step % args.save_steps == 0):
                 save_checkpoint(accelerator, run_dir, progress, args.save_total_limit, None, settings, shared)
             if preempted:

@@ -42,7 +42,6 @@ from accelerate import Accelerator
 from accelerate.utils import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
-    send_to_device,
     set_seed,
 )
 from torch.utils.data import DataLoader
@@ -52,12 +51,12 @@ from concept_encoder.accounting.flops import training_flops_per_token
 from concept_encoder.common.paths import cache_path, written_aside
 from concept_encoder.concepts.health import format_health_table
 from concept_encoder.data import collator_for, prepare_data
-from concept_encoder.data.objectives import build_corruption, evaluation_corruptions, model_inputs
+from concept_encoder.data.objectives import build_corruption, evaluation_corruptions, prepare_batch
 from concept_encoder.tasks.leakage import record_task_texts
 from concept_encoder.tasks.loading import training_texts
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.attention_probe import compute_dtype, examples_of_two_lengths, probe_attention_kernels
-from concept_encoder.training.batches import MaskingAhead
+from concept_encoder.training.batches import MaskingAhead, pinned, placed
 from concept_encoder.training.checkpoint import (
     TrainState,
     check_resume_settings,
@@ -98,8 +97,8 @@ from concept_encoder.training.metrics_log import MetricsWriter
 from concept_encoder.training.model import build_model, held_parameters
 from concept_encoder.training.model_card import write_model_card
 from concept_encoder.training.model_folder import holds_only_saved_model_files, save_model_weights
-from concept_encoder.training.objective import ConceptObjective, build_concept_objective
-from concept_encoder.training.optim import build_optimizer, build_scheduler, count_skipped_step, finish_step, loss_scale
+from concept_encoder.training.objective import build_concept_objective
+from concept_encoder.training.optim import build_optimizer, build_scheduler, count_skipped_step
 from concept_encoder.training.plan import launch_command
 from concept_encoder.training.profiling import StepProfiler
 from concept_encoder.training.reshard import plan_universal_load
@@ -120,10 +119,12 @@ from concept_encoder.training.runtime import (
     set_tf32,
     setup_distributed,
 )
+from concept_encoder.training.steps import pretraining_step as train_step  # the loop's step (tests patch it here)
 from concept_encoder.training.tracking import (
     DivergenceMonitor,
     PreemptionFlag,
     TimeBudget,
+    any_rank,
     memory_stats,
     plot_loss_curve,
 )
@@ -149,73 +150,6 @@ def throughput(interval: dict, flops_per_token: float, world_size: int, peak_tfl
     `--peak_tflops`."""
     tflops = flops_per_token * interval["tokens"] / interval["time"] / world_size / 1e12
     return {"tflops_per_s": tflops, **({"mfu": tflops / peak_tflops} if peak_tflops else {})}
-
-
-def train_step(
-    accelerator,
-    model,
-    optimizer,
-    window: list[dict],
-    max_grad_norm: float,
-    concept: ConceptObjective | None = None,
-    step: int = 0,
-    distill: Distillation | None = None,
-) -> dict:
-    """One optimizer step over `window` (the corrupted micro-batches of one accumulation window).
-
-    Each micro-batch's loss is its (weighted) CE *sum* divided by the loss normaliser of the whole
-    window on all ranks (`objectives.model_inputs`: masked tokens, or diffusion's eligible tokens),
-    times `world × accumulation` to undo the averaging that gradient accumulation and data
-    parallelism apply; the gradient is then exactly that of the step's token-normalised loss. With `distill`, the
-    MLM term is weighted and the distillation term (a mean over the micro-batch) added (`training/distill.py`).
-    Returns global sums for logging.
-    """
-    window = [(batch, *model_inputs(batch)) for batch in window]  # [(batch, inputs, normaliser [], tokens [])]
-    counts = torch.stack([normalizer for _, _, normalizer, _ in window]).sum().float()
-    labelled = accelerator.reduce(counts, reduction="sum")  # 0 when no rank masked a token (reported as such)
-    window_labelled = labelled.clamp(min=1)
-    scale = accelerator.num_processes * len(window) / window_labelled
-    loss_sum = torch.zeros((), device=accelerator.device)
-    tokens = torch.zeros((), device=accelerator.device)
-    terms: dict[str, torch.Tensor] = {}
-    for whole, batch, _, batch_tokens in window:
-        with accelerator.accumulate(model):
-            out = model(**batch, return_logits=False)  # loss without the [L,V] logits
-            ce_sum = out.loss_sum.float()
-            objective = ce_sum * scale
-            micro_terms = {}
-            if distill is not None:
-                objective, distilled = distill(objective, out, whole)
-                micro_terms.update({f"distill/{name}": value for name, value in distilled.items()})
-            if concept is not None and concept.active:
-                objective, regularised = concept(objective, out.concepts, step)
-                micro_terms.update({f"concept/{name}": value for name, value in regularised.items() if name != "mlm"})
-            for name, value in micro_terms.items():
-                terms[name] = terms.get(name, 0.0) + value / len(window)
-            accelerator.backward(objective)
-            loss_sum += ce_sum.detach()
-            tokens += batch_tokens
-    totals = accelerator.reduce(torch.stack([loss_sum, tokens.float()]), reduction="sum")
-    if terms:
-        names = sorted(terms)
-        means = accelerator.reduce(torch.stack([terms[n].to(accelerator.device) for n in names]), reduction="mean")
-        terms = {n: float(v) for n, v in zip(names, means, strict=True)}
-    loss = (totals[0] / window_labelled).item()
-    scaled_by = loss_scale(accelerator)  # fp16: the side optimizers' gradients carry it too
-    applied, grad_norm = finish_step(accelerator, model, optimizer, max_grad_norm, math.isfinite(loss))
-    optimizer.zero_grad(set_to_none=True)
-    if concept is not None:
-        concept.step(accelerator, apply=applied, loss_scale=scaled_by)
-    if distill is not None:
-        distill.step(accelerator, apply=applied, loss_scale=scaled_by)
-    return {
-        "applied": applied,
-        "terms": terms,
-        "loss": loss,
-        "labelled": int(labelled.item()),
-        "tokens": int(totals[1].item()),
-        "grad_norm": None if grad_norm is None else float(grad_norm),
-    }
 
 
 def save_model_folder(accelerator, model, tokenizer, folder: Path, run_dir: Path, save_dtype: str) -> None:
@@ -454,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         collate_fn=with_doc_index(data.collator.collate) if distilling else data.collator.collate,  # padding only
         num_workers=args.dataloader_num_workers,
         persistent_workers=args.dataloader_num_workers > 0,  # no new worker processes every epoch
-        pin_memory=state.device.type == "cuda",
+        # not pinned here: masking makes new tensors, pinned after it (`batches.pinned`)
         generator=torch.Generator().manual_seed(args.seed),  # keeps loader seeding off the global RNG
         **order,
     )
@@ -462,7 +396,6 @@ def main(argv: list[str] | None = None) -> int:
         data.validation,
         batch_size=args.per_device_eval_batch_size,
         collate_fn=with_doc_index(eval_collator.collate) if distilling else eval_collator.collate,
-        pin_memory=state.device.type == "cuda",
         generator=torch.Generator().manual_seed(args.seed),
     )
     if resume is not None:  # a DeepSpeed checkpoint of another process count loads as a universal checkpoint
@@ -496,8 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         train_loader,
         args.gradient_accumulation_steps,
         progress_state,
-        lambda batch: {**corruption.mask(batch), **carried(batch)},
-        lambda batch: send_to_device(batch, accelerator.device),
+        lambda batch: pinned(prepare_batch({**corruption.mask(batch), **carried(batch)}), accelerator.device),
+        lambda batch: placed(batch, accelerator.device),  # queued behind the step before it: no host sync
     )
     profiler = StepProfiler(args.profile_step_range, run_dir, accelerator.is_main_process, progress_state.step)
     interval = {"loss": 0.0, "labelled": 0, "tokens": 0, "steps": 0, "time": 0.0}
@@ -595,8 +528,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if at_snapshot:
             save_snapshot(accelerator, model, data.tokenizer, run_dir, progress_state.step, args.save_dtype)
-        stop = torch.tensor([float(preemption.raised), float(budget.spent())], device=accelerator.device)
-        preempted, out_of_time = (bool(v) for v in accelerator.reduce(stop, reduction="max").tolist())  # any rank
+        preempted, out_of_time = any_rank(accelerator, preemption.raised, budget.spent())
         out_of_time = out_of_time and progress_state.step < args.max_steps
         periodic = save_steps and progress_state.step % save_steps == 0
         if preempted or gate_stopped or out_of_time or periodic or progress_state.step in kept_checkpoints:

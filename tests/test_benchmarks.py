@@ -94,42 +94,55 @@ def test_gpu_check_dry_runs_every_part_and_marks_gpu_numbers_unavailable(tmp_pat
 
     assert gpu_check.main(["--dry", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert set(summary["parts"]) == set(gpu_check.PARTS) and summary["cuda"] is False
-    for part, entry in summary["parts"].items():
+    assert list(summary["parts"]) == list(gpu_check.PARTS) and summary["cuda"] is False
+    assert sum(gpu_check.TIME_LIMITS_S.values()) == summary["budget_s"] == 600  # ten minutes on the GPU
+    for part in gpu_check.PARTS:
+        entry = summary["parts"][part]
         assert entry["status"] == "ok", f"{part}: {entry.get('error')}\n{entry.get('output_tail', '')[-1500:]}"
-        assert entry["gpu_numbers"].startswith("unavailable")
+        assert entry["gpu_numbers"].startswith("unavailable") and entry["host_rss_peak_gb"] > 0.05, (part, entry)
     parts = summary["parts"]
+    # each loop's real step on the CPU: no sync in a micro-batch, one read per optimizer step (tests/test_host_syncs.py)
+    assert (summary["host_syncs_per_micro_batch"], summary["host_syncs_per_optimizer_step"]) == (0, 1)
     assert parts["probe"]["result"]["math"] is True and parts["probe"]["result"]["dtype"] == "fp32"
     assert parts["loop"]["result"]["tokens_per_s"] > 0 and "mfu" not in parts["loop"]["result"]  # no peak on a CPU
+    assert parts["loop"]["result"]["rank_peak_rss_gb"] > 0
+    [short, long] = parts["bert"]["result"]["rows"]  # the Concept Encoder and BERT of its shape, one run
+    assert (short["N"], long["N"]) == (64, 128) and short["concept_speedup_vs_bert_sparse"] > 0
     assert (
         parts["compile"]["result"]["recompiles_after_warmup"] == 0 and parts["compile"]["result"]["graph_breaks"] == 0
     )
-    largest = parts["zero"]["result"]["largest_that_completes"]
-    assert largest["zero2_offload"]["status"] == largest["zero3_offload"]["status"] == "ok"
-    # the zero part is launch/zero_compare.py, as a user runs it: its csv, markdown and plot (once a test of its own,
+    [run] = parts["zero"]["result"]["runs"]  # several, each written as it finishes: tests/test_gpu_check.py
+    assert (run["config"], run["preset"], run["status"]) == ("zero3_offload", "micro", "ok"), run
+    assert run["tokens_per_s"] > 0 and run["rss_gb"] > 0 and run["host_rss_peak_gb"] >= run["rss_gb"], run
+    assert parts["zero"]["result"]["largest_that_completes"]["zero3_offload"]["preset"] == "micro"
+    # the run is launch/zero_compare.py, as a user runs it: its csv, markdown and plot (once a test of its own,
     # test_zero_compare_writes_csv_markdown_and_plot, with two more runs)
-    [csv_path] = (tmp_path / "zero").glob("zero_compare_*.csv")
-    rows = list(csv.DictReader(csv_path.open()))
-    assert [r["config"] for r in rows] == ["zero2_offload", "zero3_offload"], f"zero_compare's csv: {rows}"
-    assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 and float(r["rss_gb"]) > 0 for r in rows), rows
+    [csv_path] = (tmp_path / "zero" / "zero3_offload-micro").glob("zero_compare_*.csv")
+    [row] = list(csv.DictReader(csv_path.open()))
+    assert row["config"] == "zero3_offload" and row["status"] == "ok", row
     zero_markdown = csv_path.with_suffix(".md").read_text()
-    assert zero_markdown.count("| zero") == 2 and "GPU columns are unavailable" in zero_markdown, zero_markdown
+    assert zero_markdown.count("| zero") == 1 and "GPU columns are unavailable" in zero_markdown, zero_markdown
     assert csv_path.with_suffix(".png").stat().st_size > 10_000, "zero_compare's plot"
     markdown = (tmp_path / "summary.md").read_text()
-    assert "GPU numbers are unavailable" in markdown and markdown.count("| ok |") == 4
+    assert "GPU numbers are unavailable" in markdown and markdown.count("| ok |") == len(gpu_check.PARTS)
     assert markdown in capsys.readouterr().out
 
 
-def test_gpu_check_peak_lookup_and_a_failing_part_does_not_stop_the_rest(tmp_path, monkeypatch):
-    from benchmarks import gpu_check
+def test_gpu_check_peak_lookup_and_a_failing_or_unrunnable_part_does_not_stop_the_rest(tmp_path, monkeypatch):
+    from benchmarks import gpu_check, gpu_parts
 
     assert gpu_check.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert gpu_check.peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert gpu_check.peak_tflops("NVIDIA GeForce RTX 3080") == 59.5
     assert gpu_check.peak_tflops("Some Future GPU") is None
-    broken = lambda settings, work: ([sys.executable, "-c", "raise SystemExit('no kernel for you')"], None)  # noqa: E731
-    monkeypatch.setattr(gpu_check, "compile_part", broken)
-    assert gpu_check.main(["--dry", "--out", str(tmp_path), "--parts", "compile,probe"]) == 0
+    broken = lambda settings, work, peak: ([sys.executable, "-c", "raise SystemExit('no kernel for you')"], None)  # noqa: E731
+    monkeypatch.setitem(gpu_parts.BUILDERS, "compile", broken)
+    monkeypatch.setitem(gpu_parts.PART_NEEDS, "loop", ("accelerate", "no_such_package_xyz"))  # a bare GPU image
+    assert gpu_check.main(["--dry", "--out", str(tmp_path), "--parts", "compile,probe,loop"]) == 0
     parts = json.loads((tmp_path / "summary.json").read_text())["parts"]
-    assert parts["compile"]["status"] == "failed" and "no kernel for you" in parts["compile"]["error"]
-    assert parts["probe"]["status"] == "ok" and parts["loop"]["status"] == parts["zero"]["status"] == "skipped"
+    assert parts["compile"]["status"] == "failed" and parts["compile"]["error"] == "exit 1: no kernel for you"
+    assert parts["loop"]["status"] == "cannot run" and parts["loop"]["error"].startswith(
+        "needs no_such_package_xyz, which this Python"
+    )
+    assert "`make gpu-kit`" in parts["loop"]["error"]
+    assert parts["probe"]["status"] == "ok" and parts["bert"]["status"] == parts["zero"]["status"] == "skipped"

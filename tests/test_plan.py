@@ -75,7 +75,7 @@ BROKEN = {
         lambda t: ["--ds_config", "ds_configs/zero3_nvme.json"],
         "/REPLACE/WITH/FAST/NVME/PATH does not exist",
     ),
-    "host RAM for model states": (lambda t: [*XL_3080, "--host_memory", "4GB"], "of 4.0 GiB per machine"),
+    "host RAM": (lambda t: [*XL_3080, "--host_memory", "4GB"], "of 4.0 GiB per machine"),
     "precision": (
         lambda t: ["--ds_config", ds_file(t, bf16={"enabled": True}, fp16={"enabled": True})],
         "both bf16 and fp16",
@@ -145,6 +145,18 @@ def test_every_profile_is_a_sound_plan(profile, capsys):
     assert command.startswith("accelerate launch --config_file launch/") and "loops/mlm.py" in command
 
 
+def test_the_verdict_names_the_host_memory_beside_the_gpu_memory(capsys):
+    """xl on the 3080 profile fits 10 GB of GPU with ~25 GiB of host RAM (the process, its fp32 model, the
+    offloaded states): sound with the profile's 32 GB, refused with 24 GB, and the verdict says both."""
+    code, out = run(capsys, *XL_3080)
+    assert code == 0 and re.search(r"plan is sound \(~7\.\d GiB of 10 GiB GPU, ~25\.\d GiB of 32 GiB host RAM\)", out)
+    assert "1 process × (0.6 baseline + 3.6 fp32 model) + 21.3 offloaded states) of 32.0 GiB per machine" in out
+    code, out = run(capsys, *XL_3080, "--host_memory", "24GB")
+    assert code == 1 and re.search(
+        r"1 error\(s\): .* \(~7\.\d GiB of 10 GiB GPU, ~25\.\d GiB of 24 GiB host RAM\)", out
+    )
+
+
 def test_json_has_one_entry_per_check(capsys):
     code, out = run(capsys, *XL_3080, "--json")
     data = json.loads(out)
@@ -191,7 +203,7 @@ def test_3b_preset_counts_equal_the_model_built_on_the_meta_device():
 def test_3b_plan_on_a_10gb_card_equals_deepspeeds_estimator_and_goes_to_nvme_when_host_ram_is_short(capsys):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-    from concept_encoder.accounting.memory import GIB
+    from concept_encoder.accounting.memory import GIB, PROCESS_BASELINE_BYTES
 
     capsys.readouterr()  # DeepSpeed's first import prints its accelerator to stdout
     code, out = run(capsys, *PLAN_3B, "--ds_config", "ds_configs/zero3_offload.json", "--suggest", "--json")
@@ -202,13 +214,14 @@ def test_3b_plan_on_a_10gb_card_equals_deepspeeds_estimator_and_goes_to_nvme_whe
     assert data["estimate"]["gpu_model_states_gib"] == pytest.approx(gpu / GIB, abs=1e-3)
     assert data["estimate"]["cpu_model_states_gib"] == pytest.approx(cpu / GIB, abs=1e-3)
     rows = {r["ds_config"]: r for r in data["suggest"]}
-    assert rows["zero3_offload"]["est_host_gib"] == pytest.approx(cpu / GIB, abs=0.01)
+    # the host holds the offloaded states and the process's baseline (no fp32 model: zero.Init builds it on the GPU)
+    assert rows["zero3_offload"]["est_host_gib"] == pytest.approx((cpu + PROCESS_BASELINE_BYTES) / GIB, abs=0.01)
     # 32 GB of host RAM (the profile) cannot hold ~78 GiB of offloaded states: NVMe is what fits
     assert not rows["zero3_offload"]["fits"] and rows["zero3_offload"]["why_not"] == "host RAM"
-    assert rows["zero3_nvme"]["fits"] and rows["zero3_nvme"]["est_nvme_gib"] == rows["zero3_offload"]["est_host_gib"]
+    assert rows["zero3_nvme"]["fits"] and rows["zero3_nvme"]["est_nvme_gib"] == pytest.approx(cpu / GIB, abs=0.01)
     assert [r["ds_config"] for r in data["suggest"] if r["fits"]] == ["zero3_nvme"]
     assert code == 1  # the plan's own ds config (zero3_offload) is refused on host RAM
-    assert any(c["name"] == "host RAM for model states" and c["status"] == "ERROR" for c in data["checks"])
+    assert any(c["name"] == "host RAM" and c["status"] == "ERROR" for c in data["checks"])
     big_host = json.loads(run(capsys, *PLAN_3B, "--host_memory", "128GB", "--suggest", "--json")[1])["suggest"]
     assert [r["ds_config"] for r in big_host if r["fits"]][:2] == ["zero2_offload", "zero3_offload"]
 

@@ -5,6 +5,11 @@ checker answers in about a second. The ZeRO-2/ZeRO-3 model-state formulas are De
 estimators (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`),
 restated here and tested equal to them; stages 0 and 1, which DeepSpeed has no estimator for,
 follow the same byte accounting. Parameter counts are tested equal to the built models.
+
+Beyond the estimators, the ZeRO buffers the ds config sets (`zero_buffers.py`: gradient buckets, ZeRO-3's
+gathered parameters and fp32 gradient partition); the CUDA context outside the caching allocator (`CUDA_CONTEXT_BYTES`, what an emulated
+cap must leave out: `allocator_budget_bytes`); and the host: a process baseline, the fp32 model built before
+`prepare` and the offloaded states (`MemoryEstimate.host_peak`, `describe_host`).
 """
 
 from __future__ import annotations
@@ -13,12 +18,25 @@ import re
 from dataclasses import dataclass
 
 from ..model.constants import VOCAB_CHUNK_ELEMENTS, refining_layers, token_kv_groups
+from .zero_buffers import zero_buffer_bytes
+from .zero_buffers import zero_settings as zero_settings  # re-exported: the project imports it from here
 
 GIB = 2**30
 ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default for host-side buffers
 # Bytes per parameter under mixed precision with Adam: 16-bit params (2) and grads (2), fp32 grads (4),
 # fp32 master params (4) and Adam moments (8). DeepSpeed's estimators count "2 + 18".
 PARAM16, STATE_BYTES = 2, 18
+# The CUDA context, outside torch's caching allocator (not in `max_memory_reserved`, not under
+# `set_per_process_memory_fraction`): 287 MB for a torch process with lazy module loading, 667 MB without
+# (pytorch/pytorch#86509, which made CUDA_MODULE_LOADING=LAZY torch's default), plus the cuBLAS/cuDNN/NCCL kernels
+# loaded on first use; their workspaces come from the caching allocator. 0.5 GiB, an estimate until a GPU run
+# measures it (`nvidia-smi` used minus `max_memory_reserved`).
+CUDA_CONTEXT_BYTES = GIB // 2
+ALLOCATOR_SLACK_BYTES = GIB // 4  # the caching allocator's fragmentation: workspace = context + slack (0.75 GiB)
+# A training process before its model: Python, torch, transformers, accelerate, DeepSpeed, the loop's modules,
+# its data and tokenizer. Measured: 0.61 GiB RSS per rank of a 2-process CPU ZeRO-3 run of the `micro` preset
+# (model states ~10 MB), 0.53 GiB at `build_model` (docs/results.md, "Host memory, estimated and measured").
+PROCESS_BASELINE_BYTES = int(0.6 * GIB)
 
 
 def parse_size_gb(text: str) -> float:
@@ -29,16 +47,6 @@ def parse_size_gb(text: str) -> float:
         raise ValueError(f"memory size {text!r}: use a size above 0, e.g. 10GB or 512MB")
     value = float(match.group(1))
     return value / 1024 if (match.group(2) or "GB").startswith("M") else value
-
-
-def zero_settings(ds_config: dict | None) -> tuple[int, bool, bool]:
-    """A DeepSpeed config dict → (ZeRO stage, optimizer offloaded?, parameters offloaded?)."""
-    zero = (ds_config or {}).get("zero_optimization", {}) or {}
-
-    def offloaded(key: str) -> bool:
-        return (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")
-
-    return int(zero.get("stage", 0)), offloaded("offload_optimizer"), offloaded("offload_param")
 
 
 def parameter_count(
@@ -215,6 +223,12 @@ def host_and_nvme_bytes(ds_config: dict | None, cpu_model_states: int, params: i
     return host, cpu_model_states
 
 
+def allocator_budget_bytes(card_bytes: float) -> int:
+    """What torch's caching allocator may hold on a card of `card_bytes`: the CUDA context lives outside it, so a
+    cap that emulates a smaller card on a larger one (`set_per_process_memory_fraction`) leaves it out."""
+    return int(card_bytes) - CUDA_CONTEXT_BYTES
+
+
 def activation_bytes(
     micro_batch: int,
     seq_len: int,
@@ -287,26 +301,65 @@ def loss_bytes(rows: int, hidden_size: int, vocab_size: int, bytes_per_element: 
 @dataclass
 class MemoryEstimate:
     gpu_model_states: int
-    cpu_model_states: int
+    cpu_model_states: int  # DeepSpeed's estimator, per machine
     activations: int
-    workspace: int  # CUDA context, allocator fragmentation, communication buckets
+    workspace: int  # CUDA context (`CUDA_CONTEXT_BYTES`) + allocator slack
     parameters: int = 0  # the model's parameter count the states were estimated for
     largest_layer: int = 0  # its largest layer's (what ZeRO-3 gathers at once)
+    zero_buffers: int = 0  # gradient buckets, ZeRO-3's gathered parameters and fp32 gradient partition
+    processes: int = 1  # per machine
+    host_baseline: int = 0  # per process: `PROCESS_BASELINE_BYTES`
+    host_fp32_model: int = 0  # per process: the fp32 model built before `prepare`
+    host_device: int = 0  # per process, on a CPU run: what a GPU would hold (states, buffers, activations)
+    host_offloaded: int = 0  # per machine: offloaded model states in host RAM (NVMe offload: its swap buffers)
+    cuda_context: int = CUDA_CONTEXT_BYTES  # part of `workspace`
 
     @property
     def gpu_peak(self) -> int:
-        return self.gpu_model_states + self.activations + self.workspace
+        return self.gpu_model_states + self.activations + self.workspace + self.zero_buffers
+
+    @property
+    def allocator_peak(self) -> int:
+        """The caching allocator's share of `gpu_peak` (what `max_memory_reserved` measures, what a cap limits)."""
+        return self.gpu_peak - self.cuda_context
+
+    @property
+    def host_per_process(self) -> int:
+        return self.host_baseline + self.host_fp32_model + self.host_device
+
+    @property
+    def host_peak(self) -> int:
+        """Host RAM per machine: every process's baseline, fp32 model and (CPU run) device side, plus the
+        offloaded states. Summed: the fp32 model's tensors below glibc's mmap threshold stay in the heap after
+        `prepare` moves or flattens them (measured on the CPU: the build's 4 bytes per parameter stayed resident)."""
+        return self.processes * self.host_per_process + self.host_offloaded
 
     def as_gib(self) -> dict[str, float]:
+        gib = {
+            name: round(getattr(self, name) / GIB, 3)
+            for name in ("gpu_model_states", "cpu_model_states", "activations", "workspace", "zero_buffers",
+                         "cuda_context", "gpu_peak", "allocator_peak", "host_baseline", "host_fp32_model",
+                         "host_device", "host_offloaded", "host_per_process", "host_peak")
+        }  # fmt: skip
         return {
-            "gpu_model_states_gib": round(self.gpu_model_states / GIB, 3),
-            "cpu_model_states_gib": round(self.cpu_model_states / GIB, 3),
+            **{f"{name}_gib": value for name, value in gib.items()},
             "parameters": self.parameters,
             "largest_layer": self.largest_layer,
-            "activations_gib": round(self.activations / GIB, 3),
-            "workspace_gib": round(self.workspace / GIB, 3),
-            "gpu_peak_gib": round(self.gpu_peak / GIB, 3),
+            "processes": self.processes,
         }
+
+
+def describe_host(estimate: MemoryEstimate) -> str:
+    """`~25.6 GiB host RAM (1 process × (0.6 baseline + 3.7 fp32 model) + 21.3 offloaded states)`."""
+    per_process = f"{estimate.host_baseline / GIB:.1f} baseline + {estimate.host_fp32_model / GIB:.1f} fp32 model"
+    if estimate.host_device:
+        per_process += f" + {estimate.host_device / GIB:.1f} device side"
+    offloaded = f" + {estimate.host_offloaded / GIB:.1f} offloaded states" if estimate.host_offloaded else ""
+    plural = "es" if estimate.processes != 1 else ""
+    return (
+        f"~{estimate.host_peak / GIB:.1f} GiB host RAM ({estimate.processes} process{plural} × ({per_process})"
+        f"{offloaded})"
+    )
 
 
 def estimate_training_memory(
@@ -322,21 +375,38 @@ def estimate_training_memory(
     gradient_checkpointing: bool = False,
     mlm_probability: float = 0.15,
     fused_attention: bool = True,
+    ds_config: dict | None = None,
+    cpu_run: bool = False,
 ) -> MemoryEstimate:
-    """Estimated per-GPU peak of a training step: model states + activations + a fixed workspace
-    (`fused_attention=False`: the attention probabilities are kept, as the math kernel does, e.g. on CPU)."""
+    """Estimated per-GPU peak of a training step: model states + activations + a fixed workspace + the ZeRO
+    buffers `ds_config` sets (`fused_attention=False`: the attention probabilities are kept, as the math kernel
+    does, e.g. on CPU), and the host RAM per machine (`gpus_per_node` processes).
+
+    The host holds, per process, `PROCESS_BASELINE_BYTES` and the fp32 model built before `prepare` (4 bytes per
+    parameter; none on a GPU under ZeRO-3, whose `deepspeed.zero.Init` builds each module on the GPU), and per
+    machine the offloaded states (DeepSpeed's estimator; its NVMe swap buffers under NVMe offload). A `cpu_run`
+    adds what a GPU would hold: on the CPU it is host memory too."""
     counts = model_parameter_count(model_config)
+    params, largest = counts["total"], counts["largest_layer"]
     cpu_states, gpu_states = model_state_bytes(
-        zero_stage, counts["total"], counts["largest_layer"], gpus_per_node, nodes, offload_optimizer, offload_params
+        zero_stage, params, largest, gpus_per_node, nodes, offload_optimizer, offload_params
     )
+    sixteen_bit = mixed_precision in ("bf16", "fp16")
     activations = activation_bytes(
         micro_batch,
         seq_len,
-        bytes_per_element=4 if mixed_precision in (None, "no") else 2,
+        bytes_per_element=2 if sixteen_bit else 4,
         gradient_checkpointing=gradient_checkpointing,
         mlm_probability=mlm_probability,
         fused_attention=fused_attention,
         **model_config,
     )
-    workspace = int(0.75 * GIB)  # CUDA context + allocator slack, measured on typical setups
-    return MemoryEstimate(gpu_states, cpu_states, activations, workspace, counts["total"], counts["largest_layer"])
+    world = gpus_per_node * nodes
+    buffers = zero_buffer_bytes(ds_config, model_config["hidden_size"], params, largest, world, sixteen_bit, cpu_run)
+    offloaded = host_and_nvme_bytes(ds_config, cpu_states, params)[0] if offload_optimizer or offload_params else 0
+    return MemoryEstimate(
+        gpu_states, cpu_states, activations, CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK_BYTES, params, largest, buffers,
+        processes=gpus_per_node, host_baseline=PROCESS_BASELINE_BYTES,
+        host_fp32_model=0 if zero_stage == 3 and not cpu_run else 4 * params,
+        host_device=gpu_states + buffers + activations if cpu_run else 0, host_offloaded=offloaded,
+    )  # fmt: skip

@@ -3,6 +3,11 @@
 `accelerate launch` starts one training process per rank; killing only the launcher (what
 `subprocess.run(..., timeout=...)` does) leaves the ranks orphaned, training on for as long as the
 machine lives. Every multi-process launch of the tools and tests goes through here instead.
+
+A group is not the whole tree: a tool started here that starts launches of its own (`launch/zero_compare.py`
+under `benchmarks/gpu_check.py`) puts each in a session of its own, which `killpg` on the tool's group misses, and
+which outlives it holding GPU and pinned host memory. So `start` also tags the child's environment (`TREES`), which
+every descendant inherits, and `end_group` ends every process carrying the tag, wherever it is.
 """
 
 from __future__ import annotations
@@ -12,19 +17,61 @@ import re
 import signal
 import subprocess
 import sys
+import time
+import uuid
+
+TREES = "CONCEPT_ENCODER_PROCESS_TREES"  # the tags of the `start`s a process descends from, space-separated
 
 
 def start(command: list[str], **popen_kwargs) -> subprocess.Popen:
-    """`Popen(command)` as the leader of a new process group (session)."""
-    return subprocess.Popen(command, start_new_session=True, **popen_kwargs)
+    """`Popen(command)` as the leader of a new process group (session), its environment (`env`, or this
+    process's) tagged with a new `TREES` tag so that `tree` finds its descendants in other sessions too."""
+    tag = uuid.uuid4().hex
+    env = popen_kwargs.pop("env", None)
+    env = dict(os.environ if env is None else env)
+    env[TREES] = f"{env.get(TREES, '')} {tag}".strip()
+    process = subprocess.Popen(command, start_new_session=True, env=env, **popen_kwargs)
+    process.tree_tag = tag
+    return process
+
+
+def tree(process: subprocess.Popen) -> list:
+    """The living processes (`psutil.Process`) of `process`'s tree, itself included: those whose environment
+    carries its tag, also after they started sessions of their own or lost their parent. (A descendant that
+    replaced its whole environment is not found; none of the project's launchers does.)"""
+    import psutil
+
+    tag, found = getattr(process, "tree_tag", None), []
+    if tag is None:
+        return found
+    for candidate in psutil.process_iter():
+        try:
+            if candidate.pid != os.getpid() and tag in candidate.environ().get(TREES, "").split():
+                found.append(candidate)
+        except psutil.Error:  # gone, a zombie, or another user's
+            pass
+    return found
 
 
 def end_group(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """Send `sig` to every process of `process`'s group and reap the leader."""
+    """Send `sig` to every process of `process`'s group and of its tree (`tree`), and reap the leader. With
+    SIGKILL, until none is left: a descendant forked between a look and the kill is found by the next look."""
+    import psutil
+
     try:
         os.killpg(process.pid, sig)
     except ProcessLookupError:
         pass
+    for _ in range(50 if sig == signal.SIGKILL else 1):
+        left = tree(process)
+        for member in left:
+            try:
+                member.send_signal(sig)
+            except psutil.Error:
+                pass
+        if not left:
+            break
+        time.sleep(0.02)  # SIGKILL takes effect asynchronously: a member may still be there at the next look
     process.wait()
 
 

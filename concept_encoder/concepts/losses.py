@@ -71,6 +71,16 @@ def _offdiag_mask(concept_num: int, device: torch.device) -> torch.Tensor:
     return ~torch.eye(concept_num, dtype=torch.bool, device=device)
 
 
+def _offdiagonal(matrices: torch.Tensor) -> torch.Tensor:
+    """`[...,C,C]` → its off-diagonal entries `[...,C(C-1)]`, row by row: what indexing with `_offdiag_mask` gives,
+    gathered by indices made on the device (a boolean index runs `nonzero` on a GPU, a host sync in the step)."""
+    c = matrices.shape[-1]
+    k = torch.arange(c * (c - 1), device=matrices.device)  # the k-th off-diagonal entry: row k // (C-1)
+    row, column = k // (c - 1), k % (c - 1)
+    column = column + (column >= row).long()  # skip the diagonal
+    return matrices.flatten(-2).index_select(-1, row * c + column)
+
+
 def _zero(concepts: torch.Tensor) -> torch.Tensor:
     """A `[]` zero still connected to the graph (DDP/ZeRO expect a gradient, even a zero one)."""
     return concepts.sum() * 0.0
@@ -91,7 +101,7 @@ def orthogonality_loss(concepts: torch.Tensor) -> torch.Tensor:
         if x.shape[1] < 2:
             return _zero(x)
         cos = pairwise_cosine(x)  # [B,C,C]
-        return cos[:, _offdiag_mask(x.shape[1], x.device)].pow(2).mean()
+        return _offdiagonal(cos).pow(2).mean()
 
 
 def soft_orthogonality_loss(concepts: torch.Tensor, threshold: float = 0.1) -> torch.Tensor:
@@ -110,7 +120,7 @@ def soft_orthogonality_loss(concepts: torch.Tensor, threshold: float = 0.1) -> t
         x = check_concepts(concepts, "soft_orthogonality_loss")
         if x.shape[1] < 2:
             return _zero(x)
-        cos = pairwise_cosine(x)[:, _offdiag_mask(x.shape[1], x.device)]  # [B,C(C-1)]
+        cos = _offdiagonal(pairwise_cosine(x))  # [B,C(C-1)]
         return F.relu(cos.abs() - threshold).pow(2).mean()
 
 
@@ -178,7 +188,7 @@ def covariance_loss(concepts: torch.Tensor) -> torch.Tensor:
             )
         centred = x - x.mean(dim=0, keepdim=True)
         cov = centred.T @ centred / (n - 1)  # [H,H]
-        return cov[_offdiag_mask(h, x.device)].pow(2).sum() / h
+        return _offdiagonal(cov).pow(2).sum() / h
 
 
 def vicreg_loss(concepts: torch.Tensor, gamma: float = 1.0, eps: float = 1e-4) -> torch.Tensor:

@@ -49,7 +49,7 @@ class FixedWeighting(nn.Module):
         """`losses [K+1]` float32 → (total `[]`, weights `[K+1]` detached, extra logged terms)."""
         weight = self.concept_loss_weight * self.warmup_factor(step)
         total = losses[0] + weight * losses[1:].sum()
-        weights = torch.tensor([1.0] + [weight] * (len(losses) - 1), device=losses.device)
+        weights = torch.cat([losses.new_ones(1), losses.new_full((len(losses) - 1,), weight)])  # no host copy
         return total, weights, {}
 
     def extra_repr(self) -> str:

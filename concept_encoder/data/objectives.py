@@ -19,10 +19,12 @@ cross-entropy over the masked tokens.
 from __future__ import annotations
 
 import torch
+from torch._dynamo.decorators import mark_unbacked
 from transformers import PreTrainedTokenizerBase
 
 from ..constants import DIFFUSION_WEIGHTINGS, EVAL_MASK_RATES, LOSS_NORMALIZER, OBJECTIVES, eval_suffixes
 from ..model.constants import IGNORE_INDEX
+from ..model.heads import labelled_slots
 
 SOURCE_TOKENS = "source_tokens"
 
@@ -136,24 +138,54 @@ class TokenDeletion(SeededCorruption):
 
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "label_weights")
+LABELLED_POSITIONS, LABELLED_ROWS, PADDED = "labelled_positions", "labelled_rows", "padded"  # `prepare_batch`'s keys
 
 
-def model_inputs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """A corrupted batch → (the model's keyword inputs, the loss normaliser `[]`: the batch's own
-    `loss_normalizer` or, by default, its labelled-position count, and the tokens `[]` of the
-    uncorrupted batch: its `source_tokens` or the encoder's non-pad count). A padding-free batch's
-    all-ones `attention_mask` is left out: the model then needs no mask, eager or compiled
-    (`modeling.padding_mask`), which keeps SDPA's flash kernel eligible."""
+def prepare_batch(batch: dict) -> dict:
+    """A corrupted batch, still on the CPU → the same batch plus what the step must know of it, found here so
+    that nothing in a training micro-batch waits for the device (each of these read there is a host sync):
+
+        labelled_positions [B,M], labelled_rows [L]   int64: the labelled slots (`heads.labelled_slots`), which
+                                                      the models gather by index instead of a boolean mask
+        padded                                        bool: whether `attention_mask` holds a 0
+        loss_normalizer, source_tokens                int: the loss normaliser and the uncorrupted tokens
+
+    The loops call it before the batch moves (`loops/mlm.py`: on the masking thread); `model_inputs` calls it on
+    a batch that was not (then on its device). A padding-free batch's all-ones `attention_mask` is then left out
+    of the model's inputs (the model needs no mask, eager or compiled: `modeling.padding_mask`), which keeps
+    SDPA's flash kernel eligible."""
+    if LABELLED_ROWS in batch:
+        return batch
+    positions, rows = (t.clone() for t in labelled_slots(batch["labels"]))  # not views: compile sees their sizes
     normalizer = batch.get(LOSS_NORMALIZER)
-    if normalizer is None:
-        normalizer = (batch["labels"] != IGNORE_INDEX).sum()
     tokens = batch.get(SOURCE_TOKENS)
-    if tokens is None:
-        tokens = batch["attention_mask"].sum()
-    inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
-    if "attention_mask" in inputs and bool(inputs["attention_mask"].all()):
+    return {
+        **batch,
+        LABELLED_POSITIONS: positions,
+        LABELLED_ROWS: rows,
+        PADDED: not bool(batch["attention_mask"].all()),
+        LOSS_NORMALIZER: len(rows) if normalizer is None else int(normalizer),
+        SOURCE_TOKENS: int(batch["attention_mask"].sum() if tokens is None else tokens),
+    }
+
+
+def model_inputs(batch: dict) -> tuple[dict[str, torch.Tensor], int, int]:
+    """A corrupted batch (`prepare_batch`'s, or one it is applied to here) → (the model's keyword inputs, the
+    loss normaliser: the batch's own `loss_normalizer` or, by default, its labelled-position count, and the
+    tokens of the uncorrupted batch: its `source_tokens` or the encoder's non-pad count).
+
+    The labelled slots' sizes vary from batch to batch and may be 0 or 1: they are marked unbacked for
+    torch.compile (`torch._dynamo.decorators.mark_unbacked`), which then traces one graph for every batch,
+    as it did when the model read them itself (a no-op in eager mode)."""
+    batch = prepare_batch(batch)
+    inputs = {k: batch[k] for k in (*MODEL_INPUTS, LABELLED_POSITIONS, LABELLED_ROWS) if k in batch}
+    if batch[PADDED]:
+        inputs[PADDED] = True
+    else:
         del inputs["attention_mask"]
-    return inputs, normalizer, tokens
+    mark_unbacked(inputs[LABELLED_POSITIONS], 1)
+    mark_unbacked(inputs[LABELLED_ROWS], 0)
+    return inputs, batch[LOSS_NORMALIZER], batch[SOURCE_TOKENS]
 
 
 def build_corruption(objective: str, mlm_collator, tokenizer, args, seed: int | None):

@@ -5,11 +5,17 @@ MLM decoding, with shapes (sparse path, used whenever `labels` are given)::
     concepts [B,C,H]
     labelled positions gathered per sample ──▶ ids, positions [B,M]   (M = max labelled per sample)
     decoder(concepts, ids, positions) ──────▶ hidden [B,M,H]
-    keep the real labelled slots ───────────▶ hidden [L,H]            (L = labelled positions in the batch)
+    keep the real labelled slots (rows [L]) ▶ hidden [L,H]            (L = labelled positions in the batch)
     LM head ────────────────────────────────▶ logits [L,V] → cross-entropy
 
 A `[B,N,V]` tensor is never built when labels are given: at 15% masking and a 30k
 vocabulary that tensor dominates the memory of a training step.
+
+The positions and rows (`labelled_slots`) are sizes that depend on the data: found on an accelerator they
+would cost a host sync each (a `.item()`, a `nonzero`). The training loops find them on the CPU batch
+before it moves (`data.objectives.prepare_batch`) and pass them in (`labelled_positions`, `labelled_rows`);
+the model gathers with them as indices, so a training micro-batch never waits for the device. A caller
+that passes labels alone gets them found here.
 """
 
 from __future__ import annotations
@@ -124,21 +130,31 @@ class MaskedLMHead(nn.Module):
         return self.decoder(self.norm(F.gelu(self.dense(hidden))), targets, row_weights)
 
 
-def labelled_order(labels: torch.Tensor) -> torch.Tensor:
-    """`labels [B,N]` → `order [B,M]`: each sample's labelled positions packed to the front, in order.
+def labelled_slots(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`labels [B,N]` → (`positions [B,M]`, `rows [L]`), both int64 on `labels`' device.
 
-    M is the largest labelled count of any sample, at least 1 (so attention over M query slots is never
-    empty: a data-dependent size that torch.compile can trace as "≥ 1"); slots past a sample's count point
-    at unlabelled positions (`labels.gather(1, order) == IGNORE_INDEX` there). A stable sort keeps positions
-    in order.
+    `positions`: each sample's labelled positions packed to the front, in order (a stable sort). M is the
+    largest labelled count of any sample, at least 1 (so attention over M query slots is never empty); slots
+    past a sample's count point at unlabelled positions. `rows`: the real labelled slots among the `B·M`
+    (row-major, `b·M + m`), L in all: `hidden[B,M,H].flatten(0, 1).index_select(0, rows)` is the labelled
+    rows in (sample, position) order, as `hidden[labels != IGNORE_INDEX]` would give them, without a boolean
+    index. On an accelerator this reads M and L on the host (two syncs): the training loops call it on the
+    CPU batch (`data.objectives.prepare_batch`). Under torch.compile M is traced as an unbacked size ≥ 1.
     """
-    labelled = labels.ne(IGNORE_INDEX)  # [B,N]
     if labels.numel() == 0:
-        return labels.new_zeros(labels.shape)
+        return labels.new_zeros(labels.shape), labels.new_zeros(0)
+    labelled = labels.ne(IGNORE_INDEX)  # [B,N]
     m = labelled.sum(dim=1).max().clamp(min=1).item()
     torch._check(m >= 1)
     torch._check(m <= labels.shape[1])
-    return torch.sort(labelled.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :m]
+    positions = torch.sort(labelled.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :m]  # [B,M]
+    rows = labelled.gather(1, positions).flatten().nonzero().squeeze(1)  # [L]
+    return positions, rows
+
+
+def labelled_rows_of(values: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`values [B,N]` (labels, weights) at the labelled slots: `[L]`, in the order of `labelled_slots`."""
+    return values.gather(1, positions).flatten().index_select(0, rows)
 
 
 def labelled_loss(
@@ -185,6 +201,9 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
         labels: torch.Tensor | None = None,
         label_weights: torch.Tensor | None = None,
         return_logits: bool = True,
+        labelled_positions: torch.Tensor | None = None,
+        labelled_rows: torch.Tensor | None = None,
+        padded: bool | None = None,
     ) -> ConceptMaskedLMOutput:
         """Masked-language-model forward.
 
@@ -200,13 +219,17 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
             return_logits: with labels, False skips the `[L,V]` logits: the loss is then computed
                 by `vocab_projection.linear_cross_entropy` (same value and gradients, less memory
                 and time; what the training loop uses). Ignored without labels.
+            labelled_positions: `[B,M]` int64, `labelled_slots(labels)[0]` (optional: found from `labels`
+                when not given, a host sync on an accelerator; the training loops pass it from the CPU).
+            labelled_rows: `[L]` int64, `labelled_slots(labels)[1]`, given with `labelled_positions`.
+            padded: whether `attention_mask` holds a 0 (`modeling.padding_mask`; None: tested here).
 
         Returns:
-            `ConceptMaskedLMOutput`: with labels, `loss []`, `loss_sum []` and sparse `logits [L,V]` at
-            the L labelled positions (None when `return_logits=False`); without labels, `logits [B,N,V]`
-            at every position. Always `concepts [B,C,H]`.
+            `ConceptMaskedLMOutput`: with labels, `loss []`, `loss_sum []`, `num_labelled []` and sparse
+            `logits [L,V]` at the L labelled positions (None when `return_logits=False`); without labels,
+            `logits [B,N,V]` at every position. Always `concepts [B,C,H]`.
         """
-        concepts = self.encoder(input_ids, attention_mask).last_hidden_state  # [B,C,H]
+        concepts = self.encoder(input_ids, attention_mask, padded=padded).last_hidden_state  # [B,C,H]
         embeddings = self.encoder.embeddings
         if labels is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
@@ -222,14 +245,15 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
                 "decoder that queries positions alone (decoder_type posonly or weighted) can predict a sequence "
                 "of another length than the encoder's input"
             )
-        order = labelled_order(labels)  # [B,M]
-        ids = input_ids.gather(1, order) if self.config.decoder_type == "perceiver" else None  # token queries
-        targets = labels.gather(1, order)  # [B,M]
-        hidden = self.mlm_decoder(concepts, ids, order, embeddings)  # [B,M,H]
-        keep = targets.ne(IGNORE_INDEX)  # [B,M]
-        num_labelled = keep.sum()
-        weights = None if label_weights is None else label_weights.gather(1, order)[keep]  # [L]
-        logits, loss_sum = labelled_loss(self.lm_head, hidden[keep], targets[keep], weights, return_logits)
+        positions, rows = labelled_slots(labels) if labelled_positions is None else (labelled_positions, labelled_rows)
+        torch._check(positions.shape[1] >= 1)  # for torch.compile: M is unbacked (`objectives.model_inputs`)
+        ids = input_ids.gather(1, positions) if self.config.decoder_type == "perceiver" else None  # token queries
+        hidden = self.mlm_decoder(concepts, ids, positions, embeddings)  # [B,M,H]
+        targets = labelled_rows_of(labels, positions, rows)  # [L]
+        weights = None if label_weights is None else labelled_rows_of(label_weights, positions, rows)  # [L]
+        states = hidden.flatten(0, 1).index_select(0, rows)  # [L,H]
+        logits, loss_sum = labelled_loss(self.lm_head, states, targets, weights, return_logits)
+        num_labelled = torch.full((), rows.shape[0], dtype=torch.long, device=labels.device)  # no host copy
         # Sum / count (not `mean`) so a batch with nothing labelled gives 0, not NaN, and still
         # touches every parameter (DDP/ZeRO need a gradient for each).
         loss = loss_sum / num_labelled.clamp(min=1)
@@ -276,6 +300,7 @@ class ConceptEncoderForSequenceClassification(ConceptEncoderPreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        padded: bool | None = None,
     ) -> SequenceClassifierOutput:
         """Classify or regress whole sequences.
 
@@ -284,11 +309,13 @@ class ConceptEncoderForSequenceClassification(ConceptEncoderPreTrainedModel):
             attention_mask: `[B,N]`, 1 for real tokens, 0 for padding (optional).
             labels: `[B]` class ids (single-label), `[B]`/`[B,1]` floats (regression, `num_labels == 1`),
                 or `[B,num_labels]` multi-hot floats (multi-label) (optional).
+            padded: whether `attention_mask` holds a 0 (`modeling.padding_mask`; None: tested here, a host
+                sync on an accelerator; fine-tuning's loaders say it from the CPU batch).
 
         Returns:
             `SequenceClassifierOutput` with `logits [B,num_labels]` and `loss []` when labels are given.
         """
-        encoded = self.encoder(input_ids, attention_mask)  # concepts [B,C,H], refined tokens [B,N,H] or None
+        encoded = self.encoder(input_ids, attention_mask, padded=padded)  # concepts [B,C,H], tokens [B,N,H] or None
         features = self.pooling(encoded.last_hidden_state, encoded.token_states)  # [B,H]
         pooled = self.dropout(torch.tanh(self.dense(self.dropout(features))))  # [B,H]
         logits = self.classifier(pooled)  # [B,num_labels]

@@ -96,18 +96,20 @@ class ConceptEncoderPreTrainedModel(PreTrainedModel):
             init.normal_(module.concepts, mean=0.0, std=self.config.initializer_range)
 
 
-def padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+def padding_mask(attention_mask: torch.Tensor | None, padded: bool | None = None) -> torch.Tensor | None:
     """`attention_mask [B,N]` (1 = token, 0 = pad) → bool key mask `[B,N]`, or None when nothing is padded.
 
-    Returning None for a padding-free batch keeps SDPA's fused kernels (flash) eligible. That test reads
-    the data, so under torch.compile it is skipped (a data-dependent branch would split the graph) and the
-    mask is always kept: pass `attention_mask=None` for padding-free batches there (the training loops do).
+    Returning None for a padding-free batch keeps SDPA's fused kernels (flash) eligible. `padded` says whether
+    the mask holds a 0: False drops it, True keeps it, None tests it, which reads the data (a host sync on an
+    accelerator, and a data-dependent branch under torch.compile, where the test is skipped and the mask kept).
+    The training loops know it from the CPU batch: they leave a padding-free batch's mask out and pass
+    `padded=True` with the others (`data.objectives.prepare_batch`), so the step never waits for this test.
     A row with no real token would make attention NaN, so such a row attends to all positions.
     """
-    if attention_mask is None:
+    if attention_mask is None or padded is False:
         return None
     mask = attention_mask.bool()
-    if not torch.compiler.is_compiling() and bool(mask.all()):
+    if padded is None and not torch.compiler.is_compiling() and bool(mask.all()):
         return None
     return mask | ~mask.any(dim=-1, keepdim=True)
 
@@ -155,6 +157,7 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        padded: bool | None = None,
     ) -> ConceptEncoderOutput:
         """Encode tokens into concepts.
 
@@ -162,6 +165,7 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
             input_ids: `[B,N]` token ids.
             attention_mask: `[B,N]`, 1 for real tokens and 0 for padding (optional).
             position_ids: `[B,N]` or `[1,N]` (optional; default `0..N-1`).
+            padded: whether `attention_mask` holds a 0 (optional; None: tested here, see `padding_mask`).
 
         Returns:
             `ConceptEncoderOutput`: `last_hidden_state` the concepts `[B,C,H]`; `token_states` the refined tokens
@@ -172,7 +176,7 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)  # [1,N]
         tokens = self.embeddings(input_ids, position_ids)  # [B,N,H]
-        token_mask = padding_mask(attention_mask)  # [B,N] or None
+        token_mask = padding_mask(attention_mask, padded)  # [B,N] or None
         concepts = self.concepts.unsqueeze(0).repeat(batch, 1, 1)  # [B,C,H], a real copy per sample
         shared_kv: dict[int, torch.Tensor] = {}  # group → the tokens' keys/values [B,N,2H], computed once
         for index, layer in enumerate(self.layers):

@@ -168,7 +168,7 @@ def linear_cross_entropy(
         dtype, the softmax in float32, as `cross_entropy(linear(h).float(), t)` would.
     """
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):  # not on `meta`
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)

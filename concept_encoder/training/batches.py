@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from accelerate import skip_first_batches
+from accelerate.utils import send_to_device
 
 
 def accumulation_windows(loader, accumulation: int, state, finish_batch):
@@ -43,6 +44,39 @@ def positioned_windows(loader, accumulation: int, epoch: int, batches_in_epoch: 
             )
         epoch += 1
         batches_in_epoch = 0
+
+
+def pinned(batch: dict, device: torch.device) -> dict:
+    """`batch`'s tensors in pinned (page-locked) host memory when `device` is a CUDA device, else `batch` itself.
+
+    Pinning pays where a tensor is copied after it: a copy from pinned memory with `non_blocking=True` is queued
+    on the stream and the host goes on (`placed`), while a copy from pageable memory is staged by the driver and
+    may wait for the stream, and torch's blocking copy waits for it in any case (a host sync per tensor). So the
+    loops pin after masking (masking makes new tensors: a DataLoader's `pin_memory` before it would pin tensors
+    the step never copies), on the masking thread when it runs ahead (`MaskingAhead`), and their DataLoaders do not
+    pin. Non-tensor values are kept as they are."""
+    if device.type != "cuda":
+        return batch
+    return {key: value.pin_memory() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+
+
+def placed(batch: dict, device: torch.device) -> dict:
+    """`batch` (`pinned`) on `device`, copied with `non_blocking=True`: queued behind the step before it, no host
+    sync. torch's pinned-memory allocator keeps a pinned block until the copies queued from it have run, so the
+    host batch may be dropped at once; from pageable memory (a CPU device: no copy at all) the copy is as safe."""
+    return send_to_device(batch, device, non_blocking=True)
+
+
+def unpadded_or_marked(batch: dict) -> dict:
+    """A padded CPU batch without its `attention_mask` when it holds no padding (any encoder reads all tokens
+    then), else with `padded=True` (a Concept Encoder then keeps the mask without testing it: a host sync on the
+    device, `modeling.padding_mask`; fine-tuning's collate, `loops/finetune.py`, keeps `padded` only for a model
+    that takes it)."""
+    if "attention_mask" not in batch:
+        return batch
+    if bool(batch["attention_mask"].all()):
+        return {k: v for k, v in batch.items() if k != "attention_mask"}
+    return {**batch, "padded": True}
 
 
 class MaskingAhead:

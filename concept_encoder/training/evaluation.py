@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from accelerate.utils import send_to_device
 
 from ..concepts.health import HEALTH_KEYS, concept_health
-from ..data.objectives import model_inputs
+from ..data.objectives import model_inputs, prepare_batch
 from ..model.constants import IGNORE_INDEX
 
 
@@ -69,7 +69,7 @@ def evaluate(
     for i, batch in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
-        batch, _, _ = model_inputs(send_to_device(eval_collator.mask(batch), accelerator.device))
+        batch, _, _ = model_inputs(send_to_device(prepare_batch(eval_collator.mask(batch)), accelerator.device))
         batch.pop("label_weights", None)  # evaluation reports the plain cross-entropy
         out = model(**batch)  # logits [L,V] at the L labelled positions
         labelled = batch["labels"] != IGNORE_INDEX  # [B,N]

@@ -1,5 +1,6 @@
 """What this machine must have for what a launch asks, checked before anything is built (`preflight`, the plan
-checker): a torch that can use the GPU the NVIDIA driver sees, and for NVMe offload libaio and the CUDA toolkit.
+checker, the ZeRO comparison): a torch that can use the GPU the NVIDIA driver sees, for NVMe offload libaio and the
+CUDA toolkit, and the host RAM (`host_memory_bytes`).
 
 Torch-free: the checks read `nvidia-smi`, compile a few lines of C and look for `nvcc`; torch is imported only
 to describe a GPU torch cannot use, which happens in the loop (torch already loaded), never in `fail_fast`.
@@ -77,6 +78,18 @@ def unseen_gpu_problem() -> str | None:
         f"the NVIDIA driver sees a GPU ({seen}) but torch {torch.__version__} cannot use it ({why}), so this run "
         f"would train on the CPU; {fix}, or pass --allow_cpu to train on the CPU anyway"
     )
+
+
+def host_memory_bytes(field: str = "MemAvailable") -> int | None:
+    """This machine's RAM from /proc/meminfo: `MemAvailable` (what new processes can take without swapping) or
+    `MemTotal`; None where it cannot be read (not Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def chosen_cpu() -> bool:

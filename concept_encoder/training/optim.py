@@ -108,9 +108,19 @@ def schedule_problem(saved: dict, current: dict, step: int) -> str | None:
     return None
 
 
-def finish_step(accelerator, model, optimizer, max_grad_norm: float, loss_finite: bool) -> tuple[bool, float | None]:
+def finish_step(
+    accelerator, model, optimizer, max_grad_norm: float, loss_finite: torch.Tensor, logged: dict | None = None
+) -> tuple[bool, float | None, dict[str, float]]:
     """The end of one optimizer step, after its backward passes: the gradient's norm (clipped to `max_grad_norm`
-    when > 0), then the update, or none when the step's loss or gradient is not finite. Returns (applied, norm).
+    when > 0), then the update, or none when the step's loss or gradient is not finite. `loss_finite` `[]` bool
+    on the device says whether the loss is (agreed across ranks), `logged` maps names to `[]` tensors the loop
+    logs. Returns (applied, norm, `logged` read as floats).
+
+    One host sync: whether to update is the one thing the host must know of a step before the next (a skipped
+    step's scheduler does not advance), so the loss's finiteness, the gradient norm and the logged values are read
+    in one transfer (`read_on_host`); the norm is computed and the gradients clipped before it, whether or not the
+    step is then applied (the clip of a skipped step's gradients changes nothing: they are cleared). Reading the
+    logged values there costs nothing more: the host waits for the step anyway.
 
     Under fp16 without DeepSpeed, accelerate's `GradScaler` must see every step, skipped ones too: the clip
     unscales the gradients (`GradScaler.unscale_`, recorded per optimizer until `update()`), so a step that
@@ -120,28 +130,41 @@ def finish_step(accelerator, model, optimizer, max_grad_norm: float, loss_finite
     `GradScaler.step` sees the inf found while unscaling and skips the update, `update()` multiplies the scale by
     its backoff factor (0.5), and the run goes on (`--max_bad_steps` bounds how long). A non-finite loss whose
     gradient is finite (a cross-entropy's gradient does not depend on its value) is not stepped; the scale backs
-    off by `update(new_scale)` (torch's public way, which leaves the count towards the next growth as it was).
+    off by `update(new_scale)` (torch's public way, which leaves the count towards the next growth as it was, and
+    clears the unscale record). The GradScaler reads its own values on the host (fp16 only: bf16 needs none).
     Under DeepSpeed its engine clips and its own fp16 loss scaler skips an overflow: only the norm is read."""
     from accelerate.utils import DistributedType
 
+    logged = logged or {}
     scaler = getattr(accelerator, "scaler", None)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        if not loss_finite:
-            return False, None
+        values = read_on_host({"finite": loss_finite, **logged})
+        if not values.pop("finite"):
+            return False, None, values
         optimizer.step()
         norm = model.get_global_grad_norm()  # None where DeepSpeed computed none (ZeRO-0 without clipping)
-        return True, None if norm is None else float(norm)
-    if not loss_finite:
+        return True, None if norm is None else float(norm), values
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
+    values = read_on_host({"finite": loss_finite, "norm": norm, **logged})
+    finite, norm = values.pop("finite"), values.pop("norm")
+    if not finite:
         if scaler is not None:
             scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
-        return False, None
-    norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf))
+        return False, None, values
     if not math.isfinite(norm):  # an Inf/NaN gradient with a finite loss: skipped like a non-finite loss
         if scaler is not None:
             optimizer.step()  # GradScaler skips it (the inf found while unscaling) and backs off
-        return False, norm
+        return False, norm, values
     optimizer.step()
-    return True, norm
+    return True, norm, values
+
+
+def read_on_host(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """`[]` tensors (one device) → their values as floats, read in one transfer: one host sync, not one each."""
+    if not values:
+        return {}
+    stacked = torch.stack([value.detach().reshape(()).float() for value in values.values()])
+    return dict(zip(values, stacked.tolist(), strict=True))
 
 
 def loss_scale(accelerator) -> float:

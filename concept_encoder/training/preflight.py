@@ -110,17 +110,18 @@ def beyond_positions(max_seq_length: int, positions: int, config: dict | None = 
 
 
 def host_memory_problem(model_args, data_args, training_args, config: dict | None = None) -> str | None:
-    """A line when a CPU run's estimated peak (`accounting.memory`: model states and the activations of one
-    micro-batch, attention probabilities kept as the CPU's math kernel does, per process on this machine) is
-    beyond the machine's memory: it would fail minutes later allocating it, or swap. None when it fits or
-    cannot be estimated (a model folder whose config the memory model does not know). `config`: the saved
+    """A line when a CPU run's estimated host memory (`accounting.memory`, `MemoryEstimate.host_peak`: per process
+    on this machine its baseline, the fp32 model, the model states and ZeRO buffers and the activations of one
+    micro-batch, attention probabilities kept as the CPU's math kernel does) is beyond the machine's memory: it
+    would fail minutes later allocating it, or swap. None when it fits or cannot be estimated (a model folder whose config the memory model does not know). `config`: the saved
     model's, else a fresh preset's fields (with a 30,522-token vocabulary: the tokenizer is not built yet)."""
     import psutil
 
     if config is None:
         config = fresh_model_fields(model_args, data_args.max_seq_length, vocab_size=30522)
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    stage, offload_optimizer, offload_params = zero_settings(launched_ds_config())
+    ds_config = launched_ds_config()
+    stage, offload_optimizer, offload_params = zero_settings(ds_config)
     try:
         estimate = estimate_training_memory(
             config, training_args.per_device_train_batch_size, data_args.max_seq_length, zero_stage=stage,
@@ -128,17 +129,19 @@ def host_memory_problem(model_args, data_args, training_args, config: dict | Non
             mixed_precision=effective_precision(training_args.mixed_precision),
             gradient_checkpointing=bool(getattr(model_args, "gradient_checkpointing", False)),
             mlm_probability=decoded_fraction(training_args, getattr(data_args, "mlm_probability", 0.15)),
-            fused_attention=False,
+            fused_attention=False, ds_config=ds_config, cpu_run=True,
         )  # fmt: skip
     except (KeyError, TypeError, ValueError):
         return None
-    need = processes * (estimate.gpu_model_states + estimate.activations) + estimate.cpu_model_states
+    need = estimate.host_peak
     have = psutil.virtual_memory().total
     if need <= have:
         return None
     return (
-        f"this run needs about {need / GIB:,.1f} GiB of memory ({processes} process(es): model states "
-        f"{estimate.gpu_model_states / GIB:,.1f} GiB and activations {estimate.activations / GIB:,.1f} GiB each, at "
+        f"this run needs about {need / GIB:,.1f} GiB of memory ({processes} process(es): baseline and fp32 model "
+        f"{(estimate.host_baseline + estimate.host_fp32_model) / GIB:,.1f} GiB, model states "
+        f"{(estimate.gpu_model_states + estimate.zero_buffers) / GIB:,.1f} GiB and activations "
+        f"{estimate.activations / GIB:,.1f} GiB each, at "
         f"batch {training_args.per_device_train_batch_size} x length {data_args.max_seq_length}"
         f"{', ' + str(config.get('concept_num')) + ' concepts' if config.get('concept_num') else ''}) and this "
         f"machine has {have / GIB:,.1f} GiB; lower --per_device_train_batch_size (raise --gradient_accumulation_steps "

@@ -37,7 +37,7 @@ def frozen_features(model, loader, device: torch.device) -> dict[str, np.ndarray
     concept = model.config.model_type == CONCEPT_MODEL_TYPE
     chunks: dict[str, list[np.ndarray]] = {}
     for batch in loader:
-        inputs = {k: v.to(device) for k, v in batch.items() if k in accepted}
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k in accepted}
         mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))  # [B,N]
         hidden = base(**inputs).last_hidden_state  # concept: [B,C,H]; token encoder: [B,N,H]
         if concept:

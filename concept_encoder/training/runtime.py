@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
+from ..accounting.memory import CUDA_CONTEXT_BYTES, GIB, allocator_budget_bytes
 from .cpu_info import reuse_cpu_info
 
 logger = logging.getLogger("concept_encoder")
@@ -134,16 +135,27 @@ def retain_freed_cpu_memory() -> bool:
 
 
 def apply_memory_budget(budget_gb: float | None, state: PartialState) -> None:
-    """Cap the CUDA caching allocator at `budget_gb` (emulates a smaller card on a larger one)."""
+    """Emulate a card of `budget_gb` on a larger one: cap the CUDA caching allocator at what such a card leaves it,
+    the budget less the CUDA context (`memory.allocator_budget_bytes`; `set_per_process_memory_fraction` limits
+    the allocator only, while on the smaller card the context would take its share of the same memory)."""
     if budget_gb is None:
         return
     if state.device.type != "cuda":
         logger.info("cuda_memory_budget_gb=%s ignored: no CUDA device", budget_gb)
         return
+    allocator = allocator_budget_bytes(budget_gb * GIB)
+    if allocator <= 0:
+        raise ValueError(
+            f"cuda_memory_budget_gb={budget_gb:g} leaves nothing beside the CUDA context "
+            f"(~{CUDA_CONTEXT_BYTES / GIB:g} GiB); give a budget above it"
+        )
     total = torch.cuda.get_device_properties(state.device).total_memory
-    fraction = min(1.0, budget_gb * 2**30 / total)
+    fraction = min(1.0, allocator / total)
     torch.cuda.set_per_process_memory_fraction(fraction, state.device)
-    logger.info("CUDA memory capped at %.1f GiB (%.1f%% of %.1f GiB)", budget_gb, 100 * fraction, total / 2**30)
+    logger.info(
+        "CUDA memory capped at %.1f GiB: the caching allocator at %.2f GiB (%.1f%% of %.1f GiB), %.1f GiB left to "
+        "the CUDA context", budget_gb, allocator / GIB, 100 * fraction, total / GIB, CUDA_CONTEXT_BYTES / GIB,
+    )  # fmt: skip
 
 
 def set_tf32(enabled: bool, state: PartialState) -> str:

@@ -111,6 +111,15 @@ class TimeBudget:
         )
 
 
+def any_rank(accelerator, *flags: bool) -> list[bool]:
+    """Each of `flags` OR-ed over the ranks, so every rank takes the same branch (stop, save): in one process the
+    flags themselves (no device tensor, no host sync); with several, one all-reduce (max) read on the host."""
+    if accelerator.num_processes == 1:
+        return [bool(flag) for flag in flags]
+    values = torch.stack([torch.full((), float(flag), device=accelerator.device) for flag in flags])  # no host copy
+    return [bool(value) for value in accelerator.reduce(values, reduction="max").tolist()]
+
+
 class PreemptionFlag:
     """SIGTERM/SIGINT set a flag; the loop finishes its step, saves a checkpoint and exits."""
 
