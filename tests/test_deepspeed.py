@@ -52,8 +52,10 @@ def launch(
     script: list[str] | None = None,
 ):
     """`accelerate launch` of the loop under `ds_configs/<ds_config>.json` on `processes` processes;
-    `machine=(rank, port)` makes it one of two single-process nodes of a simulated 2-machine run; `script` (a
-    script and its first arguments) is launched instead of the loop, with the loop's flags."""
+    `machine=(rank, port)` makes it one of two single-process nodes of a simulated 2-machine run (its output goes to
+    `<workdir>/node<rank>.log`, not a pipe: the test waits for one node at a time, and a node blocked on a full pipe
+    nobody reads would hold the other in its collectives until the timeout); `script` (a script and its first
+    arguments) is launched instead of the loop, with the loop's flags."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if machine is None:
         cmd += ["--config_file", str(ROOT / "launch/cpu.yaml"), "--main_process_port", str(next(_ports))]
@@ -65,7 +67,13 @@ def launch(
         cmd += ["--main_process_port", str(port)]
     cmd += ["--deepspeed_config_file", str(ROOT / "ds_configs" / f"{ds_config}.json")]
     cmd += [*(script or [LOOP[0]]), *LOOP[1:], *loop_args]
-    return process_group.start(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if machine is None:
+        return process_group.start(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = workdir / f"node{machine[0]}.log"
+    with log.open("w") as out:
+        process = process_group.start(cmd, cwd=workdir, stdout=out, stderr=subprocess.STDOUT, text=True)
+    process.log = log
+    return process
 
 
 def finish(process) -> str:
@@ -74,6 +82,7 @@ def finish(process) -> str:
         code, out, _ = process_group.finish(process, TIMEOUT)
     except subprocess.TimeoutExpired:
         pytest.fail(f"launch timed out after {TIMEOUT}s")
+    out = out if out is not None else process.log.read_text()  # a node's output is in its log file
     assert code == 0, out[-4000:]
     return out
 
