@@ -226,6 +226,9 @@ def test_classifier_round_trip(tmp_path):
         (dict(classifier_pooling="max"), "classifier_pooling"),
         (dict(mask_token_id=500), "mask_token_id"),
         (dict(initializer_range=0.0), "initializer_range"),
+        (dict(local_mixer="lstm"), "local_mixer='lstm' is unknown"),
+        (dict(local_mixer_width=4), "local_mixer_width=4 must be an odd positive integer"),
+        (dict(local_mixer_width=0), "local_mixer_width=0 must be an odd positive integer"),
     ],
 )
 def test_bad_config_raises_value_error_naming_the_field(overrides, field):

@@ -61,12 +61,15 @@ def parameter_count(
     tie_word_embeddings: bool = True,
     token_kv_sharing: str = "none",
     token_refinement: bool = False,
+    local_mixer: str = "none",
+    local_mixer_width: int = 3,
     **_ignored,
 ) -> dict[str, int]:
     """Exact parameter counts of `ConceptEncoderForMaskedLM` from its config fields (with shared token
     keys/values, the encoder's cross-attentions keep their queries, output and query norm; each group's
     `TokenKeyValue` holds the context norm and key/value projection; `token_refinement` adds a reading layer,
-    cross-attention + FFN, to every encoder layer but the last: its update nothing in the MLM model reads)."""
+    cross-attention + FFN, to every encoder layer but the last: its update nothing in the MLM model reads;
+    `local_mixer` conv adds its depthwise filters H·w, their biases H and a LayerNorm 2·H)."""
     V, H, L, I, C, P = (  # noqa: E741 (I: FFN width, as in the config docs)
         vocab_size,
         hidden_size,
@@ -91,6 +94,7 @@ def parameter_count(
     head = H * H + H + 2 * H + V + (0 if tie_word_embeddings else V * H)
     counts = {
         "embeddings": V * H + P * H + 2 * H,
+        "local_mixer": H * local_mixer_width + 3 * H if local_mixer == "conv" else 0,
         "concepts": C * H,
         "layers": L * layer,
         "token_kv": 0 if token_kv_sharing == "none" else groups * token_kv,
@@ -241,6 +245,7 @@ def activation_bytes(
     model_type: str = "concept_encoder",
     token_kv_sharing: str = "none",
     token_refinement: bool = False,
+    local_mixer: str = "none",
     mlm_probability: float = 0.15,
     bytes_per_element: int = 2,
     fused_attention: bool = True,
@@ -267,7 +272,8 @@ def activation_bytes(
     (one layer live at a time). `token_refinement` adds, per layer, the tokens' reading layer in the same
     accounting as a decoder query (~(12·H + 4·I) per token, with the math kernel also B·heads·N·C
     probabilities; all layers counted, an upper bound for the MLM step whose last layer skips it), and each
-    layer's input then holds the tokens too.
+    layer's input then holds the tokens too. `local_mixer` conv keeps ~3·B·N·H more, once: the padding-zeroed
+    input the convolution's weight gradient needs, the residual sum its LayerNorm normalises, and the output.
     """
     B, N, H, I, C, V = micro_batch, seq_len, hidden_size, intermediate_size, concept_num, vocab_size  # noqa: E741
     masked = max(1, round(mlm_probability * N)) * B
@@ -287,7 +293,8 @@ def activation_bytes(
         shared = 0 if token_kv_sharing == "none" else groups * token_side
     layers = (num_hidden_layers * layer_input + per_layer) if gradient_checkpointing else num_hidden_layers * per_layer
     layers += shared
-    elements = 4 * B * N * H + layers + decoder
+    mixer = 3 * B * N * H if model_type != "bert" and local_mixer == "conv" else 0
+    elements = 4 * B * N * H + mixer + layers + decoder
     return int(elements * bytes_per_element + loss_bytes(masked, H, V, bytes_per_element))
 
 

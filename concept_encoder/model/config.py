@@ -12,7 +12,13 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from .constants import CLASSIFIER_POOLINGS, DECODER_TYPES, token_kv_groups, token_refinement_problem
+from .constants import (
+    CLASSIFIER_POOLINGS,
+    DECODER_TYPES,
+    local_mixer_problem,
+    token_kv_groups,
+    token_refinement_problem,
+)
 from .presets import PRESETS
 
 # Where `trust_remote_code=True` finds each class in the code files a saved model carries (heads.py and
@@ -60,6 +66,12 @@ class ConceptEncoderConfig(PretrainedConfig):
             read, plus 4·N·H² + 6·N·H·I per layer for the tokens' projections and FFN). Off by default: the
             tokens are then never updated (Perceiver). Needs `token_kv_sharing` none (refined tokens change
             every layer, so their keys and values cannot be computed once).
+        local_mixer: `none` (tokens carry only their identity and position) or `conv`: once before the first
+            layer, each token embedding adds a depthwise convolution of itself and its neighbours, then a LayerNorm
+            (`LocalMixer`, O(N·H·w)), so a concept can read a token bound to the tokens beside it (a key to its
+            value). Padded positions are zeroed before the convolution, so padding never reaches a real token. The
+            MLM decoder's queries keep the unmixed embeddings (docs/model.md, "Local token mixer").
+        local_mixer_width: the convolution's window w, odd (3: a token and one neighbour on each side).
         classifier_pooling: `weighted` (learned attention pooling over concepts), `mean`, or `cls` (the `[CLS]`
             token's refined state; needs `token_refinement`).
         pad_token_id, mask_token_id, cls_token_id, sep_token_id, unk_token_id: special token ids.
@@ -84,6 +96,8 @@ class ConceptEncoderConfig(PretrainedConfig):
     num_decoder_layers: int = 1
     token_kv_sharing: str = "none"
     token_refinement: bool = False
+    local_mixer: str = "none"
+    local_mixer_width: int = 3
     classifier_pooling: str = "weighted"
     pad_token_id: int | None = 0
     unk_token_id: int | None = 1
@@ -132,6 +146,8 @@ class ConceptEncoderConfig(PretrainedConfig):
                 f"classifier_pooling={self.classifier_pooling!r} is unknown; choose one of {CLASSIFIER_POOLINGS}"
             )
         if problem := token_refinement_problem(self.token_refinement, self.token_kv_sharing):
+            raise ValueError(problem)
+        if problem := local_mixer_problem(self.local_mixer, self.local_mixer_width):
             raise ValueError(problem)
         if self.classifier_pooling == "cls" and not self.token_refinement:
             raise ValueError(

@@ -13,6 +13,7 @@ VOCAB_CHUNK_ELEMENTS = 2**24
 
 DECODER_TYPES = ("perceiver", "posonly", "weighted")
 CLASSIFIER_POOLINGS = ("weighted", "mean", "cls")  # cls: the [CLS] token's refined state (token_refinement)
+LOCAL_MIXERS = ("none", "conv")  # conv: a residual depthwise convolution over the token embeddings (modeling.py)
 POSITION_EXTENSIONS = ("no", "copy")  # a saved model read past its position table: refused, or copied (positions.py)
 
 
@@ -54,4 +55,15 @@ def token_refinement_problem(token_refinement, token_kv_sharing: str) -> str | N
             f"token_refinement updates the tokens in every layer, so token_kv_sharing={token_kv_sharing!r} "
             "(keys/values computed once) cannot hold; use token_kv_sharing none with token_refinement"
         )
+    return None
+
+
+def local_mixer_problem(local_mixer, local_mixer_width) -> str | None:
+    """Why `local_mixer` with `local_mixer_width` cannot be built, else None. The width must be odd so the
+    convolution is centred (a token sees (w-1)/2 neighbours on each side) and keeps the sequence length."""
+    if local_mixer not in LOCAL_MIXERS:
+        return f"local_mixer={local_mixer!r} is unknown; choose one of {LOCAL_MIXERS}"
+    width = local_mixer_width
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1 or width % 2 == 0:
+        return f"local_mixer_width={width!r} must be an odd positive integer (a centred window: 3, 5, 7, ...)"
     return None

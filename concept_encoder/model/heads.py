@@ -230,6 +230,9 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
             `logits [B,N,V]` at every position. Always `concepts [B,C,H]`.
         """
         concepts = self.encoder(input_ids, attention_mask, padded=padded).last_hidden_state  # [B,C,H]
+        # The decoder's queries read the unmixed embeddings, never the `local_mixer`'s output: a masked position's
+        # query holds [MASK] and its position only, so it cannot copy a neighbour's identity past the concepts
+        # (docs/model.md, "Local token mixer").
         embeddings = self.encoder.embeddings
         if labels is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)

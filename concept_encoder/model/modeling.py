@@ -3,6 +3,7 @@
 Forward pass, with shapes::
 
     input_ids [B,N] ──embeddings──▶ tokens [B,N,H]            (word + learned position, LN)
+    [local_mixer conv] tokens ← LN(tokens + depthwise-conv_w(tokens))   O(N·H·w), once
     concepts  [C,H] ──repeat──────▶ concepts [B,C,H]
     L × ConceptLayer:
         concepts ← cross-attn(concepts, tokens, key padding mask)   O(N·C)
@@ -46,6 +47,33 @@ class TokenEmbeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids [B,S]`, `position_ids [B,S]` or `[1,S]` → `[B,S,H]`."""
         return self.dropout(self.norm(self.word_embeddings(input_ids) + self.position_embeddings(position_ids)))
+
+
+class LocalMixer(nn.Module):
+    """`local_mixer: conv`: each token adds a depthwise convolution (window w, centred, per channel) of itself and
+    its neighbours, then a LayerNorm: `LN(x + conv(x))`, O(N·H·w).
+
+    Why: without it a token embedding carries only its identity and position, so nothing binds a token to the one
+    beside it and every composition (a key to its value) must happen inside the C concepts, which read tokens one
+    by one (issue 54: with this mixer associative recall was learned, without it never). Residual, so the token's
+    own identity stays; normalised, so the concepts read states of the scale the embeddings had.
+
+    Padding: padded positions are zeroed before the convolution (the convolution's own zero padding at the
+    sequence ends is the same zero), so a real token's mixed state is the same with or without padding after it.
+    """
+
+    def __init__(self, config: ConceptEncoderConfig):
+        super().__init__()
+        width = config.local_mixer_width
+        hidden = config.hidden_size
+        self.conv = nn.Conv1d(hidden, hidden, kernel_size=width, padding=width // 2, groups=hidden)
+        self.norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens [B,N,H]`, `attention_mask [B,N]` (1 = token, 0 = pad) or None → mixed tokens `[B,N,H]`."""
+        real = tokens if attention_mask is None else tokens * attention_mask.unsqueeze(-1).to(tokens.dtype)  # [B,N,H]
+        mixed = self.conv(real.transpose(1, 2)).transpose(1, 2)  # [B,H,N] → [B,N,H]
+        return self.norm(tokens + mixed)
 
 
 @dataclass
@@ -132,6 +160,7 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
         that no gradient reaches (DDP and ZeRO need one for every parameter)."""
         super().__init__(config)
         self.embeddings = TokenEmbeddings(config)
+        self.local_mixer = LocalMixer(config) if config.local_mixer == "conv" else None
         self.concepts = nn.Parameter(torch.empty(config.concept_num, config.hidden_size))
         shared = config.token_kv_sharing != "none"
         groups = token_kv_groups(config.token_kv_sharing, config.num_hidden_layers)
@@ -176,6 +205,8 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)  # [1,N]
         tokens = self.embeddings(input_ids, position_ids)  # [B,N,H]
+        if self.local_mixer is not None:  # each token sees its neighbours (never padding)
+            tokens = self.local_mixer(tokens, None if padded is False else attention_mask)  # [B,N,H]
         token_mask = padding_mask(attention_mask, padded)  # [B,N] or None
         concepts = self.concepts.unsqueeze(0).repeat(batch, 1, 1)  # [B,C,H], a real copy per sample
         shared_kv: dict[int, torch.Tensor] = {}  # group → the tokens' keys/values [B,N,2H], computed once
