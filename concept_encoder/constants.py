@@ -12,7 +12,7 @@ EMBEDDED_DATASET = "embedded"  # the offline built-in corpus
 DOCSTRINGS_DATASET = "docstrings"  # offline: docstrings of the installed third-party packages
 LICENSES_DATASET = "licenses"  # offline: license texts of the installed packages (held-out English)
 MODULES_DATASET = "modules"  # offline, long documents: each installed module file's docstrings and comments
-MASKING_STRATEGIES = ("mlm", "whole_word", "span")
+MASKING_STRATEGIES = ("mlm", "whole_word", "span", "query_values")  # query_values: recall (tasks/recall.py)
 CONCEPT_LOSS_NAMES = (
     "orthogonality",
     "soft_orthogonality",

@@ -54,7 +54,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
 from concept_encoder.common.paths import folder_problem, written_aside
-from concept_encoder.data.tokenizer import check_vocab_covers, model_tokenizer_folder
+from concept_encoder.data.tokenizer import check_vocab_covers, model_tokenizer_folder, slug
 from concept_encoder.tasks.baselines import split_rows, task_baselines, task_digest
 from concept_encoder.tasks.leakage import pretraining_overlap
 from concept_encoder.tasks.loading import encode_splits, load_task
@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = [f"{dt.datetime.now():%Y%m%d-%H%M%S}"]
     if state.num_processes > 1:
         broadcast_object_list(stamp, from_process=0)  # one name for the run folders on every rank
-    run_base = args.run_name or f"ft-{task.name}-{stamp[0]}"
+    run_base = args.run_name or f"ft-{slug(task.name)}-{stamp[0]}"  # recall:4 → recall_4: a folder name
     results = []
     for model_path in fargs.models:
         tokenizer = AutoTokenizer.from_pretrained(model_tokenizer_folder(model_path, fargs.tokenizer))

@@ -21,6 +21,7 @@ from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerBas
 
 from ..constants import MASKING_STRATEGIES
 from ..model.constants import IGNORE_INDEX
+from .recall_vocab import QUERY
 
 
 class MLMCollator(DataCollatorForLanguageModeling):
@@ -119,8 +120,8 @@ class UnitMaskingCollator:
                 starts[i, :n] = torch.as_tensor(e["word_start"], dtype=torch.bool)
         return {"input_ids": ids, "attention_mask": mask, "word_start": starts}
 
-    def choose(self, eligible: torch.Tensor, word_start: torch.Tensor) -> torch.Tensor:
-        """`eligible [B,N]` bool, `word_start [B,N]` bool → positions to mask `[B,N]` bool."""
+    def choose(self, eligible: torch.Tensor, word_start: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """`eligible [B,N]` bool, `word_start [B,N]` bool, `input_ids [B,N]` → positions to mask `[B,N]` bool."""
         raise NotImplementedError
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -131,7 +132,7 @@ class UnitMaskingCollator:
         """Padded batch (with `word_start`) → masked `input_ids`, `attention_mask`, `labels` (all `[B,N]`)."""
         input_ids, attention_mask, word_start = batch["input_ids"], batch["attention_mask"], batch["word_start"]
         eligible = attention_mask.bool() & ~torch.isin(input_ids, self.special_ids)
-        chosen = self.choose(eligible, word_start) & eligible
+        chosen = self.choose(eligible, word_start, input_ids) & eligible
         labels = torch.where(chosen, input_ids, IGNORE_INDEX)
         draw = torch.rand(input_ids.shape, generator=self.generator)
         to_mask = chosen & (draw < self.mask_replace_prob)
@@ -151,7 +152,7 @@ class WholeWordMaskingCollator(UnitMaskingCollator):
     the fast tokenizer's word ids. The expected masked-token fraction equals `mlm_probability`.
     """
 
-    def choose(self, eligible: torch.Tensor, word_start: torch.Tensor) -> torch.Tensor:
+    def choose(self, eligible: torch.Tensor, word_start: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         word_index = (word_start.long().cumsum(dim=1) - 1).clamp(min=0)  # [B,N]: word of each token
         draw = torch.rand(eligible.shape, generator=self.generator) < self.mlm_probability
         picked_starts = (draw & word_start & eligible).long()  # one draw per word, taken at its first token
@@ -176,7 +177,7 @@ class SpanMaskingCollator(UnitMaskingCollator):
         self.mean_span_length = mean_span_length
         self.max_span_length = max_span_length
 
-    def choose(self, eligible: torch.Tensor, word_start: torch.Tensor) -> torch.Tensor:
+    def choose(self, eligible: torch.Tensor, word_start: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         chosen = torch.zeros_like(eligible)
         for row in range(eligible.shape[0]):
             chosen[row] = self.spans_for_row(eligible[row])
@@ -202,6 +203,24 @@ class SpanMaskingCollator(UnitMaskingCollator):
         return masked
 
 
+class QueryValueMaskingCollator(UnitMaskingCollator):
+    """Associative recall's masked form (`tasks/recall.py`): the value after each `[QUERY] <key>` is masked, always
+    by `[MASK]`, and nothing else, so the MLM head is trained on exactly what recall asks: a key's value, found
+    by binding it to the pair earlier in the text (a random rate would mostly mask pairs, which no rule predicts)."""
+
+    def __init__(self, tokenizer, **kwargs):
+        super().__init__(tokenizer, **{**kwargs, "mask_replace_prob": 1.0, "random_replace_prob": 0.0})
+        self.query_id = tokenizer.convert_tokens_to_ids(QUERY)
+        if self.query_id is None or self.query_id == tokenizer.unk_token_id:
+            raise ValueError(f"--masking query_values masks the value after each {QUERY} key, which this tokenizer "
+                             "lacks: use --tokenizer recall (or recall:<keys>:<values>) with --dataset task:recall:<K>")  # fmt: skip
+
+    def choose(self, eligible: torch.Tensor, word_start: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        chosen = torch.zeros_like(eligible)
+        chosen[:, 2:] = input_ids[:, :-2] == self.query_id
+        return chosen
+
+
 def build_collator(
     tokenizer: PreTrainedTokenizerBase,
     masking: str = "mlm",
@@ -221,4 +240,6 @@ def build_collator(
         return SpanMaskingCollator(
             tokenizer, mean_span_length=mean_span_length, max_span_length=max_span_length, **common
         )
+    if masking == "query_values":
+        return QueryValueMaskingCollator(tokenizer, **common)
     raise ValueError(f"masking={masking!r} is unknown; choose one of {MASKING_STRATEGIES}")

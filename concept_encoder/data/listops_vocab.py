@@ -1,5 +1,5 @@
 """The ListOps symbols (torch-free): what `tasks/listops.py` writes trees in and `--tokenizer listops`
-(`tokenizer.listops_tokenizer`) gives ids to."""
+(`tokenizer.symbol_tokenizer`) gives ids to."""
 
 from __future__ import annotations
 

@@ -26,6 +26,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from ..common.paths import cache_path, written_aside
 from .base import DataSourceError, ensure_hub, unreachable_message
 from .listops_vocab import SYMBOLS, VOCAB_VERSION
+from .recall_vocab import VOCAB_VERSION as RECALL_VERSION
+from .recall_vocab import parse_recall_tokenizer, recall_symbols
 
 logger = logging.getLogger(__name__)
 
@@ -109,10 +111,11 @@ def load_tokenizer(
     cache_dir: str | Path = "Cache",
 ) -> PreTrainedTokenizerBase:
     """Load or train the tokenizer named by `spec`; `texts` is the training corpus for `train:` specs. `listops`
-    is the fixed ListOps vocabulary (`tasks/listops.py`), saved once under `<cache_dir>/tokenizers/`."""
+    and `recall[:<keys>:<values>]` are fixed vocabularies (`fixed_vocabulary`), saved once under
+    `<cache_dir>/tokenizers/`."""
     trained = parse_train_spec(spec)
-    if spec == FIXED_LISTOPS:
-        tokenizer = fixed_listops_tokenizer(cache_dir)
+    if (fixed := fixed_vocabulary(spec)) is not None:
+        tokenizer = fixed_tokenizer(*fixed, cache_dir)
     elif trained is not None:
         kind, vocab_size = trained
         path = trained_tokenizer_dir(cache_dir, kind, vocab_size, corpus_id)
@@ -137,25 +140,34 @@ def load_tokenizer(
 FIXED_LISTOPS = "listops"
 
 
-def listops_tokenizer() -> PreTrainedTokenizerFast:
-    """The fixed ListOps tokenizer: a `tokenizers` WordLevel over `SPECIAL_TOKENS` then `SYMBOLS`
-    (`listops_vocab.py`), split on whitespace, `[CLS] … [SEP]` around every input. Not trained: the vocabulary
-    is the task's, fixed by its rules."""
+def fixed_vocabulary(spec: str) -> tuple[str, tuple[str, ...]] | None:
+    """The fixed vocabularies a `--tokenizer` spec names, as (cache folder name, symbols): `listops`
+    (`listops_vocab.py`) and `recall[:<keys>:<values>]` (`recall_vocab.py`); None for any other spec."""
+    if spec == FIXED_LISTOPS:
+        return f"listops-v{VOCAB_VERSION}", SYMBOLS
+    if (recall := parse_recall_tokenizer(spec)) is not None:
+        return f"recall-{recall[0]}-{recall[1]}-v{RECALL_VERSION}", recall_symbols(*recall)
+    return None
+
+
+def symbol_tokenizer(symbols: tuple[str, ...]) -> PreTrainedTokenizerFast:
+    """A fixed tokenizer: a `tokenizers` WordLevel over `SPECIAL_TOKENS` then `symbols`, split on whitespace,
+    `[CLS] … [SEP]` around every input. Not trained: the vocabulary is a generated task's, fixed by its rules."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS.values(), *SYMBOLS])}
+    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS.values(), *symbols])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return framed(tok)
 
 
-def fixed_listops_tokenizer(cache_dir: str | Path = "Cache") -> PreTrainedTokenizerBase:
-    """The ListOps tokenizer as a saved folder (`<cache_dir>/tokenizers/listops-v<version>`), written once."""
-    path = cache_path(cache_dir) / "tokenizers" / f"listops-v{VOCAB_VERSION}"
+def fixed_tokenizer(name: str, symbols: tuple[str, ...], cache_dir: str | Path = "Cache") -> PreTrainedTokenizerBase:
+    """A fixed tokenizer as a saved folder (`<cache_dir>/tokenizers/<name>`), written once."""
+    path = cache_path(cache_dir) / "tokenizers" / name
     with cache_lock(path):
         if not (path / "tokenizer.json").exists():
             with written_aside(path, replace_existing=True) as partial:
-                listops_tokenizer().save_pretrained(partial)
+                symbol_tokenizer(symbols).save_pretrained(partial)
     return AutoTokenizer.from_pretrained(path)
 
 

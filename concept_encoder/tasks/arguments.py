@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .listops import parse_listops
+from .recall import is_recall, parse_recall
 
 TASK_TYPES = ("auto", "single_label_classification", "regression", "multi_label_classification")
 EMBEDDED_TASKS = ("embedded", "embedded_pairs")
@@ -13,6 +14,7 @@ MODULES_PACKAGE = "modules_package"
 MODULES_SPLICED = "modules_spliced"
 LONG_TASKS = (f"{NEEDLE_PREFIX}<words>", MODULES_PACKAGE, MODULES_SPLICED)  # tasks/long_documents.py
 LISTOPS_TASKS = ("listops", "listops:<max_length>[:<train examples>]")  # tasks/listops.py (LRA ListOps, generated)
+RECALL_TASKS = ("recall:<K>[:<keys>:<values>[:<train examples>]]",)  # tasks/recall.py (associative recall)
 MIN_NEEDLE_WORDS = 16
 
 
@@ -37,13 +39,13 @@ GLUE_TASKS = ("cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte")
 @dataclass
 class TaskArguments:
     """The task: `embedded`, `embedded_pairs`, the long-document tasks `needle:<words>`, `modules_package` and
-    `modules_spliced`, LRA's ListOps (`listops`, `listops:<max_length>[:<train>]`, generated),
-    `glue:<name>` or a local .csv/.tsv/.jsonl file or folder."""
+    `modules_spliced`, LRA's ListOps (`listops`, `listops:<max_length>[:<train>]`, generated), associative recall
+    (`recall:<K>[:<keys>:<values>[:<train>]]`, generated), `glue:<name>` or a local .csv/.tsv/.jsonl file or folder."""
 
     task: str = field(
         default="embedded",
         metadata={
-            "help": f"{EMBEDDED_TASKS}, long documents {LONG_TASKS}, {LISTOPS_TASKS}, glue:<{'|'.join(GLUE_TASKS)}>, or a local "
+            "help": f"{EMBEDDED_TASKS}, long documents {LONG_TASKS}, {LISTOPS_TASKS}, {RECALL_TASKS}, glue:<{'|'.join(GLUE_TASKS)}>, or a local "
             ".csv/.tsv/.jsonl file or folder"
         },
     )
@@ -78,6 +80,8 @@ class TaskArguments:
             needle_words(self.task)  # raises naming the form
         if is_listops(self.task):
             parse_listops(self.task)  # raises naming the forms
+        if is_recall(self.task):
+            parse_recall(self.task)  # raises naming the forms or the bad setting
         if self.long_corpus != "modules" and not self.long_corpus.startswith("modules:"):
             raise ValueError(f"long_corpus={self.long_corpus!r}: use modules or modules:<site-packages folder>")
         if len(self.text_field_names) not in (1, 2):

@@ -26,19 +26,13 @@ specials, saved like any tokenizer; `--tokenizer listops` names it.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from filelock import FileLock
-
-from ..common.paths import cache_path, written_aside
 from ..data.listops_vocab import CLOSE, DIGITS, OPERATORS, SYMBOLS
+from .generated import cached_splits, consecutive_splits, rule_accuracies, settings_digest
 
-logger = logging.getLogger(__name__)
 GENERATOR_VERSION = 1
 SEED = 0
 MAX_DEPTH = 10
@@ -105,8 +99,7 @@ class ListOpsSettings:
     seed: int = SEED
 
     def key(self) -> str:
-        fields = {"version": GENERATOR_VERSION, **asdict(self)}
-        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+        digest = settings_digest(self, GENERATOR_VERSION)
         return f"{self.min_length}-{self.max_length}-{self.train}-v{GENERATOR_VERSION}-s{self.seed}-{digest}"
 
 
@@ -150,9 +143,7 @@ def generate_splits(settings: ListOpsSettings) -> dict[str, list[dict]]:
             continue
         seen.add(text)
         rows.append({"text": text, "label": value, "length": len(symbols), "depth": tree_depth(symbols)})
-    ends = {"train": settings.train, "dev": settings.train + settings.dev, "test": wanted}
-    starts = {"train": 0, "dev": settings.train, "test": settings.train + settings.dev}
-    return {name: rows[starts[name] : ends[name]] for name in ends}
+    return consecutive_splits(rows, {"train": settings.train, "dev": settings.dev, "test": settings.test})
 
 
 def tree_depth(symbols: list[str]) -> int:
@@ -176,11 +167,7 @@ def root_operator_rule(splits: dict[str, list[dict]]) -> dict:
         root = counts.setdefault(row["text"].split()[0], {})
         root[row["label"]] = root.get(row["label"], 0) + 1
     rule = {root: max(values, key=lambda v: (values[v], -v)) for root, values in counts.items()}
-
-    def accuracy(rows):
-        return sum(rule.get(r["text"].split()[0]) == r["label"] for r in rows) / max(1, len(rows))
-
-    return {"rule": rule, "dev": accuracy(splits["dev"]), "test": accuracy(splits["test"])}
+    return {"rule": rule, **rule_accuracies(lambda r: rule.get(r["text"].split()[0]), splits)}
 
 
 def length_group(length: int, settings: ListOpsSettings, parts: int = 4) -> str:
@@ -191,46 +178,12 @@ def length_group(length: int, settings: ListOpsSettings, parts: int = 4) -> str:
     return f"{low}-{settings.min_length + (index + 1) * span // parts}"
 
 
-def split_digest(rows: list[dict]) -> str:
-    return hashlib.sha256("\n".join(f"{r['label']}\t{r['text']}" for r in rows).encode()).hexdigest()
-
-
 def listops_splits(task: str, cache_dir: str | Path = "Cache") -> dict[str, list[dict]]:
     """The splits of `task` (see `parse_listops`), generated into `<cache_dir>/tasks/listops/<key>/` the first time
-    (under a lock, written aside: never half a set) and read from there afterwards; a damaged entry is named and
-    generated again."""
+    and read from there afterwards (`generated.cached_splits`)."""
     settings = parse_listops(task)
-    folder = cache_path(cache_dir) / "tasks" / "listops" / settings.key()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{folder}.lock"):
-        if (folder / "meta.json").is_file():
-            try:
-                return read_splits(folder)
-            except (OSError, ValueError, KeyError) as error:
-                logger.warning("%s is damaged (%s): generating it again", folder, error)
-        logger.info("generating %s (%d examples; a minute or two at full size) into %s", task,
-                    settings.train + settings.dev + settings.test, folder)  # fmt: skip
-        splits = generate_splits(settings)
-        meta = {"generator_version": GENERATOR_VERSION, "task": task, **asdict(settings),
-                "digests": {name: split_digest(rows) for name, rows in splits.items()}}  # fmt: skip
-        with written_aside(folder, replace_existing=True) as partial:
-            partial.mkdir(parents=True, exist_ok=True)
-            for name, rows in splits.items():
-                (partial / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            (partial / "meta.json").write_text(json.dumps(meta, indent=2))
-    return splits
-
-
-def read_splits(folder: Path) -> dict[str, list[dict]]:
-    """The splits saved in `folder`, each checked against the digest `meta.json` records (ValueError otherwise)."""
-    meta = json.loads((folder / "meta.json").read_text())
-    splits = {}
-    for name, digest in meta["digests"].items():
-        rows = [json.loads(line) for line in (folder / f"{name}.jsonl").read_text().splitlines()]
-        if split_digest(rows) != digest:
-            raise ValueError(f"{name}.jsonl does not match the digest meta.json records")
-        splits[name] = rows
-    return splits
+    meta = {"generator_version": GENERATOR_VERSION, **asdict(settings)}
+    return cached_splits(PREFIX, settings.key(), task, meta, lambda: generate_splits(settings), cache_dir)
 
 
 __all__ = ["FULL", "SYMBOLS", "ListOpsSettings", "apply", "generate_splits", "listops_splits", "parse_listops",

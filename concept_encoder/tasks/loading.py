@@ -25,6 +25,7 @@ from .embedded import PACKAGES, embedded_pairs, embedded_sentences
 from .labels import check_present, class_name, class_names, infer_task_type, read_delimited, regression_values
 from .listops import length_group, listops_splits, parse_listops
 from .long_documents import modules_package_table, modules_spliced_table, needle_splits
+from .recall import is_recall, parse_recall, pretraining_texts, recall_splits
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ def load_task(args: TaskArguments) -> TaskData:
         return finish(args, args.task, "single_label_classification", names, None, train, validation)
     if is_listops(args.task):
         return listops_task(args.task)
+    if is_recall(args.task):
+        return recall_task(args.task)
     if args.task.startswith("glue:"):
         name = args.task[5:]
         columns, validation_split, num_labels, metrics = GLUE[name]
@@ -130,20 +133,32 @@ def load_task(args: TaskArguments) -> TaskData:
 
 
 def listops_task(name: str, cache_dir: str = "Cache") -> TaskData:
-    """LRA ListOps (`tasks/listops.py`): its own train, dev and test splits (the test split is this project's
-    `validation`, reported once at the step chosen on dev); ten classes, the tree's value."""
+    """LRA ListOps (`tasks/listops.py`): ten classes, the tree's value; accuracy reported by depth and length."""
     settings = parse_listops(name)
+    extra = lambda r: {"depth": r["depth"], "length_range": length_group(r["length"], settings)}  # noqa: E731
+    return generated_task(name, listops_splits(name, cache_dir), [str(value) for value in range(10)], extra)
+
+
+def recall_task(name: str, cache_dir: str = "Cache") -> TaskData:
+    """Associative recall (`tasks/recall.py`): one class a value, the query key's."""
+    return generated_task(name, recall_splits(name, cache_dir), parse_recall(name).label_names())
+
+
+def generated_task(name: str, splits: dict[str, list[dict]], labels: list[str], extra=lambda row: {}) -> TaskData:
+    """A generated task's own train, dev and test splits (the test split is this project's `validation`, reported
+    once at the step chosen on dev) as a symbolic classification task; `extra(row)` adds the columns the report
+    breaks accuracy down by."""
     tables, start = {}, 0
-    for split, rows in listops_splits(name, cache_dir).items():  # ids: the row's place in the generated stream
+    for split, rows in splits.items():  # ids: the row's place in the generated stream
         ids, start = list(range(start, start + len(rows))), start + len(rows)
-        tables[split] = Dataset.from_dict({
-            "text_a": [r["text"] for r in rows], "label": [r["label"] for r in rows],
-            "id": ids, "depth": [r["depth"] for r in rows],
-            "length_range": [length_group(r["length"], settings) for r in rows],
-        })  # fmt: skip
-    labels = [str(value) for value in range(10)]
-    return TaskData(name, "single_label_classification", 10, labels, DEFAULT_METRICS["single_label_classification"],
-                    tables["train"], tables["dev"], tables["test"], symbolic=True)  # fmt: skip
+        columns = {"text_a": [r["text"] for r in rows], "label": [r["label"] for r in rows], "id": ids}
+        for row in rows:
+            for column, cell in extra(row).items():
+                columns.setdefault(column, []).append(cell)
+        tables[split] = Dataset.from_dict(columns)
+    return TaskData(name, "single_label_classification", len(labels), labels,
+                    DEFAULT_METRICS["single_label_classification"], tables["train"], tables["dev"], tables["test"],
+                    symbolic=True)  # fmt: skip
 
 
 def held_out_texts(task: TaskData) -> set[str]:
@@ -157,6 +172,8 @@ def training_texts(name: str) -> list[str]:
     (task-adaptive pretraining). The splits are the ones fine-tuning makes with its default fractions (dev and
     validation carved off first); a pair's two texts are two documents; a text that also stands in the dev or
     validation split (a sentence in two pairs) is left out, so no text a model is selected or scored on is read."""
+    if is_recall(name):
+        return list(dict.fromkeys(pretraining_texts(name)))  # the masked form (`--masking query_values`)
     task = load_task(TaskArguments(task=name))
     columns = ("text_a", "text_b") if task.pair else ("text_a",)
     held = held_out_texts(task)

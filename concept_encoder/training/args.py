@@ -46,7 +46,9 @@ from ..data.mixture import TASK_SOURCE, is_mixture, parse_mixture
 from ..model.constants import (
     CLASSIFIER_POOLINGS,
     DECODER_TYPES,
+    LOCAL_MIXERS,
     POSITION_EXTENSIONS,
+    local_mixer_problem,
     token_kv_groups,
     token_refinement_problem,
 )
@@ -58,8 +60,10 @@ from ..tasks.arguments import (
     MODULES_PACKAGE,
     MODULES_SPLICED,
     NEEDLE_PREFIX,
+    RECALL_TASKS,
     TaskArguments,
     is_listops,
+    is_recall,
 )
 from .gates import GATE_ACTIONS, GATE_EXIT_CODE, parse_gates
 
@@ -182,6 +186,12 @@ class ModelArguments:
         metadata={"help": "tokens cross-attend to the concepts in each layer (Luna/BiXT; still O(N·C)); needs "
                   "token_kv_sharing none"},
     )  # fmt: skip
+    local_mixer: str = field(
+        default="none",
+        metadata={"help": f"one of {LOCAL_MIXERS}: conv adds to each token embedding a depthwise convolution of its "
+                  "neighbours, then a LayerNorm, once before the first layer (O(N·H·w); docs/model.md)"},
+    )  # fmt: skip
+    local_mixer_width: int = field(default=3, metadata={"help": "the local mixer's window w, odd (3, 5, ...)"})
     extend_positions: str = field(default="no", metadata={"help": EXTEND_HELP})
 
     def __post_init__(self):
@@ -197,6 +207,8 @@ class ModelArguments:
         if self.model_name_or_path is None:
             token_kv_groups(self.token_kv_sharing, PRESETS[self.preset]["num_hidden_layers"])
         if problem := token_refinement_problem(self.token_refinement, self.token_kv_sharing):
+            raise ValueError(problem)
+        if problem := local_mixer_problem(self.local_mixer, self.local_mixer_width):
             raise ValueError(problem)
         if self.hidden_dropout_prob is not None and not 0 <= self.hidden_dropout_prob < 1:
             raise ValueError(f"hidden_dropout_prob={self.hidden_dropout_prob} must be in [0, 1)")
@@ -621,7 +633,7 @@ RECIPES = {
 # What a saved model's config.json decides when a run starts from it: given beside --model_name_or_path they
 # would be ignored while the run's config.json recorded them.
 FOLDER_DECIDES = ("preset", "concept_num", "decoder_type", "hidden_dropout_prob", "token_kv_sharing",
-                  "token_refinement")  # fmt: skip
+                  "token_refinement", "local_mixer", "local_mixer_width")  # fmt: skip
 
 
 def check_task_sources(dataset: str) -> None:
@@ -637,11 +649,12 @@ def check_task_sources(dataset: str) -> None:
             part.task in (*EMBEDDED_TASKS, MODULES_PACKAGE, MODULES_SPLICED)
             or part.task.startswith((NEEDLE_PREFIX, "glue:"))
             or is_listops(part.task)
+            or is_recall(part.task)
         )
         if not known and not Path(part.task).expanduser().exists():
             raise ValueError(
                 f"dataset={dataset!r}: {TASK_SOURCE}{part.task} is no task: use {TASK_SOURCE}<one of "
-                f"{[*EMBEDDED_TASKS, *LONG_TASKS, *LISTOPS_TASKS]}>, {TASK_SOURCE}glue:<name> or {TASK_SOURCE}<local task file or folder>"
+                f"{[*EMBEDDED_TASKS, *LONG_TASKS, *LISTOPS_TASKS, *RECALL_TASKS]}>, {TASK_SOURCE}glue:<name> or {TASK_SOURCE}<local task file or folder>"
             )
 
 
@@ -715,6 +728,8 @@ def check_pretraining_combination(model_args: ModelArguments, data_args: DataArg
             raise ValueError(
                 "--concept_num and --token_kv_sharing apply to --architecture concept only: drop them for bert"
             )
+        if model_args.local_mixer != "none":
+            raise ValueError("--local_mixer applies to --architecture concept only: drop it for bert")
         return
     if args.objective == "tsdae" and model_args.decoder_type == "perceiver":
         raise ValueError(
