@@ -291,7 +291,7 @@ def fine_tune(
                   "still_improving": still_improving, "dev": best.dev, "memory": memory_stats(accelerator.device),
                   "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir), "settings": settings,
                   **({"gates": gates.summary(), "stopped_by_gate": gate_stopped} if args.gate else {})}  # fmt: skip
-        last = model_state_dict(accelerator, model, args.save_dtype) if fargs.report_last_step else None  # collective
+        last = model_state_dict(accelerator, model) if fargs.report_last_step else None  # collective
         if accelerator.is_main_process:
             losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
             ends = max(1, len(losses) // 10)  # mean of the first and the last tenth of the logged losses

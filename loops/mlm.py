@@ -157,7 +157,7 @@ def save_model_folder(accelerator, model, tokenizer, folder: Path, run_dir: Path
     folder that exists is whole), the weights in `save_dtype` (float32: DeepSpeed's fp32 masters, not its
     16-bit copies); collective: every rank calls it (ZeRO-3 shards are gathered). A full
     disk removes the partial folder and ends the run with one line naming the last intact checkpoint."""
-    state_dict = model_state_dict(accelerator, model, save_dtype)
+    state_dict = model_state_dict(accelerator, model)
     if accelerator.is_main_process:
         try:
             with written_aside(folder, replace_existing=True, legacy=holds_only_saved_model_files) as partial:

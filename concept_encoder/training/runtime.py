@@ -196,19 +196,18 @@ def plain_model(accelerator, model):
     return accelerator.unwrap_model(model, keep_torch_compile=False)
 
 
-def model_state_dict(accelerator, model, dtype: str = "float32") -> dict | None:
-    """The model's weights to save, in `dtype`: `accelerator.get_state_dict(model)` (a collective under ZeRO-3:
-    the shards are gathered, and only the main process gets them; None elsewhere) under the plain model's
-    parameter names (a compiled model's names carry torch.compile's `_orig_mod.` prefix, which a saved model must
-    not: it would load as missing weights), with DeepSpeed's fp32 master weights in place of its 16-bit copies
-    (`fp32_master_weights`: a collective too, so every rank calls this function)."""
+def model_state_dict(accelerator, model) -> dict | None:
+    """The model's weights to save: `accelerator.get_state_dict(model)` (a collective under ZeRO-3: the shards are
+    gathered, and only the main process gets them; None elsewhere) under the plain model's parameter names (a
+    compiled model's names carry torch.compile's `_orig_mod.` prefix, which a saved model must not: it would load as
+    missing weights), with DeepSpeed's fp32 master weights in place of its 16-bit copies (`fp32_master_weights`: a
+    collective too, so every rank calls this function). Cast to the saved dtype by `save_model_weights`, once,
+    keeping tied weights one tensor."""
     masters = fp32_master_weights(accelerator, model)
     state = accelerator.get_state_dict(model)
     if state is None:
         return None
-    state = {name.removeprefix("_orig_mod."): value for name, value in state.items()}
-    target = getattr(torch, dtype)
-    return {name: masters.get(name, value).to(target) if value.is_floating_point() else value
+    return {name.removeprefix("_orig_mod."): masters.get(name.removeprefix("_orig_mod."), value)
             for name, value in state.items()}  # fmt: skip
 
 
