@@ -67,8 +67,11 @@ def test_the_torch_free_modules_import_without_torch():
         "import concept_encoder\nfrom transformers import AutoConfig, AutoModelForMaskedLM",
         "from transformers import AutoConfig, AutoModelForMaskedLM\nimport concept_encoder",
         "from concept_encoder import ConceptEncoderForMaskedLM\nfrom transformers import AutoConfig, AutoModelForMaskedLM",
+        # the encoder's module loads transformers' Auto mappings while it executes: the heads register after it
+        "from concept_encoder import ConceptEncoder\nfrom transformers import AutoConfig, AutoModelForMaskedLM",
+        "import concept_encoder.model.bert_baseline\nfrom transformers import AutoConfig, AutoModelForMaskedLM",
     ],
-    ids=["package-first", "transformers-first", "class-import"],
+    ids=["package-first", "transformers-first", "class-import", "encoder-first", "bert-twin-first"],
 )
 def test_auto_classes_load_a_saved_model_in_any_import_order(imports, tmp_path):
     from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset

@@ -28,14 +28,22 @@ TRIGGERS = {
 
 
 class ImportAfter(importlib.abc.MetaPathFinder):
-    """A meta-path finder that, once a trigger module has executed, imports our module for it."""
+    """A meta-path finder that, once a trigger module has executed, imports our module for it.
+
+    Not at once when one of our model modules is still executing: `from concept_encoder import ConceptEncoder`
+    loads `modeling.py`, whose transformers imports load `modeling_auto`, and importing `heads.py` then would
+    read a half-executed `modeling.py` (an ImportError). So our model modules are watched too, and the
+    registration waits until the outermost of them has finished."""
 
     def __init__(self, triggers: dict[str, str]):
         self.triggers = dict(triggers)
+        self.pending: list[str] = []  # our modules to import once none of ours is executing
+        self.executing = 0  # how many of our model modules are executing now (nested imports)
 
     def find_spec(self, fullname, path, target=None):
         ours = self.triggers.get(fullname)
-        if ours is None:
+        watched = fullname.startswith(OUR_MODELS)
+        if ours is None and not watched:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
@@ -43,11 +51,25 @@ class ImportAfter(importlib.abc.MetaPathFinder):
         execute = spec.loader.exec_module
 
         def exec_then_import_ours(module):
-            execute(module)
-            ensure_imported(ours)
+            self.executing += watched
+            try:
+                execute(module)
+            finally:
+                self.executing -= watched
+            if ours is not None:
+                self.pending.append(ours)
+            self.import_pending()
 
         spec.loader.exec_module = exec_then_import_ours
         return spec
+
+    def import_pending(self) -> None:
+        """Import what the triggers asked for, unless one of our model modules is still executing."""
+        while self.pending and self.executing == 0:
+            ensure_imported(self.pending.pop(0))
+
+
+OUR_MODELS = "concept_encoder.model."
 
 
 def ensure_imported(module: str) -> None:
