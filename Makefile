@@ -18,7 +18,7 @@ ARGS      ?=
 LAUNCH    := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
 .PHONY: help install test lint format clean bench gpu-check gpu-kit train train-cpu train-3080 train-3090 train-multigpu zero-compare plan \
-	finetune probe reference glue compare ablate curve long-context recipes listops
+	finetune probe reference glue compare ablate curve long-context recipes listops recall
 
 help:  ## this list: every target, one line each
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## (.*)/\1\t\2/' | \
@@ -151,6 +151,15 @@ LISTOPS_FT   ?=
 listops: install  ## LRA ListOps: Concept Encoder widths, token refinement, BERT, self-pretraining, published table
 	$(PY) -m concept_encoder listops --task $(LISTOPS_TASK) --name $(LISTOPS_NAME) --seeds $(SEEDS) \
 		--finetune_args "$(LISTOPS_FT)" $(LISTOPS_ARGS) -- --per_device_train_batch_size 32 $(ARGS)
+
+# Associative recall's capacity map (docs/recall.md): accuracy against K for the Concept Encoder at each width C,
+# without and with the local mixer, beside BERT of the same shape; resumable, one cell a point.
+#   make recall RECALL_ARGS="--pairs 4,8,16,32 --concepts 16,64" RECALL_FT="--max_steps 3000"
+RECALL_NAME ?= recall
+RECALL_ARGS ?=
+RECALL_FT   ?=
+recall: install  ## associative recall: accuracy against K, Concept Encoder widths with/without the mixer, BERT
+	$(PY) -m concept_encoder recall --name $(RECALL_NAME) --seeds $(SEEDS) --finetune_args "$(RECALL_FT)" $(RECALL_ARGS)
 
 # Hardware profiles (launch/profiles.yaml): the plan check runs first and launches only a sound plan.
 #   make train-3080 DATASET=wikitext:wikitext-103-raw-v1 STEPS=20000 ARGS="--run_name wiki --save_steps 1000"

@@ -27,6 +27,10 @@ TOOLS = {
         "concept_encoder.decide.listops",
         "LRA ListOps from scratch and self-pretrained, beside the published table",
     ),
+    "recall": (
+        "concept_encoder.decide.recall",
+        "associative recall's capacity map: accuracy against K, widths, the local mixer, BERT",
+    ),
     "reference": ("concept_encoder.decide.reference", "the positive control's model folder, offline from a wheel"),
     "finetune_report": ("concept_encoder.training.finetune_report", "merge fine-tuning reports into one"),
     "export": (

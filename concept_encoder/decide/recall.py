@@ -1,0 +1,401 @@
+"""Associative recall's capacity map: test accuracy against the number of key-value pairs K, for the Concept
+Encoder at several widths C, without and with the local token mixer, beside BERT of the same shape.
+
+    python -m concept_encoder recall                         (the map: K 4..128, C 16..128, both mixers, BERT)
+    make recall RECALL_ARGS="--pairs 4,8 --concepts 16"      (a smaller map)
+
+Each cell is one model fine-tuned from scratch by `loops/finetune.py` on `recall:<K>` under the fair protocol (its
+rate chosen on dev from `--learning_rates`, the test split read once per seed at the step chosen on dev), a point
+of the curve folder `Cache/recall/<name>-K<K>/` (resumable: a finished cell is reused, an interrupted one resumes
+from its checkpoint). The main cells (C in `--main_concepts`, K in `--main_pairs`, and BERT at those K) run
+`--seeds` seeds; the others one (`--sweep_seeds`), marked in the report. K above `--keys` draws its keys from K
+symbols (a key appears once an example), marked too.
+
+Why it is the right measurement: the task is binding and nothing else. The value most frequent in the example
+(`tasks.recall.no_binding_line`) is what a model scores without binding any key to its value; chance is 1/values.
+A fixed state of C concepts of width H must hold K pairs, so accuracy should fall with K past what it holds
+(Zoology, Arora et al. 2023: attention solves multi-query recall at every K it was given; fixed-state models do
+not). The report (`Cache/reports/recall_<time>.{md,json,png}`): the table, a heat map per mixer (accuracy over C
+and K), accuracy against K with the no-binding line, each cell's wall-clock, and the issue's goals met or missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..common.paths import cache_path, written_aside
+from ..common.report_files import ReportFolderError, check_report_dir
+from ..data.recall_vocab import KEYS, VALUES
+from ..data.tokenizer import load_tokenizer
+from ..model.bert_baseline import bert_config
+from ..model.config import ConceptEncoderConfig
+from ..model.constants import LOCAL_MIXERS
+from ..model.presets import PRESETS
+from ..tasks.recall import RecallSettings, no_binding_line, recall_splits
+from .curve import (
+    Curve,
+    add_report_driver_arguments,
+    check_finetune_argv,
+    check_reuse,
+    exclusive,
+    given_flags,
+    write_report_files,
+)
+from .listops import chosen_runs, parse_list, percent
+
+GOAL_ACCURACY = 0.95  # the mixer at C = 64 holds this up to K = 32 (issue 54)
+GOAL_CONCEPTS, GOAL_PAIRS = 64, 32
+DRIVER_FINETUNE_FLAGS = ("--seeds", "--pooling", "--from_scratch", "--report_last_step")
+# 6,000 steps of 64: binding arrives as a sudden jump whose timing follows the schedule (docs/recall.md: K = 2 at
+# C = 16 jumped at step ~1,800 of a 6,000-step schedule and never within 1,500), so the schedule is long.
+FINETUNE_DEFAULTS = {"--max_steps": "6000", "--per_device_train_batch_size": "64", "--learning_rates": "1e-3,3e-3",
+                     "--eval_steps": "500", "--save_steps": "1000"}  # fmt: skip
+
+
+@dataclass
+class Cell:
+    """One fine-tuned model of the map: which architecture, width, mixer and K, and how many seeds."""
+
+    pairs: int
+    architecture: str  # concept or bert
+    concept_num: int | None
+    mixer: str  # none or conv (BERT: none)
+    seeds: int
+    main: bool
+    keys: int
+
+    @property
+    def key(self) -> str:
+        """The point's name inside its K's curve folder."""
+        return "bert" if self.architecture == "bert" else f"C{self.concept_num}-{self.mixer}"
+
+    @property
+    def label(self) -> str:
+        if self.architecture == "bert":
+            return "BERT, full attention"
+        return f"Concept Encoder C={self.concept_num}" + (", local mixer" if self.mixer != "none" else "")
+
+
+def cells(args) -> list[Cell]:
+    """The map's cells in the order they run: K ascending; at each K every width and mixer, then BERT."""
+    out = []
+    for pairs in args.pair_list:
+        keys = max(args.keys, pairs)
+        for concepts in args.concept_list if "concept" in args.architecture_list else []:
+            for mixer in args.mixer_list:
+                main = concepts in args.main_concept_list and pairs in args.main_pair_list
+                out.append(
+                    Cell(pairs, "concept", concepts, mixer, args.seeds if main else args.sweep_seeds, main, keys)
+                )
+        if "bert" in args.architecture_list:
+            main = pairs in args.main_pair_list
+            out.append(Cell(pairs, "bert", None, "none", args.seeds if main else args.sweep_seeds, main, keys))
+    return out
+
+
+def task_name(cell: Cell, args) -> str:
+    """`recall:<K>` for the published set-up, else the long form naming keys, values and the training size."""
+    if cell.keys == KEYS and args.values == VALUES and args.train is None:
+        return f"recall:{cell.pairs}"
+    train = args.train if args.train is not None else RecallSettings(cell.pairs).train
+    return f"recall:{cell.pairs}:{cell.keys}:{args.values}:{train}"
+
+
+def model_folder(folder: Path, cell: Cell, preset: str, positions: int, tokenizer) -> Path:
+    """`folder/models/<cell>`: the cell's config and the recall tokenizer (no weights: fine-tuning builds them
+    from the seed, `--from_scratch`)."""
+    target = folder / "models" / cell.key
+    if (target / "config.json").is_file():
+        return target
+    shape = {**PRESETS[preset], "max_position_embeddings": max(PRESETS[preset]["max_position_embeddings"], positions)}
+    if cell.architecture == "bert":
+        config = bert_config(shape, len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    else:
+        ids = {name: getattr(tokenizer, name) for name in ("pad_token_id", "unk_token_id", "cls_token_id",
+                                                           "sep_token_id", "mask_token_id")}  # fmt: skip
+        config = ConceptEncoderConfig(**{**shape, "concept_num": cell.concept_num}, vocab_size=len(tokenizer),
+                                      local_mixer=cell.mixer, classifier_pooling="mean", **ids)  # fmt: skip
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with written_aside(target, replace_existing=True) as partial:
+        config.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+    return target
+
+
+def with_defaults(finetune_argv: list[str]) -> list[str]:
+    """The fine-tuning arguments with the driver's defaults for what was not given (`FINETUNE_DEFAULTS`)."""
+    given = set(given_flags(finetune_argv, tuple(FINETUNE_DEFAULTS)))
+    return [*finetune_argv, *(x for flag, v in FINETUNE_DEFAULTS.items() if flag not in given for x in (flag, v))]
+
+
+def cell_row(point: dict, cell: Cell, line: float) -> dict:
+    """One report row from a cell's point: test accuracy at the dev-chosen and last step, the rate chosen, and the
+    cell's wall-clock (every run it took: the rate grid and the seeds)."""
+    row, _ = chosen_runs(point)
+    runs = [r for r in point.get("runs", []) if r.get("method") == "fine-tune"]
+    return {"key": cell.key, "label": cell.label, "pairs": cell.pairs, "keys": cell.keys,
+            "architecture": cell.architecture, "concept_num": cell.concept_num, "mixer": cell.mixer,
+            "main": cell.main, "seeds": row["seeds"], "accuracy": row["accuracy_mean"],
+            "accuracy_std": row["accuracy_std"], "accuracy_last": row.get("last_step_accuracy_mean"),
+            "learning_rate": row["learning_rate"], "best_steps": row["best_steps"],
+            "still_improving": row.get("still_improving"), "no_binding_line": line,
+            "cell_seconds": sum(r["seconds"] for r in runs), "runs": len(runs)}  # fmt: skip
+
+
+def holds(rows: list[dict], concepts: int, mixer: str, up_to: int) -> tuple[bool, list[int]]:
+    """Whether the Concept Encoder of width `concepts` with `mixer` holds `GOAL_ACCURACY` at every measured K up
+    to `up_to` (and which K were measured)."""
+    measured = sorted((r["pairs"], r["accuracy"]) for r in rows if r["architecture"] == "concept"
+                      and r["concept_num"] == concepts and r["mixer"] == mixer and r["pairs"] <= up_to)  # fmt: skip
+    return bool(measured) and all(a >= GOAL_ACCURACY for _, a in measured), [k for k, _ in measured]
+
+
+def capacity_lines(rows: list[dict]) -> list[str]:
+    """Per width and mixer: the largest K held at `GOAL_ACCURACY` before the first K that is not, and that K over C
+    (pairs held per concept): the capacity law, where accuracy falls with K."""
+    lines = []
+    for concepts, mixer in sorted({(r["concept_num"], r["mixer"]) for r in rows if r["architecture"] == "concept"}):
+        measured = sorted((r["pairs"], r["accuracy"]) for r in rows if r["architecture"] == "concept"
+                          and r["concept_num"] == concepts and r["mixer"] == mixer)  # fmt: skip
+        held = 0
+        for pairs, accuracy in measured:
+            if accuracy < GOAL_ACCURACY:
+                break
+            held = pairs
+        falls = next((k for k, a in measured if a < GOAL_ACCURACY), None)
+        name = f"- C={concepts}, mixer {mixer}: "
+        if not held:
+            lines.append(name + f"below {GOAL_ACCURACY:.0%} from the smallest K measured (K={measured[0][0]})")
+        else:
+            lines.append(name + f"holds {GOAL_ACCURACY:.0%} up to K={held} ({held / concepts:.2f} pairs per concept)"
+                         + (f", below it from K={falls}" if falls else ", at every K measured"))  # fmt: skip
+    return lines
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+    """The issue's goals, each met or missed, with where a miss happens."""
+    lines = []
+    met, measured = holds(rows, GOAL_CONCEPTS, "conv", GOAL_PAIRS)
+    misses = [f"K={r['pairs']} {percent(r['accuracy'])}%" for r in rows if r["architecture"] == "concept"
+              and r["concept_num"] == GOAL_CONCEPTS and r["mixer"] == "conv" and r["pairs"] <= GOAL_PAIRS
+              and r["accuracy"] < GOAL_ACCURACY]  # fmt: skip
+    lines.append(f"- the mixer at C={GOAL_CONCEPTS} holds >= {GOAL_ACCURACY:.0%} up to K={GOAL_PAIRS}: "
+                 + ("not measured" if not measured else "met" if met else f"missed ({', '.join(misses)})"))  # fmt: skip
+    plain = [r for r in rows if r["architecture"] == "concept" and r["mixer"] == "none"]
+    crossed = [f"C={r['concept_num']} K={r['pairs']}" for r in plain if r["accuracy"] > r["no_binding_line"] + 0.02]
+    lines.append("- without the mixer, above the no-binding line by more than 2 points: "
+                 + (", ".join(crossed) or "none"))  # fmt: skip
+    bert = [r for r in rows if r["architecture"] == "bert"]
+    solved = [f"K={r['pairs']}" for r in bert if r["accuracy"] >= GOAL_ACCURACY]
+    unsolved = [f"K={r['pairs']} {percent(r['accuracy'])}% at lr {r['learning_rate']}"
+                + (" (still improving: a longer schedule may solve it)" if r.get("still_improving") else "")
+                for r in bert if r["accuracy"] < GOAL_ACCURACY]  # fmt: skip
+    if bert:
+        lines.append(f"- BERT solves (>= {GOAL_ACCURACY:.0%}): {', '.join(solved) or 'no K'}"
+                     + (f"; not solved: {', '.join(unsolved)}" if unsolved else ""))  # fmt: skip
+    return lines + capacity_lines(rows)
+
+
+def row_name(row: dict) -> str:
+    return "BERT" if row["architecture"] == "bert" else f"C={row['concept_num']}, {row['mixer']}"
+
+
+def format_markdown(report: dict) -> str:
+    rows = report["rows"]
+    pairs = sorted({r["pairs"] for r in rows})
+    names = list(dict.fromkeys(row_name(r) for r in rows))
+    by = {(row_name(r), r["pairs"]): r for r in rows}
+
+    def cell_text(row: dict | None) -> str:
+        if row is None:
+            return "-"
+        seeds = len(row["seeds"])
+        return f"{percent(row['accuracy'], row['accuracy_std'] if seeds > 1 else None)}" + ("" if row["main"] else " ¹")
+
+    lines = [f"# Associative recall: the capacity map ({report['name']})", "", report["settings_line"], "",
+             "Test accuracy (%) at the step chosen on dev, mean ± std over seeds; ¹ one seed (outside the main "
+             "cells). Chance is " + percent(report["chance"]) + "%.", "",
+             "| model | " + " | ".join(f"K={k}" for k in pairs) + " |", "|---|" + "---|" * len(pairs),
+             *(f"| {n} | " + " | ".join(cell_text(by.get((n, k))) for k in pairs) + " |" for n in names),
+             "| no-binding line | " + " | ".join(percent(report["lines"][str(k)]) for k in pairs) + " |", "",
+             "## Each cell", "",
+             "| K | keys | model | seeds | test acc. (dev-chosen) | test acc. (last step) | rate | best-dev steps | "
+             "runs | cell wall-clock (s) |", "|" + "---|" * 10]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['pairs']} | {r['keys']} | {r['label']} | {len(r['seeds'])} | "
+                     f"{percent(r['accuracy'], r['accuracy_std'])} | {percent(r['accuracy_last'])} | "
+                     f"{r['learning_rate']} | {', '.join(map(str, r['best_steps']))} | {r['runs']} | "
+                     f"{r['cell_seconds']:.0f} |")  # fmt: skip
+    total = sum(r["cell_seconds"] for r in rows)
+    lines += ["", f"The map's wall-clock: {total / 60:.0f} min ({len(rows)} cells).", "", "## Goals", "",
+              *report["goals"]]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    """A heat map per mixer (and BERT's row), accuracy over C and K with the numbers written in; beside them,
+    accuracy against K per model with the no-binding line and chance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    pairs = sorted({r["pairs"] for r in rows})
+    panels = [m for m in LOCAL_MIXERS if any(r["mixer"] == m and r["architecture"] == "concept" for r in rows)]
+    bert = [r for r in rows if r["architecture"] == "bert"]
+    figure, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 4.5), squeeze=False)
+    for axis, mixer in zip(axes[0], panels, strict=False):
+        widths = sorted({r["concept_num"] for r in rows if r["architecture"] == "concept" and r["mixer"] == mixer})
+        found = {(r["concept_num"], r["pairs"]): r["accuracy"] for r in rows if r["mixer"] == mixer
+                 and r["architecture"] == "concept"}  # fmt: skip
+        labels = [f"C={c}" for c in widths] + (["BERT"] if bert else [])
+        grid = [[found.get((c, k), float("nan")) for k in pairs] for c in widths]
+        grid += [[next((100 * r["accuracy"] for r in bert if r["pairs"] == k), float("nan")) / 100 for k in pairs]] if bert else []  # fmt: skip
+        image = axis.imshow([[100 * v for v in line] for line in grid], vmin=0, vmax=100, cmap="viridis",
+                            aspect="auto")  # fmt: skip
+        for i, line in enumerate(grid):
+            for j, value in enumerate(line):
+                if value == value:  # not NaN
+                    axis.text(j, i, f"{100 * value:.0f}", ha="center", va="center", fontsize=8,
+                              color="white" if value < 0.6 else "black")  # fmt: skip
+        axis.set_xticks(range(len(pairs)), [str(k) for k in pairs])
+        axis.set_yticks(range(len(labels)), labels)
+        axis.set_xlabel("pairs K")
+        axis.set_title(f"mixer: {mixer}")
+        figure.colorbar(image, ax=axis, label="test accuracy (%)")
+    curves = axes[0][-1]
+    for name in dict.fromkeys(row_name(r) for r in rows):
+        points = sorted((r["pairs"], 100 * r["accuracy"]) for r in rows if row_name(r) == name)
+        curves.plot(*zip(*points, strict=True), marker="o", label=name)
+    curves.plot(pairs, [100 * report["lines"][str(k)] for k in pairs], "k--", linewidth=1, label="no-binding line")
+    curves.axhline(100 * report["chance"], color="grey", linestyle=":", linewidth=1, label="chance")
+    curves.set_xscale("log", base=2)
+    curves.set_xticks(pairs, [str(k) for k in pairs])
+    curves.set_xlabel("pairs K")
+    curves.set_ylabel("test accuracy (%)")
+    curves.set_ylim(0, 102)
+    curves.legend(fontsize=7)
+    figure.suptitle(f"Associative recall: capacity map ({report['name']})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m concept_encoder recall",
+        description="Associative recall's capacity map: test accuracy against K for the Concept Encoder at several "
+                    "widths, without and with the local mixer, beside BERT of the same shape and the no-binding line.",
+    )  # fmt: skip
+    parser.add_argument("--pairs", default="4,8,16,32,64,128", help="the Ks (key-value pairs an example)")
+    parser.add_argument("--concepts", default="16,32,64,128", help="the Concept Encoder's widths C")
+    parser.add_argument("--mixers", default="none,conv", help=f"local mixers, from {LOCAL_MIXERS}")
+    parser.add_argument("--architectures", default="concept,bert", help="concept and/or bert")
+    parser.add_argument("--preset", default="micro", help="the model shape (one preset)")
+    parser.add_argument("--main_concepts", default="16,64", help="widths of the main cells (--seeds seeds)")
+    parser.add_argument("--main_pairs", default="4,8,16,32", help="Ks of the main cells (--seeds seeds)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds of the main cells")
+    parser.add_argument("--sweep_seeds", type=int, default=1, help="seeds of the other cells")
+    parser.add_argument("--keys", type=int, default=KEYS, help="key symbols (a K above it draws from K symbols)")
+    parser.add_argument("--values", type=int, default=VALUES, help="value symbols (the classes)")
+    parser.add_argument("--train", type=int, default=None, help="training examples (default: the task's 20,000)")
+    add_report_driver_arguments(parser, "recall", "Cache/recall")
+    return parser
+
+
+def check_arguments(args) -> None:
+    """Every argument checked before anything runs (ValueError naming it)."""
+    args.pair_list = parse_list(args.pairs, "--pairs", int)
+    args.concept_list = parse_list(args.concepts, "--concepts", int)
+    args.main_pair_list = parse_list(args.main_pairs, "--main_pairs", int)
+    args.main_concept_list = parse_list(args.main_concepts, "--main_concepts", int)
+    if any(v < 1 for v in [*args.pair_list, *args.concept_list]):
+        raise ValueError("--pairs and --concepts are whole numbers >= 1")
+    args.mixer_list = parse_list(args.mixers, "--mixers")
+    if bad := [m for m in args.mixer_list if m not in LOCAL_MIXERS]:
+        raise ValueError(f"--mixers: {bad} unknown; choose from {LOCAL_MIXERS}")
+    args.architecture_list = parse_list(args.architectures, "--architectures")
+    if bad := [a for a in args.architecture_list if a not in ("concept", "bert")]:
+        raise ValueError(f"--architectures: {bad} unknown; choose concept and/or bert")
+    if args.preset not in PRESETS:
+        raise ValueError(f"--preset {args.preset!r} unknown; choose from {sorted(PRESETS)}")
+    if args.seeds < 1 or args.sweep_seeds < 1:
+        raise ValueError("--seeds and --sweep_seeds must be >= 1")
+    for pairs in args.pair_list:  # every task's settings, before the first run (RecallSettings.check names the fix)
+        train = args.train if args.train is not None else RecallSettings(pairs).train
+        held = max(50, train // 10) if args.train is not None else RecallSettings(pairs).dev
+        RecallSettings(pairs, max(args.keys, pairs), args.values, train, held, held).check(f"--pairs {pairs}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    root = cache_path(args.runs_dir)
+    try:  # every check before the first run starts
+        check_arguments(args)
+        finetune_argv = shlex.split(args.finetune_args)
+        if taken := given_flags(finetune_argv, DRIVER_FINETUNE_FLAGS):
+            raise ValueError(f"--finetune_args: {taken} are set by the recall driver; leave them out")
+        finetune_argv = with_defaults(finetune_argv)
+        plan = cells(args)
+        tasks = {cell.pairs: task_name(cell, args) for cell in plan}
+        for pairs, task in tasks.items():
+            check_finetune_argv(finetune_argv, task)  # generates the task's splits into the cache
+            request = {"task": task, "cells": [c.key for c in plan if c.pairs == pairs], "preset": args.preset,
+                       "finetune_args": finetune_argv, "num_processes": args.num_processes}  # fmt: skip
+            check_reuse(root / f"{args.name}-K{pairs}", request, [])
+        check_report_dir(args.report_dir)
+    except (ValueError, ReportFolderError) as error:
+        parser.exit(2, f"usage error: {error}\n")
+    points = {}
+    for pairs, task in tasks.items():
+        folder = root / f"{args.name}-K{pairs}"  # the name in the folder: fine-tuning runs are named after it
+        keys = max(args.keys, pairs)
+        tokenizer = load_tokenizer(f"recall:{keys}:{args.values}")
+        positions = 2 * pairs + 4  # [CLS] k v … [QUERY] k [SEP]
+        curve = Curve(folder, task, finetune_argv, args.num_processes, probe=False)
+        lock = exclusive(folder, f"recall {folder.name}")
+        if lock is None:
+            return 1
+        try:
+            for cell in [c for c in plan if c.pairs == pairs]:
+                model = model_folder(folder, cell, args.preset, positions, tokenizer)
+                extra = ["--seeds", str(cell.seeds), "--pooling", "mean", "--from_scratch", "--report_last_step",
+                         "true"]  # fmt: skip
+                index = plan.index(cell) + 1
+                points[(pairs, cell.key)] = curve.reused_or_measured(
+                    cell.key,
+                    str(model),
+                    extra,
+                    {"cell": cell.__dict__},
+                    f"[{index}/{len(plan)}] K={pairs}, {cell.label}",
+                )
+        except RuntimeError as error:  # a run failed: finished cells stay, the same command continues
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        finally:
+            lock.release()
+    lines = {str(k): no_binding_line(recall_splits(task))["test"] for k, task in tasks.items()}
+    rows = [cell_row(points[(c.pairs, c.key)], c, lines[str(c.pairs)]) for c in plan]
+    report = {"name": args.name, "rows": rows, "lines": lines, "chance": 1 / args.values, "goals": goal_lines(rows),
+              "settings_line": f"Preset {args.preset}, fine-tuned from scratch, mean pooling: "
+                               f"{' '.join(finetune_argv)}; {args.values} values, keys max({args.keys}, K); "
+                               "the test split read once per seed at the step chosen on dev."}  # fmt: skip
+    paths = write_report_files(report, args.report_dir, "recall", format_markdown, plot)
+    print(paths["md"].read_text())
+    print(f"report: {paths['md']}, {paths['json']}, {paths['png']}")
+    return 0
+
+
+__all__ = ["Cell", "cells", "goal_lines", "main"]
+
+if __name__ == "__main__":
+    from ..common.entry import run_tool
+
+    sys.exit(run_tool(main, "python -m concept_encoder recall"))

@@ -1,0 +1,86 @@
+"""`make recall` (decide/recall.py): the capacity map on a tiny grid writes every cell, main cells get their seeds
+and the others one, a second invocation reuses every cell, and bad plans are refused before any run."""
+
+import json
+from pathlib import Path
+
+import pytest
+from accelerate.state import AcceleratorState, GradientState
+from loop_runs import launch_in_process
+
+from concept_encoder.decide import curve, recall
+
+
+@pytest.fixture
+def in_process(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    commands = []
+    monkeypatch.setattr(curve, "run_command", launch_in_process(commands))
+    yield commands
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+TINY = ["--pairs", "2,3", "--concepts", "4", "--main_concepts", "4", "--main_pairs", "2", "--seeds", "2",
+        "--train", "200", "--finetune_args", "--max_steps 2 --learning_rates 1e-3 --eval_steps 1 "
+        "--per_device_train_batch_size 8 --per_device_eval_batch_size 50 --report_to none --progress_bar false"]  # fmt: skip
+
+
+@pytest.mark.loop
+def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, capsys):
+    assert recall.main(TINY) == 0
+    [report] = Path("Cache/reports").glob("recall_*.json")
+    assert {p.suffix for p in report.parent.glob(f"{report.stem}.*")} == {".md", ".json", ".png"}
+    data = json.loads(report.read_text())
+    cells = [(r["pairs"], r["key"]) for r in data["rows"]]
+    assert cells == [(k, c) for k in (2, 3) for c in ("C4-none", "C4-conv", "bert")]
+    for row in data["rows"]:
+        assert len(row["seeds"]) == (2 if row["pairs"] == 2 else 1) and row["main"] == (row["pairs"] == 2)
+        assert 0 <= row["accuracy"] <= 1 and row["cell_seconds"] > 0 and row["runs"] == len(row["seeds"])
+        assert row["no_binding_line"] == data["lines"][str(row["pairs"])]
+    mixed = json.loads(Path("Cache/recall/recall-K2/models/C4-conv/config.json").read_text())
+    plain = json.loads(Path("Cache/recall/recall-K2/models/C4-none/config.json").read_text())
+    assert (mixed["local_mixer"], plain["local_mixer"], mixed["concept_num"]) == ("conv", "none", 4)
+    assert json.loads(Path("Cache/recall/recall-K3/models/bert/config.json").read_text())["model_type"] == "bert"
+    tasks = {c[c.index("--task") + 1] for c in in_process}
+    assert tasks == {"recall:2:64:16:200", "recall:3:64:16:200"}
+    assert all("--from_scratch" in c and c[c.index("--pooling") + 1] == "mean" for c in in_process)
+    markdown = report.with_suffix(".md").read_text()
+    assert "| no-binding line |" in markdown and "K=3" in markdown and "## Goals" in markdown
+    assert any("BERT solves" in g for g in data["goals"]) and any("C=4, mixer conv: " in g for g in data["goals"])
+    launched = len(in_process)
+    capsys.readouterr()
+    assert recall.main(TINY) == 0  # every cell measured: reused, nothing launched
+    assert len(in_process) == launched and capsys.readouterr().out.count("finished earlier, reused") == 6
+
+
+def test_bad_plans_are_refused_before_any_run(in_process, capsys):
+    for extra, message in (
+        (["--pairs", "4,4"], "distinct"),
+        (["--mixers", "attention"], "unknown"),
+        (["--architectures", "gpt"], "concept and/or bert"),
+        (["--preset", "huge"], "unknown"),
+        (["--finetune_args", "--seeds 2"], "set by the recall driver"),
+        (["--pairs", "8", "--values", "1"], "values"),
+        (["--pairs", "8", "--train", "10"], "at least 100"),
+    ):
+        with pytest.raises(SystemExit):
+            recall.main(extra)
+        assert message in capsys.readouterr().err
+    assert in_process == []  # nothing launched
+
+
+def test_goals_name_where_the_map_falls_short():
+    def row(pairs, concepts, mixer, accuracy, architecture="concept"):
+        return {"pairs": pairs, "concept_num": concepts, "mixer": mixer, "accuracy": accuracy, "no_binding_line": 0.25,
+                "architecture": architecture, "learning_rate": 1e-3, "still_improving": False}  # fmt: skip
+
+    rows = [row(4, 64, "conv", 0.99), row(8, 64, "conv", 0.97), row(16, 64, "conv", 0.60), row(32, 64, "conv", 0.40),
+            row(8, 64, "none", 0.30), row(8, None, "none", 0.99, "bert"), row(16, None, "none", 0.20, "bert"),
+            row(8, 16, "conv", 0.30)]  # fmt: skip
+    goals = recall.goal_lines(rows)
+    assert goals[0].endswith("missed (K=16 60.00%, K=32 40.00%)")
+    assert goals[1].endswith("C=64 K=8")  # 30% is above the 25% line by more than 2 points
+    assert "BERT solves (>= 95%): K=8; not solved: K=16 20.00% at lr 0.001" in goals[2]
+    assert "- C=64, mixer conv: holds 95% up to K=8 (0.12 pairs per concept), below it from K=16" in goals
+    assert "- C=16, mixer conv: below 95% from the smallest K measured (K=8)" in goals
