@@ -93,6 +93,7 @@ from concept_encoder.training.model_folder import (
     holds_only_saved_model_files,
     model_digest,
     save_model_weights,
+    save_tokenizer_without_code,
 )
 from concept_encoder.training.optim import build_optimizer, build_scheduler, count_skipped_step
 from concept_encoder.training.probe import describe_pooling, linear_probe
@@ -300,11 +301,11 @@ def fine_tune(
             try:
                 with written_aside(final, replace_existing=True, legacy=holds_only_saved_model_files) as partial:
                     save_model_weights(plain_model(accelerator, model), partial, best.weights, args.save_dtype)
-                    tokenizer.save_pretrained(partial)
+                    save_tokenizer_without_code(tokenizer, partial)
                 if fargs.report_last_step:  # the weights the run ended with, beside the dev-chosen step's
                     with written_aside(run_dir / "last", replace_existing=True) as partial:
                         save_model_weights(plain_model(accelerator, model), partial, last, args.save_dtype)
-                        tokenizer.save_pretrained(partial)
+                        save_tokenizer_without_code(tokenizer, partial)
                 with written_aside(run_dir / "summary.json") as partial:  # a seed is finished when this is whole
                     partial.write_text(json.dumps(result, indent=2))
             except (OSError, RuntimeError) as error:  # a full disk: one line naming the last intact checkpoint

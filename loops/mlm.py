@@ -96,7 +96,11 @@ from concept_encoder.training.logs import (
 from concept_encoder.training.metrics_log import MetricsWriter
 from concept_encoder.training.model import build_model, held_parameters
 from concept_encoder.training.model_card import write_model_card
-from concept_encoder.training.model_folder import holds_only_saved_model_files, save_model_weights
+from concept_encoder.training.model_folder import (
+    holds_only_saved_model_files,
+    save_model_weights,
+    save_tokenizer_without_code,
+)
 from concept_encoder.training.objective import build_concept_objective
 from concept_encoder.training.optim import build_optimizer, build_scheduler, count_skipped_step
 from concept_encoder.training.plan import launch_command
@@ -162,7 +166,7 @@ def save_model_folder(accelerator, model, tokenizer, folder: Path, run_dir: Path
         try:
             with written_aside(folder, replace_existing=True, legacy=holds_only_saved_model_files) as partial:
                 save_model_weights(plain_model(accelerator, model), partial, state_dict, save_dtype)
-                tokenizer.save_pretrained(partial)
+                save_tokenizer_without_code(tokenizer, partial)
         except (OSError, RuntimeError) as error:
             if is_disk_full(error):
                 raise disk_full(run_dir, f"the model {folder}") from error

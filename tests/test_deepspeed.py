@@ -13,6 +13,7 @@ what they check.
 
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -70,8 +71,9 @@ def launch(
     if machine is None:
         return process_group.start(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = workdir / f"node{machine[0]}.log"
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a rank killed by a signal leaves every thread's stack in the log
     with log.open("w") as out:
-        process = process_group.start(cmd, cwd=workdir, stdout=out, stderr=subprocess.STDOUT, text=True)
+        process = process_group.start(cmd, cwd=workdir, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
     process.log = log
     return process
 

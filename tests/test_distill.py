@@ -110,3 +110,20 @@ def test_the_embedding_init_projects_the_teachers_table_and_needs_its_vocabulary
 def test_distillation_settings_are_checked_at_parse_time(teacher, extra, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_args([part.replace("{teacher}", str(teacher)) for part in extra])
+
+
+def test_the_teachers_identity_follows_its_weights_and_every_tokenizer_file(teacher, tmp_path):
+    """The cache key's teacher part: a changed weight or tokenizer setting is a new teacher (new targets)."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(teacher, copy)
+    before = distill.teacher_identity(copy)
+    settings = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**settings, "do_lower_case": False}))
+    changed = distill.teacher_identity(copy)
+    assert changed != before
+    tensors = distill.load_file(str(copy / "model.safetensors"))
+    name = sorted(tensors)[0]
+    distill.save_file({**tensors, name: tensors[name] + 1}, str(copy / "model.safetensors"))
+    assert distill.teacher_identity(copy) not in (before, changed)

@@ -510,7 +510,7 @@ def deepspeed_safe_globals() -> list:
     return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
-def verify_deepspeed_states(checkpoint: Path) -> None:
+def verify_deepspeed_states(checkpoint: Path, fix: str | None = None) -> None:
     """DeepSpeed reads its `*_model_states.pt` / `*_optim_states.pt` with full unpickling; before it does, each
     is read here with `weights_only=True` (memory-mapped: no second copy of the tensors), allowing only
     `deepspeed_safe_globals()`. A file that needs anything else is refused and nothing from it runs."""
@@ -521,23 +521,27 @@ def verify_deepspeed_states(checkpoint: Path) -> None:
         return
     with torch.serialization.safe_globals(deepspeed_safe_globals()):
         for path in files:
-            load_state_file(path, mmap=True)
+            load_state_file(path, mmap=True, fix=fix)
 
 
-def load_state_file(path: Path, mmap: bool = False) -> dict:
+RESUME_ANOTHER = "Resume from a checkpoint written by this project"
+
+
+def load_state_file(path: Path, mmap: bool = False, fix: str | None = None) -> dict:
     """A state file of a checkpoint, read with `weights_only=True`: tensors and plain values only. A file
-    that needs anything else (a crafted pickle would run code while loading) is refused, never run."""
+    that needs anything else (a crafted pickle would run code while loading), or that is damaged (cut short, not a
+    torch file), is refused, never run; the line ends with `fix`, what the caller's user can do instead."""
     import pickle
 
     import torch
 
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(
             f"{path} is not a state file this project writes (tensors and plain values only): {first}. It was not "
-            "loaded: nothing from it ran. Resume from a checkpoint written by this project"
+            f"loaded: nothing from it ran. {fix or RESUME_ANOTHER}"
         ) from None
 
 

@@ -15,9 +15,11 @@ which the teacher read with its own tokenizer, truncated at `--max_seq_length` o
 The teacher runs once, before training, over every document of both splits (frozen, `torch.no_grad`); its
 embeddings are cached under `Cache/teachers/<key>.safetensors`, keyed by the teacher's files, the texts and the
 length, so the teacher never enters the training loop: DeepSpeed wraps the student only, the teacher holds no
-optimizer state and no memory during training, and a resume reads the same targets. The projection is the
-objective's own, like the learned concept-loss weights (`objective.ConceptObjective`): its own AdamW, gradients
-averaged over ranks, checkpointed with the run, not part of the saved model.
+optimizer state and no memory during training, and a resume reads the same targets. Before that the teacher's
+folder is checked like every model folder handed in, and for what mean pooling needs (`load_teacher`): a fault is
+one line, not NaN targets or a traceback. The projection is the objective's own, like the learned concept-loss
+weights (`objective.ConceptObjective`): its own AdamW, gradients averaged over ranks, checkpointed with the run,
+not part of the saved model.
 """
 
 from __future__ import annotations
@@ -39,20 +41,25 @@ from ..common.paths import written_aside
 from ..constants import DISTILL_LOSSES
 from ..data.objectives import model_inputs
 from ..model.constants import IGNORE_INDEX
+from .model_folder import ModelFolderError, load_checked, model_digest
 from .objective import step_own_parameters
 
 logger = logging.getLogger("concept_encoder")
 
 __all__ = ["DISTILL_LOSSES", "Distillation", "attach_teacher", "carried", "init_word_embeddings", "with_doc_index"]
 DOC_INDEX = "doc_index"  # batch key: which document of its split each example is (the teacher's target row)
-TEACHER_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.json", "vocab.txt")
+TOKENIZER_FILES = (  # what a saved tokenizer of any kind (WordPiece, BPE, SentencePiece) reads
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json", "merges.txt",
+    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+)  # fmt: skip
 
 
 def teacher_identity(folder: Path) -> str:
-    """A digest of the teacher's files that decide its embeddings (config, weights, tokenizer): the cache key's
-    teacher part, so a replaced model at the same path is a new teacher."""
-    digest = hashlib.sha1()
-    for name in TEACHER_FILES:
+    """A digest of the teacher's files that decide its embeddings (config and safetensors weights, shards included,
+    by `model_folder.model_digest`; tokenizer): the cache key's teacher part, so a replaced model at the same path
+    is a new teacher."""
+    digest = hashlib.sha1(model_digest(folder).encode())
+    for name in TOKENIZER_FILES:
         path = folder / name
         if path.is_file():
             digest.update(name.encode())
@@ -63,10 +70,64 @@ def teacher_identity(folder: Path) -> str:
 
 
 def load_teacher(folder: str | Path):
-    """The teacher's encoder (`AutoModel`, frozen, eval mode) and its own tokenizer, from a local folder only."""
-    model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()  # on the CPU
+    """The teacher's encoder (`AutoModel`, frozen, eval mode, float32 on the CPU) and its own tokenizer, from a local
+    folder only, checked like every model folder handed in (`model_folder.load_checked`: safetensors only, every
+    tensor of the encoder in the file, every parameter finite) and then by `teacher_problem` on a probe batch; a
+    fault is one `ModelFolderError` line naming the folder. Without the checks a NaN teacher gives NaN targets
+    silently, a pickle-only folder an UnpicklingError traceback, a Concept Encoder a tensor-size RuntimeError."""
+    try:
+        model = load_checked(AutoModel, folder, local_files_only=True)[0].eval()
+    except ModelFolderError as error:
+        raise ModelFolderError(f"--teacher: {error}") from error
     model.requires_grad_(False)
-    return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if problem := teacher_problem(model, tokenizer):
+        raise ModelFolderError(f"--teacher: {folder}: {problem}")
+    return model, tokenizer
+
+
+PROBE_TEXTS = ["The cat sat on the mat.", "A longer sentence, so that the batch is padded."]  # teacher_problem's batch
+
+
+def teacher_problem(model, tokenizer) -> str | None:
+    """Why `mean_pooled` cannot take a sentence embedding from this teacher (`tokenizer_problem`,
+    `token_states_problem`), found before it embeds every document. Its width may differ from the student's: the
+    projection maps one to the other; its vocabulary too: it reads the texts with its own tokenizer."""
+    return tokenizer_problem(model, tokenizer) or token_states_problem(model, tokenizer)
+
+
+def tokenizer_problem(model, tokenizer) -> str | None:
+    """A tokenizer that knows no word of `PROBE_TEXTS` (transformers builds an empty one for a folder without
+    tokenizer files: every text would be one unknown token per word, every target alike), or one with more tokens
+    than the model's embedding table has rows (a text would index past it)."""
+    words = tokenizer(PROBE_TEXTS[0], add_special_tokens=False)["input_ids"]
+    if tokenizer.unk_token_id is not None and all(i == tokenizer.unk_token_id for i in words):
+        return (f"its tokenizer reads {PROBE_TEXTS[0]!r} as unknown tokens only (no tokenizer files in the folder?); "
+                "save the teacher's own tokenizer there (tokenizer.save_pretrained)")  # fmt: skip
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        return (f"its tokenizer has {len(tokenizer):,} tokens and its embedding table {rows:,} rows, so a text can "
+                "index past the table; pass a folder whose tokenizer and model belong together")  # fmt: skip
+    return None
+
+
+def token_states_problem(model, tokenizer) -> str | None:
+    """A teacher that fails on one padded batch of `PROBE_TEXTS` (e.g. a tokenizer with no padding token, a decoder
+    that needs decoder inputs) or does not return one last hidden state per token (a Concept Encoder returns its
+    concepts `[B,C,H]`: the mean over the real tokens would not line up with them)."""
+    try:
+        encoded = tokenizer(PROBE_TEXTS, truncation=True, max_length=32, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            hidden = getattr(model(**encoded), "last_hidden_state", None)
+    except (RuntimeError, ValueError, TypeError, IndexError, AttributeError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"it fails to embed a padded batch of two sentences ({first}); pass an encoder such as BERT or MiniLM"
+    tokens = list(encoded["input_ids"].shape)
+    if hidden is None or list(hidden.shape[:2]) != tokens or hidden.dim() != 3:
+        shape = "nothing" if hidden is None else list(hidden.shape)
+        return (f"its {type(model).__name__} returns {shape} as last_hidden_state for {tokens} tokens, not one state "
+                "per token, which the teacher's mean pooling needs; pass a token encoder such as BERT or MiniLM")  # fmt: skip
+    return None
 
 
 @torch.no_grad()
@@ -85,9 +146,12 @@ def mean_pooled(
     return torch.cat(rows).float() if rows else torch.zeros(0)
 
 
-def teacher_targets(folder: str, texts: dict[str, list[str]], max_seq_length: int, cache_dir: Path) -> dict:
+def teacher_targets(
+    folder: str, texts: dict[str, list[str]], max_seq_length: int, cache_dir: Path, teacher: tuple | None = None
+) -> dict:
     """Per split, the teacher's embedding of every document `[D_split,H_t]`, computed once (main process first, the
-    other ranks wait and read the file) and cached content-keyed as safetensors (no pickle)."""
+    other ranks wait and read the file) and cached content-keyed as safetensors (no pickle). `teacher`: the
+    (model, tokenizer) `load_teacher` already gave, else it is loaded when the cache lacks the targets."""
     root = Path(folder)
     key = hashlib.sha1(json.dumps({
         "teacher": teacher_identity(root), "max_length": max_seq_length,
@@ -97,7 +161,7 @@ def teacher_targets(folder: str, texts: dict[str, list[str]], max_seq_length: in
     path.parent.mkdir(parents=True, exist_ok=True)
     with PartialState().main_process_first():
         if not path.is_file() and PartialState().is_main_process:
-            model, tokenizer = load_teacher(root)
+            model, tokenizer = teacher or load_teacher(root)
             length = min(max_seq_length, getattr(model.config, "max_position_embeddings", max_seq_length))
             table = {
                 split: mean_pooled(model, tokenizer, t, length, desc=f"teacher {split}") for split, t in texts.items()
@@ -191,13 +255,15 @@ def init_word_embeddings(model, teacher_folder: str, student_tokenizer) -> None:
     projected to the student's width by their top principal directions (SVD of the centred table) and scaled to
     the student's initial spread. The two tokenizers must be one vocabulary (`--tokenizer <teacher folder>`)."""
     teacher, tokenizer = load_teacher(teacher_folder)
-    if tokenizer.get_vocab() != student_tokenizer.get_vocab():
-        raise ValueError(
-            f"--teacher_embedding_init copies {teacher_folder}'s word embeddings row by row: the student needs the "
-            f"teacher's vocabulary; add --tokenizer {teacher_folder}"
-        )
-    table = teacher.get_input_embeddings().weight.detach().float()  # [V,H_t]
+    check_shared_vocabulary(teacher_folder, tokenizer, student_tokenizer)
     embeddings = model.get_input_embeddings().weight  # [V,H_s]
+    table = teacher.get_input_embeddings().weight.detach().float()  # [V_t,H_t]
+    if len(table) < len(embeddings):
+        raise ValueError(
+            f"--teacher_embedding_init: {teacher_folder}'s embedding table has {len(table):,} rows and the student's "
+            f"{len(embeddings):,}; start a fresh student (its table is as long as the shared vocabulary)"
+        )
+    table = table[: len(embeddings)]  # the rows of the shared vocabulary; a padded teacher table has more
     width = embeddings.shape[1]
     centred = table - table.mean(dim=0)
     _, _, directions = torch.linalg.svd(centred, full_matrices=False)  # [min(V,H_t),H_t]
@@ -211,9 +277,24 @@ def init_word_embeddings(model, teacher_folder: str, student_tokenizer) -> None:
                 table.shape[0], table.shape[1], width)  # fmt: skip
 
 
+def check_shared_vocabulary(teacher_folder, teacher_tokenizer, student_tokenizer) -> None:
+    """`--teacher_embedding_init` copies the teacher's word embeddings row by row: ValueError unless the student's
+    tokenizer is the teacher's vocabulary. (Distillation alone needs no shared vocabulary: each model reads the
+    texts with its own tokenizer.)"""
+    if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
+        raise ValueError(
+            f"--teacher_embedding_init copies {teacher_folder}'s word embeddings row by row: the student needs the "
+            f"teacher's vocabulary; add --tokenizer {teacher_folder}"
+        )
+
+
 def attach_teacher(data, args, max_seq_length: int, cache_dir: Path) -> dict:
     """The teacher's targets for every document of `data` (`teacher_targets`), and a `DOC_INDEX` column on each
-    split so a batch names its rows; ValueError when the examples are not the documents one to one."""
+    split so a batch names its rows; ValueError when the examples are not the documents one to one.
+
+    The teacher is loaded and checked (`load_teacher`; with `--teacher_embedding_init` its vocabulary against the
+    student's) on every rank before any of them embeds a document or builds the model: a refusal is then one line
+    on all ranks, none left waiting at `teacher_targets`' barrier for a main process that failed inside it."""
     splits = {"train": data.train, "validation": data.validation}
     for name, split in splits.items():
         if len(split) != len(data.documents[name]):
@@ -222,7 +303,10 @@ def attach_teacher(data, args, max_seq_length: int, cache_dir: Path) -> dict:
                 "documents; it needs one example per document (--packing false)"
             )
     texts = {name: list(data.documents[name]["text"]) for name in splits}
-    targets = teacher_targets(args.teacher, texts, max_seq_length, cache_dir)
+    teacher = load_teacher(args.teacher)
+    if args.teacher_embedding_init:
+        check_shared_vocabulary(args.teacher, teacher[1], data.tokenizer)
+    targets = teacher_targets(args.teacher, texts, max_seq_length, cache_dir, teacher)
     data.train, data.validation = (split.add_column(DOC_INDEX, list(range(len(split)))) for split in splits.values())
     return targets
 

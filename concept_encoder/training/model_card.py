@@ -21,7 +21,10 @@ OBJECTIVE_TEXT = {
 
 
 def description(model: dict, parameters: int, objective: str) -> list[str]:
-    """The card's opening paragraph and loading snippet, for a Concept Encoder or the BERT baseline."""
+    """The card's opening paragraph and loading snippet, for a Concept Encoder or the BERT baseline. The snippet
+    advises `trust_remote_code` for the model only, whose code files are the project's own; the tokenizer is data
+    (its class is one of transformers'), loaded with the model's config so that transformers neither reads the
+    config's code again nor asks to, and a folder's tokenizer code, if any, is not this project's to vouch for."""
     if model.get("model_type") == "bert":
         return [
             f"transformers' `BertForMaskedLM` ({model['num_hidden_layers']} layers of width {model['hidden_size']}, "
@@ -41,10 +44,11 @@ def description(model: dict, parameters: int, objective: str) -> list[str]:
         "",
         "```python",
         "from transformers import AutoModelForMaskedLM, AutoTokenizer",
-        'model = AutoModelForMaskedLM.from_pretrained("<this folder>", trust_remote_code=True)  # code files are here',
-        'tokenizer = AutoTokenizer.from_pretrained("<this folder>", trust_remote_code=True)',
+        'model = AutoModelForMaskedLM.from_pretrained("<this folder>", trust_remote_code=True)  # concept-encoder\'s code',
+        'tokenizer = AutoTokenizer.from_pretrained("<this folder>", config=model.config)  # data only: no code runs',
         "```",
-        "(With the concept-encoder package installed, `import concept_encoder` makes `trust_remote_code` unnecessary.)",
+        "(`trust_remote_code` runs the modelling files concept-encoder's `save_pretrained` wrote into this folder, and "
+        "no other code; with the concept-encoder package installed, `import concept_encoder` makes it unnecessary.)",
     ]
 
 

@@ -145,7 +145,8 @@ def model_folder_problem(path: str | Path, weights: bool = True) -> str | None:
     elif pickled := [name for name in PICKLED_WEIGHTS if (folder / name).is_file()]:
         return (
             f"{folder} holds its weights only as {pickled[0]}, which this project does not load (a pickle can run "
-            "code); save them as safetensors (`save_pretrained`, the default of transformers 5) where you trust them"
+            "code); where you trust it, re-save the model as safetensors: save_pretrained (transformers 5 writes "
+            "nothing else; older versions with safe_serialization=True)"
         )
     else:
         return f"{folder} holds no model.safetensors; {SAVED_BY}"
@@ -192,8 +193,7 @@ def load_checked(model_class, path: str | Path, whole: bool = False, dtype: str 
     except (RuntimeError, ValueError, OSError) as error:  # size mismatches, unreadable files
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelFolderError(f"{path}: the weights do not load into its config's model ({first})") from error
-    prefix = f"{model.base_model_prefix}."
-    absent = sorted(k for k in info["missing_keys"] if k.startswith(prefix) and ".pooler." not in k)
+    absent = sorted(k for k in info["missing_keys"] if in_backbone(model, k) and ".pooler." not in f".{k}")
     if whole and (lacking := sorted(set(info["missing_keys"]) - set(absent))):
         raise ModelFolderError(
             f"{path}: {len(lacking)} tensor(s) of its {model_class.__name__} are not in its weights (e.g. "
@@ -212,6 +212,58 @@ def load_checked(model_class, path: str | Path, whole: bool = False, dtype: str 
             "trains and predicts NaN. Use an earlier checkpoint of it"
         )
     return model, info
+
+
+def in_backbone(model, key: str) -> bool:
+    """Whether the tensor `key` belongs to the pretrained backbone: under a head model, the keys under its
+    `base_model_prefix`; a bare backbone (`AutoModel`, e.g. a distillation teacher) is all backbone, its keys unprefixed."""
+    return model.base_model is model or key.startswith(f"{model.base_model_prefix}.")
+
+
+def save_tokenizer_without_code(tokenizer, folder: Path) -> list[str]:
+    """`tokenizer.save_pretrained(folder)` into a model folder the project writes, leaving no code the project did
+    not write: a tokenizer class registered for the Auto classes copies its own module beside it and names it in
+    `auto_map` (a `repo--module` entry makes transformers download one), which a reader loading the folder with
+    `trust_remote_code=True` for the model's sake would run. The model's own modelling files (saved first) stay;
+    any other `*.py` is removed and the `auto_map` entries naming it dropped. Returns what was left out."""
+    folder = Path(folder)
+    own_code = {path.stem for path in folder.glob("*.py")}
+    tokenizer.save_pretrained(folder)
+    left_out = sorted(path.name for path in folder.glob("*.py") if path.stem not in own_code)
+    for name in left_out:
+        (folder / name).unlink()
+    for path in sorted(folder.glob("*.json")):
+        left_out += without_foreign_code(path, own_code)
+    if left_out:
+        logger.warning("tokenizer code left out of %s: %s", folder, ", ".join(left_out))
+    return left_out
+
+
+def without_foreign_code(path: Path, own_code: set[str]) -> list[str]:
+    """Remove from the JSON file `path` the `auto_map` entries that name code other than `own_code` (the folder's
+    own modules): a module the folder does not hold, or one of another repository (`repo--module.Class`, which
+    transformers downloads). Returns what was removed, as "file's auto_map entry (targets)"."""
+    try:
+        settings = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(settings, dict) or "auto_map" not in settings:
+        return []
+    auto_map = settings["auto_map"] if isinstance(settings["auto_map"], dict) else {"auto_map": settings["auto_map"]}
+    kept = {key: value for key, value in auto_map.items() if names_own_code(value, own_code)}
+    if kept:
+        settings["auto_map"] = kept
+    else:
+        del settings["auto_map"]
+    path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
+    return [f"{path.name}'s auto_map {key} ({value})" for key, value in auto_map.items() if key not in kept]
+
+
+def names_own_code(value, own_code: set[str]) -> bool:
+    """Whether an `auto_map` value ("module.Class", or a list of them and None) names only modules in `own_code`."""
+    targets = [value] if isinstance(value, str) else value if isinstance(value, list) else [object()]
+    named = [t for t in targets if t is not None]
+    return bool(named) and all(isinstance(t, str) and "--" not in t and t.rpartition(".")[0] in own_code for t in named)
 
 
 _digests: dict[tuple, str] = {}

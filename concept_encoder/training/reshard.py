@@ -7,7 +7,9 @@ re-partitions for any count when its config says `"checkpoint": {"load_universal
 converter as a script and the loading as a config key; what is written here is the glue (why hand-written): the
 config key set before `accelerator.prepare` builds the engine, the conversion run once on the main process into a
 staging folder of the new run (the checkpoint itself is never touched) that links every other file of the
-checkpoint, and that folder removed when every rank has loaded. ZeRO-3 checkpoints (the weights themselves
+checkpoint, and that folder removed when every rank has loaded. The stage is made fresh and removed without
+following links (`paths.fresh_folder`, `paths.remove_below`): a `resharding` folder, or a stage, that is a link
+(e.g. to the checkpoint itself) is unlinked, never emptied through. ZeRO-3 checkpoints (the weights themselves
 partitioned) are refused with one line naming `export` (`checkpoint.reshard_problem`, which reads the stage from
 the checkpoint with `weights_only`).
 """
@@ -17,9 +19,10 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import shutil
 from argparse import Namespace
 from pathlib import Path
+
+from ..common.paths import fresh_folder, remove_below
 
 logger = logging.getLogger("concept_encoder")
 DEEPSPEED_MODEL_FOLDER = "pytorch_model"  # the engine's checkpoint tag (folder) in accelerate's `save_state`
@@ -71,8 +74,7 @@ def staged_checkpoint(accelerator, checkpoint: Path, run_dir: Path, universal: b
         return
     staged = Path(run_dir) / RESHARDING_FOLDER / checkpoint.name
     if accelerator.is_main_process:
-        shutil.rmtree(staged, ignore_errors=True)  # a stage left by an interrupted resume
-        staged.mkdir(parents=True)
+        fresh_folder(staged, run_dir)  # a stage left by an interrupted resume is removed; a link is only unlinked
         for entry in checkpoint.iterdir():
             if entry.name != DEEPSPEED_MODEL_FOLDER:
                 (staged / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
@@ -85,6 +87,6 @@ def staged_checkpoint(accelerator, checkpoint: Path, run_dir: Path, universal: b
     finally:
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            shutil.rmtree(staged, ignore_errors=True)
+            remove_below(staged, run_dir)
             with contextlib.suppress(OSError):
                 staged.parent.rmdir()

@@ -15,7 +15,7 @@ from filelock import FileLock, Timeout
 from ..common.paths import OWNER_MARKER, NotOursError, check_replaceable, written_aside
 from .checkpoint import checkpoint_dirs, disk_full
 from .faults import RunFolderError, is_disk_full
-from .model_folder import holds_only_saved_model_files
+from .model_folder import holds_only_saved_model_files, save_tokenizer_without_code
 from .plan import foreign_run_folder
 
 logger = logging.getLogger("concept_encoder")
@@ -142,7 +142,7 @@ def keep_run_tokenizer(run_dir: Path, tokenizer) -> None:
     if folder.is_dir():
         return
     with written_aside(folder) as partial:
-        tokenizer.save_pretrained(partial)
+        save_tokenizer_without_code(tokenizer, partial)
 
 
 def ended_on_its_own(run_dir: Path) -> bool:
