@@ -99,6 +99,7 @@ from concept_encoder.training.optim import build_optimizer, build_scheduler, cou
 from concept_encoder.training.probe import describe_pooling, linear_probe
 from concept_encoder.training.runs import init_wandb, save_run_config, setup_run_dirs
 from concept_encoder.training.runtime import (
+    finish_distributed,
     maybe_compile,
     model_state_dict,
     plain_model,
@@ -511,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         if fargs.finetune:
             runs = fine_tune_model(state, model_path, task, splits, tokenizer, fargs, task_args, args, run_base)
             if runs is None:  # stopped by a signal, checkpointed: no report from a partial set of runs
+                finish_distributed(state)  # every rank stopped here (the signal is agreed on by all)
                 return 0
             results += runs
     # report: one row per (model, method, task), mean ± std over seeds, beside the baselines
@@ -521,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_report(results, {task.name: baselines}, Path(fargs.report_dir), title)
         logger.info("report: %s", ", ".join(str(p) for p in paths.values()))
         print(paths["md"].read_text())
-    state.wait_for_everyone()
+    finish_distributed(state)  # every rank met, the process group destroyed before the interpreter ends
     stopped = [r for r in results if r.get("stopped_by_gate")]
     if stopped:
         logger.warning("%d run(s) stopped by a gate: %s", len(stopped), ", ".join(r["run_dir"] for r in stopped))

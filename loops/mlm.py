@@ -117,6 +117,7 @@ from concept_encoder.training.runs import (
 )
 from concept_encoder.training.runtime import (
     apply_memory_budget,
+    finish_distributed,
     maybe_compile,
     model_state_dict,
     plain_model,
@@ -571,8 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = json.loads((run_dir / "summary.json").read_text())
         command = launch_command([], model_args, data_args, args)
         write_model_card(run_dir / "final", run_dir.name, config, summary, command)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    finish_distributed(accelerator, model)  # in-flight gathers drained, ranks met, process group destroyed
     preemption.restore()  # only now: a second signal (e.g. the launcher's death after it forwarded one) must not kill the final save
     if run_lock is not None:
         run_lock.release()

@@ -142,7 +142,7 @@ def test_init_order(monkeypatch):
         "setup_distributed", "setup_logging", "parse_args", "set_seed", "log_system_info", "log_data_config",
         "prepare_data", "log_dataset_sizes", "build_model", "log_model_info", "probe_attention_kernels",
         "maybe_compile", "setup_run_dirs", "save_run_config", "init_wandb", "Accelerator", "train_step",
-        "save_final",
+        "save_final", "finish_distributed",
     ]  # fmt: skip
     for name in names:
         real = getattr(mlm, name)

@@ -47,6 +47,26 @@ def setup_distributed() -> PartialState:
     return state
 
 
+def finish_distributed(state, model=None) -> None:
+    """The last step of every loop, on every rank: ZeRO-3's parameter gathers still in flight drained
+    (`empty_partition_cache`, DeepSpeed's own call; other engines and plain modules have nothing in flight), all
+    ranks waited for, the trackers finished (`Accelerator.end_training`) and the process group destroyed.
+
+    Why all of it: a process group, or a gather's work handle, that outlives the loop is destroyed while the
+    interpreter shuts down, where freeing its tensors needs an interpreter that is gone; the rank then aborts
+    (SIGABRT, "terminate called without an active exception") after its work is done, its launcher reports a
+    failure, and on several machines the other machines' launchers wait out their exit barrier (5 minutes).
+    `state`: the run's `Accelerator`, or the `PartialState` of a loop that made one per run."""
+    drain = getattr(model, "empty_partition_cache", None)
+    if callable(drain):
+        drain()
+    state.wait_for_everyone()
+    if hasattr(state, "end_training"):
+        state.end_training()  # trackers, then the process group
+    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 LAUNCHERS = ("accelerate", "torch.distributed.run", "torchrun", "deepspeed")
 
 
