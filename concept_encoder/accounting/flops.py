@@ -10,10 +10,11 @@ forward matmul). The latent layers are counted on their C concept rows, not the 
                         4·C·H²      concept queries and output projection
                         8·C·H² + 4·C²·H   concept self-attention
                         6·C·H·I     gated FFN on the concepts
-    local mixer (`local_mixer` conv), once  2·N·H·w   the depthwise convolution of width w (H channels,
-                                    one w-tap filter each). `FlopCounterMode` counts its forward so, but drops
-                                    `groups` in the backward: it counts the weight gradient as a dense conv's,
-                                    H times 2·N·H·w; this count keeps the true 3 × 2·N·H·w (tests/test_local_mixer.py)
+    local mixer (`local_mixer` conv)  2·N·H·w   the depthwise convolution of width w (H channels, one w-tap
+                                    filter each), once (`local_mixer_placement` first) or in each of the L layers
+                                    (every). `FlopCounterMode` counts its forward so, but drops `groups` in the
+                                    backward: it counts the weight gradient as a dense conv's, H times 2·N·H·w;
+                                    this count keeps the true 3 × 2·N·H·w (tests/test_local_mixer.py)
     token refinement (`token_refinement`), per refining layer (all but the last, whose update nothing reads,
     unless the refined tokens are an output: `cls` pooling):
                         4·N·H² + 4·C·H² + 4·N·C·H + 6·N·H·I   token queries and output, concept keys/values,
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..model.constants import refining_layers, token_kv_groups
+from ..model.constants import local_mixer_count, refining_layers, token_kv_groups
 from .architectures import CONCEPT_MODEL_TYPE, TOKEN_ENCODERS, UnmodelledArchitecture, token_encoder_sizes, unmodelled
 
 
@@ -67,7 +68,8 @@ def encoder_forward_flops(config: Mapping, seq_len: int, returns_tokens: bool = 
     layer = 4 * C * N * H + 4 * C * H * H + 8 * C * H * H + 4 * C * C * H + 6 * C * H * inner
     refining = refining_layers(config.get("token_refinement", False), L, returns_tokens)
     refinement = 4 * N * H * H + 4 * C * H * H + 4 * N * C * H + 6 * N * H * inner
-    mixer = 2 * N * H * config.get("local_mixer_width", 3) if config.get("local_mixer", "none") == "conv" else 0
+    mixers = local_mixer_count(config.get("local_mixer", "none"), config.get("local_mixer_placement", "first"), L)
+    mixer = mixers * 2 * N * H * config.get("local_mixer_width", 3)
     return groups * 4 * N * H * H + L * layer + refining * refinement + mixer
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..model.constants import VOCAB_CHUNK_ELEMENTS, refining_layers, token_kv_groups
+from ..model.constants import VOCAB_CHUNK_ELEMENTS, local_mixer_count, refining_layers, token_kv_groups
 from .zero_buffers import zero_buffer_bytes
 from .zero_buffers import zero_settings as zero_settings  # re-exported: the project imports it from here
 
@@ -63,13 +63,15 @@ def parameter_count(
     token_refinement: bool = False,
     local_mixer: str = "none",
     local_mixer_width: int = 3,
+    local_mixer_placement: str = "first",
     **_ignored,
 ) -> dict[str, int]:
     """Exact parameter counts of `ConceptEncoderForMaskedLM` from its config fields (with shared token
     keys/values, the encoder's cross-attentions keep their queries, output and query norm; each group's
     `TokenKeyValue` holds the context norm and key/value projection; `token_refinement` adds a reading layer,
     cross-attention + FFN, to every encoder layer but the last: its update nothing in the MLM model reads;
-    `local_mixer` conv adds its depthwise filters H·w, their biases H and a LayerNorm 2·H)."""
+    `local_mixer` conv adds its depthwise filters H·w, their biases H and a LayerNorm 2·H: once, or per layer
+    under `local_mixer_placement` every)."""
     V, H, L, I, C, P = (  # noqa: E741 (I: FFN width, as in the config docs)
         vocab_size,
         hidden_size,
@@ -94,7 +96,7 @@ def parameter_count(
     head = H * H + H + 2 * H + V + (0 if tie_word_embeddings else V * H)
     counts = {
         "embeddings": V * H + P * H + 2 * H,
-        "local_mixer": H * local_mixer_width + 3 * H if local_mixer == "conv" else 0,
+        "local_mixer": local_mixer_count(local_mixer, local_mixer_placement, L) * (H * local_mixer_width + 3 * H),
         "concepts": C * H,
         "layers": L * layer,
         "token_kv": 0 if token_kv_sharing == "none" else groups * token_kv,
@@ -246,6 +248,7 @@ def activation_bytes(
     token_kv_sharing: str = "none",
     token_refinement: bool = False,
     local_mixer: str = "none",
+    local_mixer_placement: str = "first",
     mlm_probability: float = 0.15,
     bytes_per_element: int = 2,
     fused_attention: bool = True,
@@ -272,8 +275,10 @@ def activation_bytes(
     (one layer live at a time). `token_refinement` adds, per layer, the tokens' reading layer in the same
     accounting as a decoder query (~(12·H + 4·I) per token, with the math kernel also B·heads·N·C
     probabilities; all layers counted, an upper bound for the MLM step whose last layer skips it), and each
-    layer's input then holds the tokens too. `local_mixer` conv keeps ~3·B·N·H more, once: the padding-zeroed
-    input the convolution's weight gradient needs, the residual sum its LayerNorm normalises, and the output.
+    layer's input then holds the tokens too. `local_mixer` conv keeps ~3·B·N·H more per mixer: the padding-zeroed
+    input the convolution's weight gradient needs, the residual sum its LayerNorm normalises, and the output; once
+    (`local_mixer_placement` first) or for each of the L layers (every: the mixers sit outside the checkpointed
+    layers, so gradient checkpointing keeps them all).
     """
     B, N, H, I, C, V = micro_batch, seq_len, hidden_size, intermediate_size, concept_num, vocab_size  # noqa: E741
     masked = max(1, round(mlm_probability * N)) * B
@@ -293,7 +298,8 @@ def activation_bytes(
         shared = 0 if token_kv_sharing == "none" else groups * token_side
     layers = (num_hidden_layers * layer_input + per_layer) if gradient_checkpointing else num_hidden_layers * per_layer
     layers += shared
-    mixer = 3 * B * N * H if model_type != "bert" and local_mixer == "conv" else 0
+    mixers = 0 if model_type == "bert" else local_mixer_count(local_mixer, local_mixer_placement, num_hidden_layers)
+    mixer = mixers * 3 * B * N * H
     elements = 4 * B * N * H + mixer + layers + decoder
     return int(elements * bytes_per_element + loss_bytes(masked, H, V, bytes_per_element))
 

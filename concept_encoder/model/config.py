@@ -66,12 +66,20 @@ class ConceptEncoderConfig(PretrainedConfig):
             read, plus 4·N·H² + 6·N·H·I per layer for the tokens' projections and FFN). Off by default: the
             tokens are then never updated (Perceiver). Needs `token_kv_sharing` none (refined tokens change
             every layer, so their keys and values cannot be computed once).
-        local_mixer: `none` (tokens carry only their identity and position) or `conv`: once before the first
-            layer, each token embedding adds a depthwise convolution of itself and its neighbours, then a LayerNorm
-            (`LocalMixer`, O(N·H·w)), so a concept can read a token bound to the tokens beside it (a key to its
-            value). Padded positions are zeroed before the convolution, so padding never reaches a real token. The
-            MLM decoder's queries keep the unmixed embeddings (docs/model.md, "Local token mixer").
+        local_mixer: `none` (tokens carry only their identity and position) or `conv`: before the first layer
+            (or before every layer: `local_mixer_placement`), each token embedding adds a depthwise convolution of
+            itself and its neighbours, then a LayerNorm (`LocalMixer`, O(N·H·w)), so a concept can read a token
+            bound to the tokens beside it (a key to its value). Padded positions are zeroed before the convolution,
+            so padding never reaches a real token. The MLM decoder's queries keep the unmixed embeddings
+            (docs/model.md, "Local token mixer").
         local_mixer_width: the convolution's window w, odd (3: a token and one neighbour on each side).
+        local_mixer_placement: where the `conv` mixer acts. `first` (the default, and what a saved config without
+            the key loads as): once, on the embeddings before the first layer. `every`: each layer has a mixer of
+            its own (`ConceptEncoder.local_mixers`), applied before the layer to the tokens its cross-attention
+            reads, O(N·H·w) per layer. Without `token_refinement` the tokens persist between layers, so layer l
+            reads the embeddings mixed l+1 times (the window grows by w-1 per layer); with it each mixer acts on
+            the refined tokens its layer receives. Needs `local_mixer` conv and `token_kv_sharing` none (shared
+            keys/values come from one token state, while each layer here reads its own).
         classifier_pooling: `weighted` (learned attention pooling over concepts), `mean`, or `cls` (the `[CLS]`
             token's refined state; needs `token_refinement`).
         pad_token_id, mask_token_id, cls_token_id, sep_token_id, unk_token_id: special token ids.
@@ -98,6 +106,7 @@ class ConceptEncoderConfig(PretrainedConfig):
     token_refinement: bool = False
     local_mixer: str = "none"
     local_mixer_width: int = 3
+    local_mixer_placement: str = "first"
     classifier_pooling: str = "weighted"
     pad_token_id: int | None = 0
     unk_token_id: int | None = 1
@@ -147,7 +156,9 @@ class ConceptEncoderConfig(PretrainedConfig):
             )
         if problem := token_refinement_problem(self.token_refinement, self.token_kv_sharing):
             raise ValueError(problem)
-        if problem := local_mixer_problem(self.local_mixer, self.local_mixer_width):
+        if problem := local_mixer_problem(
+            self.local_mixer, self.local_mixer_width, self.local_mixer_placement, self.token_kv_sharing
+        ):
             raise ValueError(problem)
         if self.classifier_pooling == "cls" and not self.token_refinement:
             raise ValueError(

@@ -14,6 +14,9 @@ VOCAB_CHUNK_ELEMENTS = 2**24
 DECODER_TYPES = ("perceiver", "posonly", "weighted")
 CLASSIFIER_POOLINGS = ("weighted", "mean", "cls")  # cls: the [CLS] token's refined state (token_refinement)
 LOCAL_MIXERS = ("none", "conv")  # conv: a residual depthwise convolution over the token embeddings (modeling.py)
+# Where the mixer acts: `first`, once on the embeddings before the first layer; `every`, a mixer of its own before
+# each layer, on the tokens that layer reads (modeling.py)
+LOCAL_MIXER_PLACEMENTS = ("first", "every")
 POSITION_EXTENSIONS = ("no", "copy")  # a saved model read past its position table: refused, or copied (positions.py)
 
 
@@ -58,12 +61,36 @@ def token_refinement_problem(token_refinement, token_kv_sharing: str) -> str | N
     return None
 
 
-def local_mixer_problem(local_mixer, local_mixer_width) -> str | None:
-    """Why `local_mixer` with `local_mixer_width` cannot be built, else None. The width must be odd so the
-    convolution is centred (a token sees (w-1)/2 neighbours on each side) and keeps the sequence length."""
+def local_mixer_count(local_mixer: str, local_mixer_placement: str, num_layers: int) -> int:
+    """How many `LocalMixer`s an encoder of `num_layers` layers holds: none (`local_mixer` none), one (placement
+    `first`) or one per layer (placement `every`)."""
+    if local_mixer != "conv":
+        return 0
+    return num_layers if local_mixer_placement == "every" else 1
+
+
+def local_mixer_problem(
+    local_mixer, local_mixer_width, local_mixer_placement="first", token_kv_sharing: str = "none"
+) -> str | None:
+    """Why `local_mixer` with `local_mixer_width`, `local_mixer_placement` (and `token_kv_sharing`) cannot be
+    built, else None. The width must be odd so the convolution is centred (a token sees (w-1)/2 neighbours on each
+    side) and keeps the sequence length. Placement `every` needs a mixer to place, and needs token_kv_sharing none:
+    shared keys/values are computed once per group of layers from one token state, while under `every` each layer
+    reads its own (mixed once more); reading a group's first state would leave the other layers' mixers without
+    effect or gradient."""
     if local_mixer not in LOCAL_MIXERS:
         return f"local_mixer={local_mixer!r} is unknown; choose one of {LOCAL_MIXERS}"
     width = local_mixer_width
     if not isinstance(width, int) or isinstance(width, bool) or width < 1 or width % 2 == 0:
         return f"local_mixer_width={width!r} must be an odd positive integer (a centred window: 3, 5, 7, ...)"
+    if local_mixer_placement not in LOCAL_MIXER_PLACEMENTS:
+        return f"local_mixer_placement={local_mixer_placement!r} is unknown; choose one of {LOCAL_MIXER_PLACEMENTS}"
+    if local_mixer_placement == "every" and local_mixer == "none":
+        return "local_mixer_placement=every needs local_mixer=conv (with none there is no mixer to place)"
+    if local_mixer_placement == "every" and token_kv_sharing != "none":
+        return (
+            f"local_mixer_placement=every mixes the tokens again before every layer, so token_kv_sharing="
+            f"{token_kv_sharing!r} (keys/values computed once per group from one token state) cannot hold; use "
+            "token_kv_sharing none with placement every, or local_mixer_placement first"
+        )
     return None

@@ -3,9 +3,10 @@
 Forward pass, with shapes::
 
     input_ids [B,N] ──embeddings──▶ tokens [B,N,H]            (word + learned position, LN)
-    [local_mixer conv] tokens ← LN(tokens + depthwise-conv_w(tokens))   O(N·H·w), once
+    [local_mixer conv, placement first] tokens ← LN(tokens + depthwise-conv_w(tokens))   O(N·H·w), once
     concepts  [C,H] ──repeat──────▶ concepts [B,C,H]
     L × ConceptLayer:
+        [local_mixer conv, placement every] tokens ← this layer's own mixer(tokens)   O(N·H·w) per layer
         concepts ← cross-attn(concepts, tokens, key padding mask)   O(N·C)
         concepts ← self-attn(concepts)                              O(C²)
         concepts ← gated-GELU FFN(concepts)
@@ -60,6 +61,9 @@ class LocalMixer(nn.Module):
 
     Padding: padded positions are zeroed before the convolution (the convolution's own zero padding at the
     sequence ends is the same zero), so a real token's mixed state is the same with or without padding after it.
+
+    Placement (`local_mixer_placement`): `first`, one mixer on the embeddings (`ConceptEncoder.local_mixer`);
+    `every`, one per layer (`ConceptEncoder.local_mixers`), each on the tokens its layer reads.
     """
 
     def __init__(self, config: ConceptEncoderConfig):
@@ -160,7 +164,12 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
         that no gradient reaches (DDP and ZeRO need one for every parameter)."""
         super().__init__(config)
         self.embeddings = TokenEmbeddings(config)
-        self.local_mixer = LocalMixer(config) if config.local_mixer == "conv" else None
+        mixing = config.local_mixer == "conv"
+        every = mixing and config.local_mixer_placement == "every"
+        self.local_mixer = LocalMixer(config) if mixing and not every else None  # placement first: once
+        # placement every: a mixer of its own before each layer (each its own weights)
+        layers = config.num_hidden_layers
+        self.local_mixers = nn.ModuleList(LocalMixer(config) for _ in range(layers)) if every else None
         self.concepts = nn.Parameter(torch.empty(config.concept_num, config.hidden_size))
         shared = config.token_kv_sharing != "none"
         groups = token_kv_groups(config.token_kv_sharing, config.num_hidden_layers)
@@ -205,12 +214,15 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)  # [1,N]
         tokens = self.embeddings(input_ids, position_ids)  # [B,N,H]
-        if self.local_mixer is not None:  # each token sees its neighbours (never padding)
-            tokens = self.local_mixer(tokens, None if padded is False else attention_mask)  # [B,N,H]
+        mixer_mask = None if padded is False else attention_mask  # [B,N] or None: padding zeroed before each conv
+        if self.local_mixer is not None:  # placement first: each token sees its neighbours (never padding), once
+            tokens = self.local_mixer(tokens, mixer_mask)  # [B,N,H]
         token_mask = padding_mask(attention_mask, padded)  # [B,N] or None
         concepts = self.concepts.unsqueeze(0).repeat(batch, 1, 1)  # [B,C,H], a real copy per sample
         shared_kv: dict[int, torch.Tensor] = {}  # group → the tokens' keys/values [B,N,2H], computed once
         for index, layer in enumerate(self.layers):
+            if self.local_mixers is not None:  # placement every: this layer's mixer, on the tokens it reads
+                tokens = self.local_mixers[index](tokens, mixer_mask)  # [B,N,H]; kept: the next layer mixes again
             context = tokens
             if self.token_kv is not None:
                 group = token_kv_group(index, len(self.token_kv), len(self.layers))

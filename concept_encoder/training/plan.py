@@ -41,6 +41,7 @@ def fresh_model_fields(model_args, max_seq_length: int, vocab_size: int, **speci
         fields["token_refinement"] = getattr(model_args, "token_refinement", False)
         fields["local_mixer"] = getattr(model_args, "local_mixer", "none")
         fields["local_mixer_width"] = getattr(model_args, "local_mixer_width", 3)
+        fields["local_mixer_placement"] = getattr(model_args, "local_mixer_placement", "first")
     if model_args.concept_num is not None:
         fields["concept_num"] = model_args.concept_num
     if model_args.hidden_dropout_prob is not None:
