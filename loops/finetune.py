@@ -33,6 +33,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from concept_encoder.common import json_io
 from concept_encoder.common.entry import interrupt_in_one_line, run_tool
 
 if __name__ == "__main__":  # Ctrl-C while the rest imports (transformers, torch: seconds): one line
@@ -295,7 +296,8 @@ def fine_tune(
                   **({"gates": gates.summary(), "stopped_by_gate": gate_stopped} if args.gate else {})}  # fmt: skip
         last = model_state_dict(accelerator, model) if fargs.report_last_step else None  # collective
         if accelerator.is_main_process:
-            losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+            losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"
+                      and r["loss"] is not None]  # fmt: skip
             ends = max(1, len(losses) // 10)  # mean of the first and the last tenth of the logged losses
             result["train_loss"] = [sum(losses[:ends]) / ends, sum(losses[-ends:]) / ends] if losses else None
             final = run_dir / "final"  # written aside: never half a model; replaces only a model folder ours
@@ -308,7 +310,7 @@ def fine_tune(
                         save_model_weights(plain_model(accelerator, model), partial, last, args.save_dtype)
                         save_tokenizer_without_code(tokenizer, partial)
                 with written_aside(run_dir / "summary.json") as partial:  # a seed is finished when this is whole
-                    partial.write_text(json.dumps(result, indent=2))
+                    partial.write_text(json_io.dumps(result, indent=2))
             except (OSError, RuntimeError) as error:  # a full disk: one line naming the last intact checkpoint
                 if is_disk_full(error):
                     raise disk_full(run_dir, f"the model {final}") from error
@@ -351,13 +353,13 @@ def validate(state, result: dict, task, splits, tokenizer, fargs, args) -> dict:
         MetricsWriter(run_dir / "metrics.jsonl").write(
             {"kind": "validation", "step": result["best_step"], **validation}
         )
-        (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+        (run_dir / "summary.json").write_text(json_io.dumps(result, indent=2))
         logger.info("%s lr %g seed %d: validation %s", result["model"], result["learning_rate"], result["seed"],
                     validation)  # fmt: skip
     if accelerator.num_processes > 1:  # each rank's view: with gathered predictions they must agree
         (run_dir / "ranks").mkdir(exist_ok=True)
         view = {"best_step": result["best_step"], "dev": result["dev"], "validation": validation}
-        (run_dir / "ranks" / f"rank{accelerator.process_index}.json").write_text(json.dumps(view))
+        (run_dir / "ranks" / f"rank{accelerator.process_index}.json").write_text(json_io.dumps(view))
     accelerator.wait_for_everyone()
     accelerator.free_memory()
     return result

@@ -27,12 +27,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from concept_encoder.common import json_io
 from concept_encoder.common.entry import interrupt_in_one_line, run_tool
 
 if __name__ == "__main__":  # Ctrl-C while the rest imports (transformers, torch: seconds): one line
     interrupt_in_one_line("loops/mlm.py")
 
-from concept_encoder.training.preflight import fail_fast, one_line_errors, preflight
+from concept_encoder.training.preflight import check_maskable, fail_fast, one_line_errors, preflight
 
 if __name__ == "__main__":  # a bad argument fails in about a second, before torch and the models load
     fail_fast(sys.argv[1:])
@@ -233,7 +234,7 @@ def save_final(
         (run_dir / "ranks").mkdir(exist_ok=True)
         view = {"eval_loss": (last_eval or {}).get("eval_loss"), "param_checksum": checksum, "step": progress.step,
                 "held_at_construction": held}  # fmt: skip
-        (run_dir / "ranks" / f"rank{accelerator.process_index}.json").write_text(json.dumps(view))
+        (run_dir / "ranks" / f"rank{accelerator.process_index}.json").write_text(json_io.dumps(view))
     if accelerator.is_main_process:
         plot = plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
         summary = {
@@ -246,7 +247,7 @@ def save_final(
             **(last_eval or {}),
             **(notes or {}),  # e.g. a detected divergence
         }
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (run_dir / "summary.json").write_text(json_io.dumps(summary, indent=2))
         health = health_of(last_eval or {})
         if health:
             logger.info("concept health at the last evaluation:\n%s", format_health_table(health))
@@ -285,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     data = prepare_data(data_args, cache_dir="Cache", seed=args.seed + state.process_index,  # own masks per rank
                         tokenizer_folder=kept if kept is not None and kept.is_dir() else None,
                         task_texts=training_texts)  # fmt: skip
+    check_maskable(data)  # a tokenizer that leaves nothing to mask (a NaN loss every step) is refused here
     corruption = build_corruption(
         args.objective, data.collator, data.tokenizer, args, seed=args.seed + state.process_index
     )

@@ -100,7 +100,7 @@ def test_the_embedding_init_projects_the_teachers_table_and_needs_its_vocabulary
         (["--objective", "distill", "--packing", "false"], "needs --teacher <model folder>"),
         (["--teacher", "."], "apply to --objective distill only"),
         (["--objective", "distill", "--teacher", "{teacher}"], "add --packing false"),
-        (["--objective", "distill", "--packing", "false", "--teacher", "./nowhere"], "no config.json there"),
+        (["--objective", "distill", "--packing", "false", "--teacher", "./nowhere"], "nowhere is not a folder"),
         (["--objective", "distill", "--packing", "false", "--teacher", "{teacher}", "--distill_loss", "kl"],
          "distill_loss='kl' is unknown"),
         (["--objective", "distill", "--packing", "false", "--teacher", "{teacher}", "--mlm_weight", "-1"],

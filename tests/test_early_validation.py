@@ -73,6 +73,7 @@ def test_a_ds_config_out_of_range_is_one_line_for_the_plan_checker_and_the_loop(
         (lambda t: ["--concept_num", "100000"], "this run needs about [0-9,.]+ GiB of memory .*100000 concepts"),
         (lambda t: ["--model_name_or_path", str(t), "--concept_num", "4"], "shape a fresh model; --model_name_or_path"),
         (lambda t: ["--per_device_train_batch_size", "2000000"], "activations [0-9,.]+ GiB each, at batch 2000000"),
+        (lambda t: ["--tokenizer", "listops"], "--tokenizer listops knows only the symbols of listops tasks"),
     ],
     ids=[
         "yaml-float-steps",
@@ -86,6 +87,7 @@ def test_a_ds_config_out_of_range_is_one_line_for_the_plan_checker_and_the_loop(
         "concepts-beyond-memory",
         "batch-beyond-memory",
         "shape-beside-a-model-folder",
+        "listops-tokenizer-on-text",
     ],  # fmt: skip
 )
 def test_bad_arguments_fail_before_data_and_model_are_built(tmp_path, monkeypatch, make_args, message):

@@ -238,7 +238,10 @@ def test_usage_errors_exit_2(capsys):
     ("argv", "message"),
     [
         (["--learning_rate", "-1"], "learning_rate=-1.0 must be > 0"),
-        (["--masking", "bogus"], "masking='bogus' is unknown; choose one of ('mlm', 'whole_word', 'span', 'query_values')"),
+        (
+            ["--masking", "bogus"],
+            "masking='bogus' is unknown; choose one of ('mlm', 'whole_word', 'span', 'query_values')",
+        ),
         (["--no-such-flag"], "unknown argument(s) ['--no-such-flag']"),
         (["--preset", "huge"], "preset='huge' is unknown"),
         (["--concept_losses", "orthogonal"], "unknown concept loss(es) ['orthogonal']"),

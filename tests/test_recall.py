@@ -72,7 +72,8 @@ def test_task_names_parse_and_bad_settings_are_refused_in_one_line():
     for bad, message in (("recall", "recall:<K>"), ("recall:4:64", "recall:<K>"), ("recall:x", "recall:<K>"),
                          ("recall:80", "K=80 pairs need K distinct keys out of 64"), ("recall:0", "1 <= K"),
                          ("recall:4:64:0", "at least 2 keys and 2 values"), ("recall:4:64:16:10", "100 training"),
-                         ("recall:2:2:2:200", "distinct examples")):  # fmt: skip
+                         ("recall:2:2:2:200", "distinct examples"),
+                         ("recall:8:64:16:900000000", "examples fit here; give fewer training examples")):  # fmt: skip
         with pytest.raises(ValueError, match=message) as error:
             TaskArguments(task=bad)
         assert "\n" not in str(error.value)

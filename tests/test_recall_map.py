@@ -36,7 +36,7 @@ def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, ca
     assert cells == [(k, c) for k in (2, 3) for c in ("C4-none", "C4-conv", "bert")]
     for row in data["rows"]:
         assert len(row["seeds"]) == (2 if row["pairs"] == 2 else 1) and row["main"] == (row["pairs"] == 2)
-        assert 0 <= row["accuracy"] <= 1 and row["cell_seconds"] > 0 and row["runs"] == len(row["seeds"])
+        assert 0 <= row["accuracy"] <= 1 and row["cell_seconds"] >= 0 and row["runs"] == len(row["seeds"])
         assert row["no_binding_line"] == data["lines"][str(row["pairs"])]
     mixed = json.loads(Path("Cache/recall/recall-K2/models/C4-conv/config.json").read_text())
     plain = json.loads(Path("Cache/recall/recall-K2/models/C4-none/config.json").read_text())

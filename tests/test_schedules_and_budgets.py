@@ -65,7 +65,7 @@ def test_wsd_warms_up_holds_the_peak_then_decays_to_its_floor_at_the_last_step()
         (["--lr_scheduler_type", "wsd", "--decay_steps", "590", "--warmup_steps", "20"],
          "warm-up 20 \\+ decay_steps 590 exceed max_steps 600"),
         (["--decay_steps", "10"], "--decay_steps applies to --lr_scheduler_type wsd only \\(this run: cosine\\)"),
-        (["--lr_scheduler_type", "linear", "--min_lr_ratio", "0.1"], "--min_lr_ratio applies to wsd and cosine"),
+        (["--lr_scheduler_type", "linear", "--min_lr_ratio", "0.1"], "--min_lr_ratio applies to --lr_scheduler_type wsd or cosine only"),
         (["--min_lr_ratio", "1"], "min_lr_ratio=1.0 must be in \\[0, 1\\)"),
         (["--lr_scheduler_type", "wsd", "--decay_steps", "5", "--decay_type", "exp"], "decay_type='exp' is unknown"),
         (["--lr_scheduler_type", "step"], "lr_scheduler_type='step' is unknown"),

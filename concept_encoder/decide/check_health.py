@@ -23,6 +23,7 @@ from pathlib import Path
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from ..common import json_io
 from ..common.cli_types import at_least
 from ..concepts.health import format_health_table
 from ..data import DataArguments, DataSourceError, prepare_data
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             "unigram_token": data.tokenizer.convert_ids_to_tokens(unigram),
             **table,
         }
-        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+        Path(args.json).write_text(json_io.dumps(record, indent=2) + "\n")
     print(
         f"\nmasked-token accuracy {result['eval_accuracy']:.4f} against {result['eval_unigram_accuracy']:.4f} for always "
         f"guessing {data.tokenizer.convert_ids_to_tokens(unigram)!r} on the same {result['eval_masked_tokens']:,} "

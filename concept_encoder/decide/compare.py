@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..common import json_io
 from ..common.paths import cache_path
 from ..common.report_files import check_report_dir, claim_report_stem
 from ..training.faults import DiskFullError, written_whole
@@ -244,7 +245,7 @@ def compare(paths: list[str | Path], report_dir: str | Path = "Cache/reports") -
                   "gates": dict(zip(names, gates, strict=True)), "markdown": str(stem.with_suffix(".md")),
                   "png": str(png) if png else None}  # fmt: skip
         stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
+        stem.with_suffix(".json").write_text(json_io.dumps(result, indent=2, default=str))
     result["text"] = "\n".join(lines)
     return result
 

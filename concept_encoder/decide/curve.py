@@ -44,7 +44,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from ..common import process_group
+from ..common import json_io, process_group
 from ..common.cli_types import at_least
 from ..common.paths import PROJECT_ROOT, cache_path, folder_problem
 from ..common.report_files import claim_report_stem
@@ -329,7 +329,7 @@ def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan,
             if plan.run_to > steps and (problem := extension_problem(plan, run_dir, steps)):
                 raise ValueError(problem)
     folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(request, indent=2))
+    path.write_text(json_io.dumps(request, indent=2))
 
 
 def exclusive(folder: Path, what: str) -> FileLock | None:
@@ -352,7 +352,7 @@ def write_report_files(report: dict, report_dir: str, prefix: str, markdown, plo
     paths = {ext: Path(f"{stem}.{ext}") for ext in ("md", "json", "png")}
     with written_whole(list(paths.values()), f"the report {stem.name}.*"):
         paths["md"].write_text(markdown(report))
-        paths["json"].write_text(json.dumps(report, indent=2, default=str))
+        paths["json"].write_text(json_io.dumps(report, indent=2, default=str))
         plot(report, paths["png"])
     return paths
 
@@ -406,7 +406,7 @@ class Curve:
         report = json.loads(found[-1].read_text())
         point = {"key": key, "model": model, **info, "rows": report["rows"], "baselines": report["baselines"],
                  "runs": report["runs"]}  # fmt: skip
-        self.point_file(key).write_text(json.dumps(point, indent=2))
+        self.point_file(key).write_text(json_io.dumps(point, indent=2))
         return point
 
     def reused_or_measured(self, key: str, model: str, extra: list[str], info: dict, what: str) -> dict:
@@ -722,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(summary, curve.folder / "curve.png", title)
     serialisable = {**summary, "curves": {f"{a} / {m}": s for (a, m), s in summary["curves"].items()},
                     "lines": {f"{label} / {m}": e for (label, m), e in summary["lines"].items()}}  # fmt: skip
-    (curve.folder / "curve.json").write_text(json.dumps(serialisable, indent=2))
+    (curve.folder / "curve.json").write_text(json_io.dumps(serialisable, indent=2))
     print((curve.folder / "curve.md").read_text())
     print(f"curve: {curve.folder / 'curve.png'}, table: {curve.folder / 'curve.md'}")
     return 0

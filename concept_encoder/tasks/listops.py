@@ -26,12 +26,21 @@ specials, saved like any tokenizer; `--tokenizer listops` names it.
 
 from __future__ import annotations
 
+import functools
+import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..data.listops_vocab import CLOSE, DIGITS, OPERATORS, SYMBOLS
-from .generated import cached_splits, consecutive_splits, rule_accuracies, settings_digest
+from .generated import (
+    MIN_ROW_BYTES,
+    cached_splits,
+    consecutive_splits,
+    generation_problem,
+    rule_accuracies,
+    settings_digest,
+)
 
 GENERATOR_VERSION = 1
 SEED = 0
@@ -87,6 +96,97 @@ def generate_tree(rng: random.Random, max_length: int) -> tuple[list[str], int]:
     return symbols, value
 
 
+def longest_tree(depth: int = 1) -> int:
+    """The most symbols a tree rooted at `depth` can have: operators of `MAX_ARGUMENTS` arguments down to
+    `MAX_DEPTH`, where every node is a digit (1,222,222,222 for the root)."""
+    return 1 if depth >= MAX_DEPTH else 2 + MAX_ARGUMENTS * longest_tree(depth + 1)
+
+
+SHORTEST_OPERATOR_TREE = 4  # `[MAX 2 9 ]`: one operator over two digits; a lone digit is the only shorter tree
+LONGEST_TREE = longest_tree()
+DISTRIBUTION_LIMIT = 1 << 14  # lengths at and beyond this are lumped: a tree this long is drawn ~1e-15 of the time
+COUNT_LIMIT = 64  # beyond this length the distinct trees outnumber any split many times over
+COUNT_CAP = 1e30  # counts are capped here: they only need to exceed a split's size
+
+
+def reachable_lengths(low: int, high: int) -> bool:
+    """Whether some tree has a length in `low..high`: 1 (a digit) or `SHORTEST_OPERATOR_TREE..LONGEST_TREE`."""
+    return low <= 1 <= high or max(low, SHORTEST_OPERATOR_TREE) <= min(high, LONGEST_TREE)
+
+
+def truncated_convolution(a, b, size: int, fft: bool):
+    """`a * b` (the length distribution of two trees side by side) over lengths 0..`size`, everything longer lumped
+    at `size` (still beyond any bound there); `fft` for long float vectors, direct for exact small counts."""
+    import numpy as np
+
+    if fft:
+        n = 1 << (2 * size + 1).bit_length()
+        full = np.fft.irfft(np.fft.rfft(a, n) * np.fft.rfft(b, n), n)[: 2 * size + 1].clip(min=0)
+    else:
+        full = np.convolve(a, b)
+    head = full[: size + 1].copy()
+    head[size] += full[size + 1 :].sum()
+    return head
+
+
+def length_weights(size: int, digit: float, leaf_digit: float, operator: float, fft: bool, cap: float = math.inf):
+    """Weights of a root tree's lengths 0..`size` (longer lumped at `size`) under the generator's rules, by depth
+    from `MAX_DEPTH` up: a node weighs `digit` as a digit (`leaf_digit` at `MAX_DEPTH`) and, above it, `operator`
+    times its arguments' weights for each argument count 2..`MAX_ARGUMENTS`. Probabilities: digit 0.75, operator
+    0.25 / 9; distinct-tree counts: digit 10, operator 4 (capped at `cap`)."""
+    import numpy as np
+
+    weights = np.zeros(size + 1)
+    weights[1] = leaf_digit
+    for _ in range(MAX_DEPTH - 1):
+        arguments, total = weights, np.zeros(size + 1)
+        for _count in range(2, MAX_ARGUMENTS + 1):
+            arguments = np.minimum(truncated_convolution(arguments, weights, size, fft), cap)
+            total += arguments
+        node = np.zeros(size + 1)
+        node[1] = digit
+        node[2:] += operator * total[: size - 1]  # the opening symbol and `]`
+        node[size] += operator * total[size - 1 :].sum()
+        weights = np.minimum(node, cap)
+    return weights
+
+
+@functools.lru_cache(maxsize=8)
+def length_distribution(size: int):
+    """P(a drawn tree has length n), n = 0..`size` (longer lumped at `size`)."""
+    operator = OPERATOR_PROBABILITY / (MAX_ARGUMENTS - 1)
+    return length_weights(size, 1 - OPERATOR_PROBABILITY, 1.0, operator, fft=True)
+
+
+def window_share(min_length: int, max_length: int) -> tuple[float, float]:
+    """(the share of drawn trees kept: `min_length < length < max_length`, their mean length); lengths beyond
+    `DISTRIBUTION_LIMIT` are counted at it, so the share is an upper bound there."""
+    size = min(max_length, DISTRIBUTION_LIMIT)
+    p = length_distribution(size)
+    low, high = min(min_length + 1, size), size if max_length > size else max_length  # kept: low..high - 1
+    kept = p[low:high].sum() + (p[size] if max_length > size else 0.0)
+    lengths = sum(n * p[n] for n in range(low, min(high, size))) + (size * p[size] if max_length > size else 0.0)
+    return float(kept), float(lengths / kept) if kept else 0.0
+
+
+def symbols_per_draw(max_length: int) -> float:
+    """The symbols one draw costs: a tree's length, cut where it reaches `max_length` (`TooLong`)."""
+    p = length_distribution(min(max_length, DISTRIBUTION_LIMIT))
+    return float(sum(min(n, max_length) * share for n, share in enumerate(p)))
+
+
+def distinct_trees(min_length: int, max_length: int) -> float:
+    """How many distinct trees have `min_length < length < max_length` (at least `COUNT_CAP` when the window
+    reaches past `COUNT_LIMIT`)."""
+    if max_length - 1 > COUNT_LIMIT:
+        return COUNT_CAP
+    counts = length_weights(max_length, 10, 10, len(OPERATORS), fft=False, cap=COUNT_CAP)
+    return float(counts[min_length + 1 : max_length].sum())
+
+
+CHARACTERS_PER_SYMBOL = 2.5  # a digit and its space, or an operator such as `[MAX` and its space
+
+
 @dataclass(frozen=True)
 class ListOpsSettings:
     """What a generated set depends on (with the generator's version): its key in the cache."""
@@ -101,6 +201,32 @@ class ListOpsSettings:
     def key(self) -> str:
         digest = settings_digest(self, GENERATOR_VERSION)
         return f"{self.min_length}-{self.max_length}-{self.train}-v{GENERATOR_VERSION}-s{self.seed}-{digest}"
+
+    def check(self, where: str) -> None:
+        """ValueError naming `where`, the limit and the fix for settings the generator can never finish, before
+        any draw: length bounds no tree of these rules falls between, fewer distinct trees there than the splits
+        want, splits beyond memory, or a window so rarely drawn that filling it takes more than `MAX_SYMBOLS`."""
+        wanted = self.train + self.dev + self.test
+        if not reachable_lengths(self.min_length + 1, self.max_length - 1):
+            raise ValueError(
+                f"{where}: no tree is longer than {self.min_length} and shorter than {self.max_length} symbols: with "
+                f"depth <= {MAX_DEPTH} and 2-{MAX_ARGUMENTS} arguments an operator, a tree is 1 symbol (a digit) or "
+                f"{SHORTEST_OPERATOR_TREE} to {LONGEST_TREE:,}; give bounds with such a length between them, e.g. "
+                f"listops:{MIN_MAX_LENGTH} (the shortest) to listops:2000 (LRA's)"
+            )
+        if (possible := distinct_trees(self.min_length, self.max_length)) < 2 * wanted:
+            raise ValueError(
+                f"{where}: {wanted:,} distinct trees wanted but only {possible:,.0f} are longer than "
+                f"{self.min_length} and shorter than {self.max_length} symbols; raise the max length or give fewer "
+                "examples"
+            )
+        share, mean_length = window_share(self.min_length, self.max_length)
+        row_bytes = MIN_ROW_BYTES + int(3 * CHARACTERS_PER_SYMBOL * mean_length)  # text, seen-set, file
+        kept = f" (trees longer than {self.min_length} and shorter than {self.max_length} symbols)"
+        fix = f" or a smaller max length (listops:2000, LRA's bounds, keeps {window_share(500, 2000)[0]:.0%} of the draws)"
+        cost = symbols_per_draw(self.max_length)
+        if problem := generation_problem(where, wanted, row_bytes, share, cost, kept, fix):
+            raise ValueError(problem)
 
 
 def parse_listops(task: str) -> ListOpsSettings:
@@ -121,12 +247,16 @@ def parse_listops(task: str) -> ListOpsSettings:
     held = FULL["dev"] if len(parts) == 2 else max(50, train // 48)
     if train < 100:
         raise ValueError(f"task={task!r}: give at least 100 training examples")
-    return ListOpsSettings(max_length // 4, max_length, train, held, held)
+    settings = ListOpsSettings(max_length // 4, max_length, train, held, held)
+    settings.check(f"task={task!r}")
+    return settings
 
 
 def generate_splits(settings: ListOpsSettings) -> dict[str, list[dict]]:
     """split → rows `{"text": "[MAX 2 9 ]", "label": 9, "length": 4, "depth": 2}`: distinct trees with
-    `min_length < length < max_length`, drawn from `random.Random(settings.seed)`."""
+    `min_length < length < max_length`, drawn from `random.Random(settings.seed)`; settings it could never finish
+    are refused first (`ListOpsSettings.check`)."""
+    settings.check(f"ListOps settings {settings}")
     rng = random.Random(settings.seed)
     wanted = settings.train + settings.dev + settings.test
     seen: set[str] = set()

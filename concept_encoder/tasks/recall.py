@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..data.recall_vocab import KEYS, PREFIX, QUERY, VALUES, check_vocabularies, key, value
-from .generated import cached_splits, consecutive_splits, rule_accuracies, settings_digest
+from .generated import cached_splits, consecutive_splits, generation_problem, rule_accuracies, settings_digest
 
 GENERATOR_VERSION = 1
 SEED = 0
@@ -68,6 +68,8 @@ class RecallSettings:
         if possible < 2 * wanted:
             raise ValueError(f"{where}: {wanted} distinct examples wanted but only {possible} exist with "
                              f"K={self.pairs}, {self.keys} keys, {self.values} values; use more keys or values")  # fmt: skip
+        if problem := generation_problem(where, wanted):  # splits beyond what memory holds: refused before any work
+            raise ValueError(problem)
 
     def distinct_examples(self) -> int:
         return math.perm(self.keys, self.pairs) * self.values**self.pairs * self.pairs

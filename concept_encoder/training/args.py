@@ -16,6 +16,7 @@ there too, with the same message.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from dataclasses import dataclass, field, fields
@@ -46,6 +47,7 @@ from ..data.mixture import TASK_SOURCE, is_mixture, parse_mixture
 from ..model.constants import (
     CLASSIFIER_POOLINGS,
     DECODER_TYPES,
+    LOCAL_MIXER_PLACEMENTS,
     LOCAL_MIXERS,
     POSITION_EXTENSIONS,
     local_mixer_problem,
@@ -66,6 +68,7 @@ from ..tasks.arguments import (
     is_recall,
 )
 from .gates import GATE_ACTIONS, GATE_EXIT_CODE, parse_gates
+from .model_folder import model_folder_problem
 
 EXTEND_HELP = (
     f"one of {POSITION_EXTENSIONS}: a saved model whose position table is shorter than --max_seq_length is refused (no), "
@@ -77,25 +80,45 @@ SAVE_DTYPES = ("float32", "bfloat16", "float16")  # --save_dtype: float32 unless
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 WSD_DECAYS = ("1-sqrt", "linear", "cosine")  # transformers' get_wsd_schedule decay_type
 SCHEDULE_ARGUMENTS = ("lr_scheduler_type", "warmup_steps", "warmup_ratio", "decay_steps", "decay_type", "min_lr_ratio")
+# The schedules each schedule-specific setting acts under: anywhere else it would be ignored while the run's
+# config.json recorded it, so it is refused set to anything but its default (`check_schedule`).
+SCHEDULE_ONLY = {"decay_steps": ("wsd",), "decay_type": ("wsd",), "min_lr_ratio": ("wsd", "cosine")}
+
+
+def schedule_setting_problem(args, name: str) -> str | None:
+    """Why `--<name>` (a `SCHEDULE_ONLY` setting) cannot stand beside this run's schedule: it is set away from its
+    default and the schedule ignores it. None when it applies or is left at its default."""
+    schedules = SCHEDULE_ONLY[name]
+    if (
+        args.lr_scheduler_type in schedules
+        or getattr(args, name) == TrainingArguments.__dataclass_fields__[name].default
+    ):
+        return None
+    return (
+        f"--{name} applies to --lr_scheduler_type {' or '.join(schedules)} only (this run: {args.lr_scheduler_type}), "
+        "which ignores it: drop it, or choose a schedule that uses it"
+    )
 
 
 def check_schedule(args) -> None:
-    """The learning-rate schedule's settings (ValueError naming the fix): wsd needs a decay that fits after the
-    warm-up; its decay settings mean nothing under another schedule; a floor only where a schedule decays to it."""
+    """The learning-rate schedule's settings (ValueError naming the fix): every choice is checked against its
+    choices whatever the schedule (a misspelt value is an error, not silently unused); a setting the schedule
+    ignores is refused (`SCHEDULE_ONLY`); wsd needs a decay that fits after the warm-up."""
     kind = args.lr_scheduler_type
     if kind not in LR_SCHEDULES:
         raise ValueError(f"lr_scheduler_type={kind!r} is unknown; choose one of {LR_SCHEDULES}")
-    if not 0 <= args.min_lr_ratio < 1:
-        raise ValueError(f"min_lr_ratio={args.min_lr_ratio} must be in [0, 1): the last step's rate over the peak")
-    if kind != "wsd":
-        if args.decay_steps is not None:
-            raise ValueError(f"--decay_steps applies to --lr_scheduler_type wsd only (this run: {kind}): drop it")
-        if args.min_lr_ratio and kind not in ("cosine",):
-            raise ValueError(f"--min_lr_ratio applies to wsd and cosine only (this run: {kind}): drop it")
-        return
     if args.decay_type not in WSD_DECAYS:
         raise ValueError(f"decay_type={args.decay_type!r} is unknown; choose one of {WSD_DECAYS}")
-    if args.decay_steps is None or args.decay_steps < 1:
+    if not 0 <= args.min_lr_ratio < 1:
+        raise ValueError(f"min_lr_ratio={args.min_lr_ratio} must be in [0, 1): the last step's rate over the peak")
+    if args.decay_steps is not None and args.decay_steps < 1:
+        raise ValueError(f"decay_steps={args.decay_steps} must be >= 1: the decay's length in optimizer steps")
+    for name in SCHEDULE_ONLY:
+        if problem := schedule_setting_problem(args, name):
+            raise ValueError(problem)
+    if kind != "wsd":
+        return
+    if args.decay_steps is None:
         raise ValueError(
             "--lr_scheduler_type wsd needs --decay_steps N >= 1: the decay's length, ending at --max_steps"
         )
@@ -115,17 +138,27 @@ def step_list(text: str, name: str) -> list[int]:
         raise ValueError(f"{name}={text!r} is not a comma-separated list of step numbers, e.g. 250,1000") from None
 
 
+PROFILE_RANGE = re.compile(r"\s*(\d+)\s*:\s*(\d+)\s*", re.ASCII)
+
+
 def profile_range(text: str, max_steps: int) -> tuple[int, int] | None:
-    """`--profile_steps "3:5"` → (3, 5), `""` → None; ValueError saying what is wrong and what to give."""
+    """`--profile_steps "3:5"` → (3, 5), `""` → None; ValueError saying what is wrong and what to give: a range
+    that cannot happen (reversed, starting at 0, reaching past --max_steps) would otherwise record nothing, silently."""
     if not text.strip():
         return None
-    first, _, last = text.partition(":")
-    if not (first.strip().isdigit() and last.strip().isdigit()):
+    if not (match := PROFILE_RANGE.fullmatch(text)):
         raise ValueError(f"profile_steps={text!r} is not a step range a:b, e.g. 10:12 (optimizer steps 10 to 12)")
-    first, last = int(first), int(last)
-    if not 1 <= first <= last <= max_steps:
+    first, last = int(match[1]), int(match[2])
+    reason = (
+        "a is 0" if first < 1
+        else f"b={last} comes before a={first}" if last < first
+        else f"b={last} is beyond max_steps, which ends the run first" if last > max_steps
+        else None
+    )  # fmt: skip
+    if reason:
         raise ValueError(
-            f"profile_steps={text!r}: need 1 <= a <= b <= max_steps ({max_steps}); steps are 1-based optimizer steps"
+            f"profile_steps={text!r}: {reason}; need 1 <= a <= b <= max_steps ({max_steps}); steps are 1-based "
+            "optimizer steps"
         )
     return first, last
 
@@ -134,7 +167,9 @@ DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def parse_duration(text: str, name: str) -> float:
-    """Seconds in `text` such as `2h`, `90m`, `1h30m`, `45s` or `3600` (seconds); ValueError naming `name`."""
+    """Seconds in `text` such as `2h`, `90m`, `1h30m`, `45s` or `3600` (seconds); ValueError naming `name`. A time
+    budget is finite and positive: `inf` would be written into summary.json as `Infinity`, which is no JSON, and
+    spends nothing a run without the flag would not."""
     parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)\s*([smhd])\s*)+", text.lower()) and re.findall(
         r"(\d+(?:\.\d+)?)\s*([smhd])", text.lower()
     )
@@ -142,8 +177,10 @@ def parse_duration(text: str, name: str) -> float:
         seconds = sum(float(n) * DURATION_UNITS[u] for n, u in parts) if parts else float(text)
     except ValueError:
         seconds = None
-    if seconds is None or not seconds > 0:
-        raise ValueError(f"{name}={text!r} is no duration > 0: write e.g. 2h, 90m, 1h30m or 45s")
+    if seconds is None or not 0 < seconds < math.inf:  # nan, inf, 0 and negatives: no budget to keep
+        raise ValueError(
+            f"{name}={text!r} is no duration > 0: write e.g. 2h, 90m, 1h30m or 45s (finite: nan and inf are no budget)"
+        )
     return seconds
 
 
@@ -192,6 +229,12 @@ class ModelArguments:
                   "neighbours, then a LayerNorm, once before the first layer (O(N·H·w); docs/model.md)"},
     )  # fmt: skip
     local_mixer_width: int = field(default=3, metadata={"help": "the local mixer's window w, odd (3, 5, ...)"})
+    local_mixer_placement: str = field(
+        default="first",
+        metadata={"help": f"one of {LOCAL_MIXER_PLACEMENTS}: first, the local mixer acts once before the first layer; "
+                  "every, each layer has a mixer of its own on the tokens it reads (O(N·H·w) per layer; needs "
+                  "--local_mixer conv and --token_kv_sharing none; docs/model.md)"},
+    )  # fmt: skip
     extend_positions: str = field(default="no", metadata={"help": EXTEND_HELP})
 
     def __post_init__(self):
@@ -208,7 +251,9 @@ class ModelArguments:
             token_kv_groups(self.token_kv_sharing, PRESETS[self.preset]["num_hidden_layers"])
         if problem := token_refinement_problem(self.token_refinement, self.token_kv_sharing):
             raise ValueError(problem)
-        if problem := local_mixer_problem(self.local_mixer, self.local_mixer_width):
+        if problem := local_mixer_problem(
+            self.local_mixer, self.local_mixer_width, self.local_mixer_placement, self.token_kv_sharing
+        ):
             raise ValueError(problem)
         if self.hidden_dropout_prob is not None and not 0 <= self.hidden_dropout_prob < 1:
             raise ValueError(f"hidden_dropout_prob={self.hidden_dropout_prob} must be in [0, 1)")
@@ -633,7 +678,7 @@ RECIPES = {
 # What a saved model's config.json decides when a run starts from it: given beside --model_name_or_path they
 # would be ignored while the run's config.json recorded them.
 FOLDER_DECIDES = ("preset", "concept_num", "decoder_type", "hidden_dropout_prob", "token_kv_sharing",
-                  "token_refinement", "local_mixer", "local_mixer_width")  # fmt: skip
+                  "token_refinement", "local_mixer", "local_mixer_width", "local_mixer_placement")  # fmt: skip
 
 
 def check_task_sources(dataset: str) -> None:
@@ -677,10 +722,10 @@ def check_distillation(data_args: DataArguments, args: TrainingArguments) -> Non
         raise ValueError(
             "--objective distill needs --teacher <model folder>, e.g. Cache/models/all-MiniLM-L6-v2 (make reference)"
         )
-    if not (cache_path(args.teacher).expanduser() / "config.json").is_file():
+    if problem := model_folder_problem(cache_path(args.teacher).expanduser()):  # format and config, in a second
         raise ValueError(
-            f"--teacher {args.teacher}: no config.json there; give a local model folder written by save_pretrained "
-            "(a teacher is never downloaded), e.g. Cache/models/all-MiniLM-L6-v2 from make reference"
+            f"--teacher: {problem}; a teacher is never downloaded: e.g. Cache/models/all-MiniLM-L6-v2 from make "
+            "reference"
         )
     if data_args.packing:
         raise ValueError(
@@ -728,8 +773,10 @@ def check_pretraining_combination(model_args: ModelArguments, data_args: DataArg
             raise ValueError(
                 "--concept_num and --token_kv_sharing apply to --architecture concept only: drop them for bert"
             )
-        if model_args.local_mixer != "none":
-            raise ValueError("--local_mixer applies to --architecture concept only: drop it for bert")
+        if model_args.local_mixer != "none" or model_args.local_mixer_placement != "first":
+            raise ValueError(
+                "--local_mixer and --local_mixer_placement apply to --architecture concept only: drop them for bert"
+            )
         return
     if args.objective == "tsdae" and model_args.decoder_type == "perceiver":
         raise ValueError(

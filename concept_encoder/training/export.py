@@ -37,6 +37,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import BertConfig
 
+from ..common import json_io
 from ..common.paths import (
     OWNER_MARKER,
     OWNER_MARKER_TEXT,
@@ -475,7 +476,7 @@ def write_export_folder(partial: Path, model, tokenizer: Path, card: tuple, reco
             f"{difference:.3e} > {TOLERANCE:g} on ids {list(ids.shape)}; nothing was written"
         )
     record["files"] = {path.name: file_record(path) for path in sorted(partial.iterdir()) if path.is_file()}
-    (partial / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    (partial / EXPORT_RECORD).write_text(json_io.dumps(record, indent=2) + "\n")
 
 
 def unwritten(folder: Path, error: BaseException) -> str:

@@ -9,6 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from ..common import json_io
 from ..common.report_files import check_report_dir, claim_report_stem
 from .checkpoint import differences
 from .faults import DiskFullError, written_whole
@@ -180,7 +181,9 @@ def write_report(
                        "free space, then run again (finished runs are reused with --resume_from_checkpoint auto)"):  # fmt: skip
         paths["md"].write_text(format_markdown(rows, baselines, title) + "\n")
         paths["json"].write_text(
-            json.dumps({"title": title, "rows": rows, "baselines": baselines, "runs": results}, indent=2, default=str)
+            json_io.dumps(
+                {"title": title, "rows": rows, "baselines": baselines, "runs": results}, indent=2, default=str
+            )
         )
         plot(rows, baselines, paths["png"])
     return paths

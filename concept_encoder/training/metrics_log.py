@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+from ..common import json_io
 from .faults import raise_run_folder_gone
 
 logger = logging.getLogger("concept_encoder")
@@ -22,14 +23,14 @@ class MetricsWriter:
     def drop_after(self, step: int) -> None:
         """Remove the records of steps after `step` (those a resume from `step` will write again)."""
         if self.path.exists():  # a line cut short by a crash is dropped here, with a warning naming it
-            kept = [json.dumps(record) for record in read_metrics(self.path) if record["step"] <= step]
+            kept = [json_io.dumps(record) for record in read_metrics(self.path) if record["step"] <= step]
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
         if not self.path.parent.is_dir():
             raise_run_folder_gone(self.path.parent)
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json_io.dumps(record) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 

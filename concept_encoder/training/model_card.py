@@ -20,6 +20,12 @@ OBJECTIVE_TEXT = {
 }
 
 
+def number(value, spec: str) -> str:
+    """`value` formatted by `spec`, or "n/a" where the summary holds no number (JSON null: a non-finite value, such
+    as the perplexity of an infinite loss, is written as null)."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def description(model: dict, parameters: int, objective: str) -> list[str]:
     """The card's opening paragraph and loading snippet, for a Concept Encoder or the BERT baseline. The snippet
     advises `trust_remote_code` for the model only, whose code files are the project's own; the tokenizer is data
@@ -106,15 +112,17 @@ def model_card(
             "",
             "## Evaluation (validation split, masked tokens)",
             "",
-            f"masked-token loss {summary['eval_loss']:.4f}, perplexity {summary['eval_perplexity']:.1f}, "
-            f"accuracy {summary['eval_accuracy']:.4f} over {summary['eval_masked_tokens']:,} masked tokens.",
+            f"masked-token loss {number(summary['eval_loss'], '.4f')}, perplexity "
+            f"{number(summary.get('eval_perplexity'), '.1f')}, accuracy {number(summary.get('eval_accuracy'), '.4f')} "
+            f"over {number(summary.get('eval_masked_tokens'), ',')} masked tokens.",
         ]
         if summary.get("eval_unigram_accuracy") is not None:
             lines += [
                 "",
                 f"Against the unigram baseline (always guess the split's most frequent token, scored on the same "
                 f"masked positions: accuracy {summary['eval_unigram_accuracy']:.4f}): "
-                f"**{summary['eval_accuracy_over_unigram']:.2f}x**. Below 1x the model has not yet learned the "
+                f"**{number(summary.get('eval_accuracy_over_unigram'), '.2f')}x**. Below 1x the model has not yet "
+                "learned the "
                 "unigram distribution of its text.",
             ]
     health = health_of(summary)

@@ -19,6 +19,8 @@ from ..accounting.architectures import readable_positions
 from ..accounting.memory import GIB, estimate_training_memory, zero_settings
 from ..common.paths import cache_path, folder_problem
 from ..data.base import DataSourceError
+from ..data.mixture import TASK_SOURCE, is_mixture, parse_mixture
+from ..tasks.arguments import is_listops, is_recall
 from .args import ARGUMENT_CLASSES, parse_args
 from .checkpoint import resolve_resume
 from .extension_locks import StaleLockError, stale_lock_message, stale_op_locks
@@ -49,7 +51,8 @@ def cuda_present() -> bool:
 
 
 def preflight(model_args, data_args, training_args, cuda: bool) -> None:
-    """ValueError naming the first argument this run cannot work with (`cuda`: a GPU is in use), or what this
+    """ValueError naming the first argument this run cannot work with (`cuda`: a GPU is in use; among them a
+    `--profile_steps` folder that cannot be written, a fixed-vocabulary tokenizer on text it cannot read), or what this
     machine lacks for it (`machine_checks`: a GPU torch cannot use, unless --allow_cpu; libaio or nvcc for NVMe
     offload), or `StaleLockError` when the launch offloads the optimizer and a stale CPU Adam build lock would hang it.
 
@@ -63,6 +66,10 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
         raise RunFolderError(problem)  # someone's own folder: before any data or model is built
     if problem := folder_problem(cache_path("Cache"), "the cache folder (tokenizers, datasets, logs, reports)"):
         raise ValueError(f"{problem}; run from a folder whose Cache/ can be written, or make it writable")
+    if problem := profile_folder_problem(training_args):
+        raise ValueError(problem)
+    if problem := fixed_vocabulary_problem(getattr(data_args, "dataset", None), getattr(data_args, "tokenizer", None)):
+        raise ValueError(problem)
     if not cuda and not training_args.allow_cpu and (problem := unseen_gpu_problem()):
         raise ValueError(problem)  # before the CPU's own refusals: their cause is the torch this machine has
     if effective_precision(training_args.mixed_precision) == "fp16" and not cuda:
@@ -91,6 +98,89 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
         if weights and (problem := model_folder_problem(model_args.model_name_or_path)):
             raise ValueError(f"--model_name_or_path: {problem}")
     if not cuda and (problem := host_memory_problem(model_args, data_args, training_args, config)):
+        raise ValueError(problem)
+
+
+def profile_folder_problem(training_args) -> str | None:
+    """Why `--profile_steps`' trace could not be written into `<run>/profile/` (a file in the way, a folder that is
+    not writable), else None: found now, not after the profiled steps were trained. The run folder is known when
+    --run_name or a checkpoint folder names it; a new run's folder is a fresh one under --output_dir, checked above."""
+    if not getattr(training_args, "profile_steps", ""):
+        return None
+    resume = training_args.resume_from_checkpoint
+    if resume not in (None, "auto"):  # a run folder, or one of its checkpoints (as `checkpoint.resolve_resume`)
+        path = Path(resume).expanduser()
+        run = path if (path / "checkpoints").is_dir() else path.parent.parent
+    elif training_args.run_name:
+        run = Path(training_args.output_dir) / training_args.run_name
+    else:
+        return None
+    if problem := folder_problem(run / "profile", f"--profile_steps {training_args.profile_steps}: the profile folder"):
+        return f"{problem}; free that path, or choose another --output_dir or --run_name"
+    return None
+
+
+# The fixed vocabularies of `--tokenizer` (data/tokenizer.py `fixed_vocabulary`) and the generated task each is
+# made for: any other text reads as [UNK], which is never masked.
+FIXED_VOCABULARY_TASKS = {"listops": is_listops, "recall": is_recall}
+
+
+def fixed_vocabulary_problem(dataset: str | None, tokenizer: str | None) -> str | None:
+    """Why a fixed-vocabulary `--tokenizer` (listops, recall) cannot serve `--dataset`, else None: a source that is
+    neither that task's text (`task:listops...`) nor a local file (which may hold such text) is natural text, which
+    it reads as all [UNK]; nothing is then maskable and every step's loss is NaN (0 masked tokens). Decided from
+    the arguments alone, before any data is read; `maskable_problem` checks the tokenized data itself."""
+    kind = (tokenizer or "").split(":")[0]
+    if dataset is None or kind not in FIXED_VOCABULARY_TASKS:
+        return None
+    parts = [part.spec for part in parse_mixture(dataset)] if is_mixture(dataset) else [dataset]
+    for spec in parts:
+        if not (FIXED_VOCABULARY_TASKS[kind](spec.removeprefix(TASK_SOURCE)) or Path(spec).expanduser().exists()):
+            return (
+                f"--tokenizer {tokenizer} knows only the symbols of {kind} tasks: --dataset source {spec!r} would "
+                f"tokenize to [UNK], leaving nothing to mask (a NaN loss at every step); train on {TASK_SOURCE}{kind}"
+                "... or give a tokenizer for text, e.g. --tokenizer train:wordpiece:8000"
+            )
+    return None
+
+
+MIN_MASKABLE_SHARE = 0.05  # below this share of maskable tokens a run masks next to nothing, often nothing at all
+MAX_UNKNOWN_SHARE = 0.5  # a tokenizer that reads most of the text as [UNK] is not this text's tokenizer
+
+
+def maskable_problem(tokenizer, examples, flag: str = "--tokenizer") -> str | None:
+    """Why `tokenizer` cannot serve a masking objective on `examples` (token id lists, e.g. the first hundred
+    training examples), else None: it has no mask token; or most tokens are [UNK] (`MAX_UNKNOWN_SHARE`: what the
+    model would learn is where the unknown words were) or under `MIN_MASKABLE_SHARE` are maskable (special tokens,
+    [UNK] among them, are never masked), so steps come out with no masked token and a NaN loss. For the loop to
+    call after tokenizing, before building the model (one line, naming both shares)."""
+    name = getattr(tokenizer, "name_or_path", "") or "?"
+    if getattr(tokenizer, "mask_token", None) is None:
+        return f"{flag} {name} has no mask token, so nothing can be masked: give a tokenizer with [MASK]"
+    special = set(tokenizer.all_special_ids)
+    pad, unk = tokenizer.pad_token_id, tokenizer.unk_token_id
+    tokens = [token for ids in examples for token in ids if token != pad]
+    if not tokens:
+        return f"{flag} {name}: the data tokenizes to no tokens at all; check --dataset and --text_field"
+    maskable = sum(token not in special for token in tokens) / len(tokens)
+    unknown = sum(token == unk for token in tokens) / len(tokens)
+    if maskable >= MIN_MASKABLE_SHARE and unknown <= MAX_UNKNOWN_SHARE:
+        return None
+    return (
+        f"{flag} {name} reads {unknown:.0%} of the data's tokens as [UNK] and leaves {maskable:.0%} maskable "
+        "(special tokens are never masked), so steps would have few or no masked tokens and a NaN loss: use a "
+        "tokenizer made for this text, e.g. --tokenizer train:wordpiece:8000"
+    )
+
+
+def check_maskable(data, examples: int = 100) -> None:
+    """ValueError (`maskable_problem`) when the tokenized data leaves nothing to mask: read on the first `examples`
+    validation examples (the first one of a streamed split), after tokenizing and before the model is built."""
+    if data.streaming:
+        sample = [next(iter(data.validation))["input_ids"]]
+    else:
+        sample = [data.validation[i]["input_ids"] for i in range(min(examples, len(data.validation)))]
+    if problem := maskable_problem(data.tokenizer, sample):
         raise ValueError(problem)
 
 

@@ -13,8 +13,24 @@ from pathlib import Path
 
 import torch
 
+from ..common.paths import folder_problem
+
 logger = logging.getLogger("concept_encoder")
 OP_ROWS = 20
+
+
+def resumed_range(steps: tuple[int, int], done: int) -> bool:
+    """Whether any of the `--profile_steps` range is left to record after `done` steps (a resume's step), saying so
+    in one line when a resume skips all or part of it: a range silently not recorded looks like a broken profiler."""
+    first, last = steps
+    if last <= done:
+        logger.warning("--profile_steps %d:%d was trained before this resume (at step %d): nothing is profiled; give "
+                       "a range after step %d to profile this run", first, last, done, done)  # fmt: skip
+        return False
+    if first <= done:
+        logger.info("--profile_steps %d:%d resumed at step %d: profiling steps %d-%d, the rest of the range",
+                    first, last, done, done + 1, last)  # fmt: skip
+    return True
 
 
 class StepProfiler:
@@ -29,10 +45,12 @@ class StepProfiler:
     def __init__(self, steps: tuple[int, int] | None, run_dir: Path, main_process: bool, done: int = 0):
         self.profiler = None
         self.done_at_start = done
-        if steps is None or not main_process or steps[1] <= done:
+        if steps is None or not main_process or not resumed_range(steps, done):
             return
         self.first, self.last = max(steps[0], done + 1), steps[1]
         self.folder = Path(run_dir) / "profile"
+        if problem := folder_problem(self.folder, "--profile_steps: the profile folder"):
+            raise ValueError(f"{problem}; free that path or choose another --output_dir")  # before the steps train
         self.cuda = torch.cuda.is_available()
         warmup = min(1, self.first - done - 1)  # one step to settle the profiler's start-up, where there is one
         activities = [torch.profiler.ProfilerActivity.CPU]

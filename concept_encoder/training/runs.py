@@ -12,6 +12,7 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from filelock import FileLock, Timeout
 
+from ..common import json_io
 from ..common.paths import OWNER_MARKER, NotOursError, check_replaceable, written_aside
 from .checkpoint import checkpoint_dirs, disk_full
 from .faults import RunFolderError, is_disk_full
@@ -166,7 +167,7 @@ def save_run_config(run_dir: Path, config: dict) -> None:
     logger.info("resolved config: %s", json.dumps(config, default=str))
     try:
         with written_aside(run_dir / "config.json") as partial:  # a full disk leaves no half-written config
-            partial.write_text(json.dumps(config, indent=2, default=str))
+            partial.write_text(json_io.dumps(config, indent=2, default=str))
     except OSError as error:
         if is_disk_full(error):
             raise disk_full(run_dir, "the run config") from error

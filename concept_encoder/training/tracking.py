@@ -26,7 +26,7 @@ def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics_path) if Path(metrics_path).exists() else []
-    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and r["loss"] is not None]
     evals = [(r["step"], r["eval_loss"]) for r in records if r.get("kind") == "eval"]
     if not train and not evals:
         return None
