@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     data = prepare_data(data_args, cache_dir="Cache", seed=args.seed + state.process_index,  # own masks per rank
                         tokenizer_folder=kept if kept is not None and kept.is_dir() else None,
                         task_texts=training_texts)  # fmt: skip
-    check_maskable(data)  # a tokenizer that leaves nothing to mask (a NaN loss every step) is refused here
+    if resume is None:  # a tokenizer that leaves nothing to mask (NaN loss every step); a resume: its vocab digest
+        check_maskable(data)
     corruption = build_corruption(
         args.objective, data.collator, data.tokenizer, args, seed=args.seed + state.process_index
     )
