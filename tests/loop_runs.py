@@ -38,6 +38,20 @@ def fresh_accelerate(workdir, monkeypatch):
     GradientState._reset_state()
 
 
+@pytest.fixture
+def in_process(tmp_path, monkeypatch):
+    """A driver's loops run in this process, in `tmp_path` (`launch_in_process`); yields the commands launched, and
+    resets accelerate's singletons afterwards."""
+    from concept_encoder.decide import curve
+
+    monkeypatch.chdir(tmp_path)
+    commands = []
+    monkeypatch.setattr(curve, "run_command", launch_in_process(commands))
+    yield commands
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 @pytest.fixture(scope="module")
 def finished_run(workdir):
     """Run `a`: 6 steps, checkpoints at 2, 4, 6 (all kept), finished."""

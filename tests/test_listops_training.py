@@ -11,7 +11,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from loop_runs import fresh_accelerate, launch_in_process, workdir  # noqa: F401 (fixtures)
+from loop_runs import fresh_accelerate, in_process, workdir  # noqa: F401 (fixtures)
 from torch.utils.data import DataLoader
 
 import loops.finetune as finetune
@@ -134,16 +134,6 @@ def test_listops_fine_tuning_with_buckets_resumes_exactly_and_reports_the_last_s
                 if json.loads(line)["kind"] == "train"]  # fmt: skip
 
     assert losses("split") == losses("whole")  # bitwise: the same bucketed batches after the resume
-
-
-@pytest.fixture
-def in_process(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    commands = []
-    monkeypatch.setattr(curve, "run_command", launch_in_process(commands))
-    yield commands
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 DRIVER = ["--task", "listops:100:200", "--presets", "micro", "--concepts", "8,16", "--pretrain_tokens", "4k", "--seeds", "2",

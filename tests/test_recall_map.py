@@ -5,21 +5,9 @@ import json
 from pathlib import Path
 
 import pytest
-from accelerate.state import AcceleratorState, GradientState
-from loop_runs import launch_in_process
+from loop_runs import in_process  # noqa: F401 (fixture)
 
-from concept_encoder.decide import curve, recall
-
-
-@pytest.fixture
-def in_process(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    commands = []
-    monkeypatch.setattr(curve, "run_command", launch_in_process(commands))
-    yield commands
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
+from concept_encoder.decide import recall
 
 TINY = ["--pairs", "2,3", "--concepts", "4", "--main_concepts", "4", "--main_pairs", "2", "--seeds", "2",
         "--train", "200", "--finetune_args", "--max_steps 2 --learning_rates 1e-3 --eval_steps 1 "
@@ -63,6 +51,7 @@ def test_bad_plans_are_refused_before_any_run(in_process, capsys):
         (["--finetune_args", "--seeds 2"], "set by the recall driver"),
         (["--pairs", "8", "--values", "1"], "values"),
         (["--pairs", "8", "--train", "10"], "at least 100"),
+        (["--pairs", "8", "--", "--preset", "tiny"], "the recall driver pretrains nothing"),
     ):
         with pytest.raises(SystemExit):
             recall.main(extra)

@@ -22,7 +22,6 @@ and K), accuracy against K with the no-binding line, each cell's wall-clock, and
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from ..model.bert_baseline import bert_config
 from ..model.config import ConceptEncoderConfig
 from ..model.constants import LOCAL_MIXERS
 from ..model.presets import PRESETS
-from ..tasks.recall import RecallSettings, no_binding_line, recall_splits
+from ..tasks.recall import RecallSettings, no_binding_line, parse_recall, recall_splits
 from .curve import (
     Curve,
     add_report_driver_arguments,
@@ -43,6 +42,7 @@ from .curve import (
     check_reuse,
     exclusive,
     given_flags,
+    parse_driver_argv,
     write_report_files,
 )
 from .listops import chosen_runs, parse_list, percent
@@ -97,12 +97,14 @@ def cells(args) -> list[Cell]:
     return out
 
 
-def task_name(cell: Cell, args) -> str:
-    """`recall:<K>` for the published set-up, else the long form naming keys, values and the training size."""
-    if cell.keys == KEYS and args.values == VALUES and args.train is None:
-        return f"recall:{cell.pairs}"
-    train = args.train if args.train is not None else RecallSettings(cell.pairs).train
-    return f"recall:{cell.pairs}:{cell.keys}:{args.values}:{train}"
+def task_name(pairs: int, args) -> str:
+    """`recall:<K>` for the published set-up, else the long form naming keys (K at least), values and the training
+    size."""
+    keys = max(args.keys, pairs)
+    if keys == KEYS and args.values == VALUES and args.train is None:
+        return f"recall:{pairs}"
+    train = args.train if args.train is not None else RecallSettings(pairs).train
+    return f"recall:{pairs}:{keys}:{args.values}:{train}"
 
 
 def model_folder(folder: Path, cell: Cell, preset: str, positions: int, tokenizer) -> Path:
@@ -326,25 +328,24 @@ def check_arguments(args) -> None:
         raise ValueError(f"--preset {args.preset!r} unknown; choose from {sorted(PRESETS)}")
     if args.seeds < 1 or args.sweep_seeds < 1:
         raise ValueError("--seeds and --sweep_seeds must be >= 1")
-    for pairs in args.pair_list:  # every task's settings, before the first run (RecallSettings.check names the fix)
-        train = args.train if args.train is not None else RecallSettings(pairs).train
-        held = max(50, train // 10) if args.train is not None else RecallSettings(pairs).dev
-        RecallSettings(pairs, max(args.keys, pairs), args.values, train, held, held).check(f"--pairs {pairs}")
+    for pairs in args.pair_list:  # every task's settings, before the first run (parse_recall names the fix)
+        parse_recall(task_name(pairs, args))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args, loop_argv, finetune_argv = parse_driver_argv(parser, argv)
     root = cache_path(args.runs_dir)
     try:  # every check before the first run starts
         check_arguments(args)
-        finetune_argv = shlex.split(args.finetune_args)
+        if loop_argv:
+            raise ValueError(f"{loop_argv} after --: the recall driver pretrains nothing; pass fine-tuning "
+                             "arguments in --finetune_args")  # fmt: skip
         if taken := given_flags(finetune_argv, DRIVER_FINETUNE_FLAGS):
             raise ValueError(f"--finetune_args: {taken} are set by the recall driver; leave them out")
         finetune_argv = with_defaults(finetune_argv)
         plan = cells(args)
-        tasks = {cell.pairs: task_name(cell, args) for cell in plan}
+        tasks = {pairs: task_name(pairs, args) for pairs in args.pair_list}
         for pairs, task in tasks.items():
             check_finetune_argv(finetune_argv, task)  # generates the task's splits into the cache
             request = {"task": task, "cells": [c.key for c in plan if c.pairs == pairs], "preset": args.preset,
