@@ -45,6 +45,7 @@ def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, ca
 def test_bad_plans_are_refused_before_any_run(in_process, capsys):
     for extra, message in (
         (["--pairs", "4,4"], "distinct"),
+        (["--pairs", "4,x"], "--pairs '4,x': give distinct comma-separated whole numbers"),
         (["--mixers", "attention"], "unknown"),
         (["--architectures", "gpt"], "concept and/or bert"),
         (["--preset", "huge"], "unknown"),

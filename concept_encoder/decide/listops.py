@@ -90,7 +90,13 @@ class Arm:
 
 
 def parse_list(text: str, what: str, convert=str) -> list:
-    values = [convert(v.strip()) for v in text.split(",") if v.strip()]
+    """`a,b,c` → its distinct values, each through `convert`; ValueError naming `what` for a value `convert`
+    refuses (e.g. `--concepts 16,x`), an empty list or a repeated value."""
+    try:
+        values = [convert(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError:
+        kind = "whole numbers" if convert is int else "values"
+        raise ValueError(f"{what} {text!r}: give distinct comma-separated {kind}, e.g. 16,64") from None
     if not values or len(set(values)) != len(values):
         raise ValueError(f"{what} {text!r}: give distinct comma-separated values")
     return values
