@@ -3,7 +3,7 @@
     python benchmarks/host_syncs.py                       # the GPU when there is one, else the CPU; micro preset
     python benchmarks/host_syncs.py --device cpu --json out.json
 
-Counts, not times (`concept_encoder.training.host_syncs`): each loop's own step (`training.steps`: pretraining's
+Counts, not times (`concept_encoder.machine.host_syncs`): each loop's own step (`training.steps`: pretraining's
 for the Concept Encoder with the default concept losses and for the BERT twin, fine-tuning's for the Concept
 Encoder's classifier) runs on a window of prepared micro-batches as its loop hands them over (prepared and pinned
 on the CPU, then placed with `training.batches.placed`), padded and not, after one warm-up step. The count of a
@@ -84,9 +84,9 @@ def count_step(loop: str, preset: str, device: torch.device, accumulation: int, 
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import GradientAccumulationPlugin
 
+    from concept_encoder.machine.host_syncs import HostSyncCounter
     from concept_encoder.training.batches import placed
     from concept_encoder.training.deepspeed_setup import adamw_class
-    from concept_encoder.training.host_syncs import HostSyncCounter
     from concept_encoder.training.optim import build_optimizer
 
     AcceleratorState._reset_state(reset_partial_state=True)

@@ -32,9 +32,9 @@ TOOLS = {
         "associative recall's capacity map: accuracy against K, widths, the local mixer, BERT",
     ),
     "reference": ("concept_encoder.decide.reference", "the positive control's model folder, offline from a wheel"),
-    "finetune_report": ("concept_encoder.training.finetune_report", "merge fine-tuning reports into one"),
+    "finetune_report": ("concept_encoder.finetuning.report", "merge fine-tuning reports into one"),
     "export": (
-        "concept_encoder.training.export",
+        "concept_encoder.checkpoints.export",
         "a training checkpoint as a plain model folder (ZeRO-3 shards gathered)",
     ),
 }

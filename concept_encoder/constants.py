@@ -100,3 +100,8 @@ def check_concept_loss_settings(names: list[str], weighting: str, weight: float,
             f"warmup_steps={warmup_steps} applies to weighting='fixed' only; with weighting={weighting!r} "
             "the weights are learned, so set warmup_steps=0"
         )
+
+
+# Saved models and run folders.
+SAVE_DTYPES = ("float32", "bfloat16", "float16")  # --save_dtype: float32 unless the user asks for smaller files
+RUN_TOKENIZER = "tokenizer"  # <run>/tokenizer: the tokenizer the run started with

@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from concept_encoder.training.cpu_info import reuse_cpu_info  # noqa: E402
-from concept_encoder.training.extension_locks import stale_lock_message, stale_op_locks  # noqa: E402
+from concept_encoder.machine.cpu_info import reuse_cpu_info  # noqa: E402
+from concept_encoder.machine.extension_locks import stale_lock_message, stale_op_locks  # noqa: E402
 
 # (builder class, op folder name): CPU Adam everywhere, the shared-memory collectives on the CPU accelerator
 OPS = (("CPUAdamBuilder", "cpu_adam"), ("ShareMemCommBuilder", "deepspeed_shm_comm"))

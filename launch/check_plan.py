@@ -38,8 +38,8 @@ from concept_encoder.accounting import memory  # noqa: E402
 from concept_encoder.common import process_group  # noqa: E402
 from concept_encoder.common.cli_types import at_least  # noqa: E402
 from concept_encoder.common.dataclass_args import read_yaml_mapping  # noqa: E402
+from concept_encoder.machine.checks import host_memory_bytes  # noqa: E402
 from concept_encoder.training.args import parse_args  # noqa: E402
-from concept_encoder.training.machine_checks import host_memory_bytes  # noqa: E402
 from concept_encoder.training.plan import ds_config_problems, launch_command  # noqa: E402
 from launch.plan_checks import ERROR, HEADROOM, OK, Check, Plan, run_checks, suggest  # noqa: E402
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from concept_encoder.accounting import memory
+from concept_encoder.checkpoints.checkpoint import CheckpointError, resolve_resume
 from concept_encoder.constants import EMBEDDED_DATASET
 from concept_encoder.data.arguments import DataArguments
 from concept_encoder.data.base import DataSourceError
@@ -30,10 +31,9 @@ from concept_encoder.data.docstrings import is_docstrings_spec, site_roots
 from concept_encoder.data.licenses import is_licenses_spec
 from concept_encoder.data.mixture import is_mixture, parse_mixture
 from concept_encoder.data.modules import is_modules_spec
+from concept_encoder.machine.checks import nvme_offload_problem
+from concept_encoder.machine.extension_locks import stale_lock_message, stale_op_locks
 from concept_encoder.training.args import ModelArguments, TrainingArguments
-from concept_encoder.training.checkpoint import CheckpointError, resolve_resume
-from concept_encoder.training.extension_locks import stale_lock_message, stale_op_locks
-from concept_encoder.training.machine_checks import nvme_offload_problem
 from concept_encoder.training.plan import (
     decoded_fraction,
     deepspeed_batch_values,
@@ -276,7 +276,7 @@ def check_nvme_paths(ds_cfg: dict) -> list[Check]:
 
 def check_nvme_build(plan: Plan, ds_cfg: dict) -> list[Check]:
     """NVMe offload's async_io op can be built on this machine: libaio, and nvcc for a GPU plan
-    (`machine_checks.nvme_offload_problem`, which the loop's preflight refuses on too)."""
+    (`machine.checks.nvme_offload_problem`, which the loop's preflight refuses on too)."""
     if not memory.nvme_offloaded(ds_cfg):
         return []
     if problem := nvme_offload_problem(ds_cfg, cuda=plan.gpus_per_node > 0):

@@ -46,10 +46,10 @@ from concept_encoder.accounting.memory import (  # noqa: E402
 )
 from concept_encoder.common import process_group  # noqa: E402
 from concept_encoder.common.cli_types import at_least  # noqa: E402
+from concept_encoder.common.faults import written_whole  # noqa: E402
 from concept_encoder.common.report_files import ReportFolderError, check_report_dir, claim_report_folder  # noqa: E402
+from concept_encoder.machine.checks import host_memory_bytes  # noqa: E402
 from concept_encoder.training.args import parse_args as parse_loop_args  # noqa: E402
-from concept_encoder.training.faults import written_whole  # noqa: E402
-from concept_encoder.training.machine_checks import host_memory_bytes  # noqa: E402
 from concept_encoder.training.plan import (  # noqa: E402
     LOOP_SCRIPT,
     PYTHON_ACCELERATE_LAUNCH,

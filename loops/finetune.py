@@ -54,8 +54,30 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 import concept_encoder  # noqa: F401 (registers the Concept Encoder with the Auto classes)
+from concept_encoder.checkpoints.checkpoint import (
+    CheckpointError,
+    TrainState,
+    disk_full,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
+from concept_encoder.checkpoints.model_folder import (
+    check_model_folder,
+    holds_only_saved_model_files,
+    model_digest,
+    save_model_weights,
+    save_tokenizer_without_code,
+)
+from concept_encoder.common.accelerator_state import plain_model
+from concept_encoder.common.faults import NonFiniteLossError, is_disk_full
+from concept_encoder.common.metrics_log import MetricsWriter, read_metrics
 from concept_encoder.common.paths import folder_problem, written_aside
 from concept_encoder.data.tokenizer import check_vocab_covers, model_tokenizer_folder, slug
+from concept_encoder.finetuning.chunked import apply_reading, chunk_problem
+from concept_encoder.finetuning.probe import describe_pooling, linear_probe
+from concept_encoder.finetuning.report import write_report
+from concept_encoder.finetuning.selection import BestStep
 from concept_encoder.tasks.baselines import split_rows, task_baselines, task_digest
 from concept_encoder.tasks.leakage import pretraining_overlap
 from concept_encoder.tasks.loading import encode_splits, load_task
@@ -69,45 +91,21 @@ from concept_encoder.tasks.metrics import (
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from concept_encoder.training.attention_probe import compute_dtype, probe_attention_kernels
 from concept_encoder.training.batches import LengthBucketedBatches, accumulation_windows, unpadded_or_marked
-from concept_encoder.training.checkpoint import (
-    CheckpointError,
-    TrainState,
-    argument_settings,
-    check_resume_settings,
-    disk_full,
-    load_checkpoint,
-    resolve_resume,
-    save_checkpoint,
-    settings_differences,
-)
-from concept_encoder.training.chunked import apply_reading, chunk_problem
 from concept_encoder.training.deepspeed_setup import adamw_class, fill_deepspeed_auto_values, launched_zero_stage
 from concept_encoder.training.evaluation import predict
-from concept_encoder.training.faults import NonFiniteLossError, is_disk_full
-from concept_encoder.training.finetune_report import write_report
 from concept_encoder.training.gates import GATE_ACTION_TEXT, GATE_EXIT_CODE, GateMonitor, describe_outcome, parse_gates
 from concept_encoder.training.logs import log_model_info, log_system_info, setup_logging
-from concept_encoder.training.metrics_log import MetricsWriter, read_metrics
 from concept_encoder.training.model import build_classifier, check_pooling
-from concept_encoder.training.model_folder import (
-    check_model_folder,
-    holds_only_saved_model_files,
-    model_digest,
-    save_model_weights,
-    save_tokenizer_without_code,
-)
 from concept_encoder.training.optim import build_optimizer, build_scheduler, count_skipped_step
-from concept_encoder.training.probe import describe_pooling, linear_probe
+from concept_encoder.training.resume import argument_settings, check_resume_settings, settings_differences
 from concept_encoder.training.runs import init_wandb, save_run_config, setup_run_dirs
 from concept_encoder.training.runtime import (
     finish_distributed,
     maybe_compile,
     model_state_dict,
-    plain_model,
     set_tf32,
     setup_distributed,
 )
-from concept_encoder.training.selection import BestStep
 from concept_encoder.training.steps import finetuning_step as train_step  # the loop's step (tests patch it here)
 from concept_encoder.training.tracking import PreemptionFlag, any_rank, memory_stats
 

@@ -49,37 +49,44 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from concept_encoder.accounting.flops import training_flops_per_token
-from concept_encoder.common.paths import cache_path, written_aside
-from concept_encoder.concepts.health import format_health_table
-from concept_encoder.data import collator_for, prepare_data
-from concept_encoder.data.objectives import build_corruption, evaluation_corruptions, prepare_batch
-from concept_encoder.tasks.leakage import record_task_texts
-from concept_encoder.tasks.loading import training_texts
-from concept_encoder.training.args import parse_args
-from concept_encoder.training.attention_probe import compute_dtype, examples_of_two_lengths, probe_attention_kernels
-from concept_encoder.training.batches import MaskingAhead, pinned, placed
-from concept_encoder.training.checkpoint import (
+from concept_encoder.checkpoints.checkpoint import (
     TrainState,
-    check_resume_settings,
     disk_full,
     load_checkpoint,
     resolve_resume,
-    resume_settings,
     save_checkpoint,
     saved_train_state,
     saved_world_size,
     set_aside_later_history,
 )
+from concept_encoder.checkpoints.export import saved_model_check
+from concept_encoder.checkpoints.model_card import write_model_card
+from concept_encoder.checkpoints.model_folder import (
+    holds_only_saved_model_files,
+    save_model_weights,
+    save_tokenizer_without_code,
+)
+from concept_encoder.checkpoints.reshard import plan_universal_load
+from concept_encoder.common.accelerator_state import deepspeed_config, plain_model
+from concept_encoder.common.faults import NonFiniteLossError, RunFolderError, is_disk_full
+from concept_encoder.common.metrics_log import MetricsWriter
+from concept_encoder.common.paths import cache_path, written_aside
+from concept_encoder.concepts.health import format_health_table, health_of
+from concept_encoder.data import collator_for, prepare_data
+from concept_encoder.data.objectives import build_corruption, evaluation_corruptions, prepare_batch
+from concept_encoder.machine.profiling import StepProfiler
+from concept_encoder.tasks.leakage import record_task_texts
+from concept_encoder.tasks.loading import training_texts
+from concept_encoder.training.args import parse_args
+from concept_encoder.training.attention_probe import compute_dtype, examples_of_two_lengths, probe_attention_kernels
+from concept_encoder.training.batches import MaskingAhead, pinned, placed
 from concept_encoder.training.deepspeed_setup import (
     adamw_class,
-    deepspeed_config,
     fill_deepspeed_auto_values,
     zero3_construction_config,
 )
 from concept_encoder.training.distill import Distillation, attach_teacher, carried, init_word_embeddings, with_doc_index
-from concept_encoder.training.evaluation import evaluate, health_of, most_frequent_token
-from concept_encoder.training.export import saved_model_check
-from concept_encoder.training.faults import NonFiniteLossError, RunFolderError, is_disk_full
+from concept_encoder.training.evaluation import evaluate, most_frequent_token
 from concept_encoder.training.gates import (
     GATE_ACTION_TEXT,
     GATE_EXIT_CODE,
@@ -94,19 +101,11 @@ from concept_encoder.training.logs import (
     log_system_info,
     setup_logging,
 )
-from concept_encoder.training.metrics_log import MetricsWriter
 from concept_encoder.training.model import build_model, held_parameters
-from concept_encoder.training.model_card import write_model_card
-from concept_encoder.training.model_folder import (
-    holds_only_saved_model_files,
-    save_model_weights,
-    save_tokenizer_without_code,
-)
 from concept_encoder.training.objective import build_concept_objective
 from concept_encoder.training.optim import build_optimizer, build_scheduler, count_skipped_step
 from concept_encoder.training.plan import launch_command
-from concept_encoder.training.profiling import StepProfiler
-from concept_encoder.training.reshard import plan_universal_load
+from concept_encoder.training.resume import check_resume_settings, resume_settings
 from concept_encoder.training.runs import (
     ended_without_checkpoint,
     finished_run,
@@ -121,7 +120,6 @@ from concept_encoder.training.runtime import (
     finish_distributed,
     maybe_compile,
     model_state_dict,
-    plain_model,
     set_tf32,
     setup_distributed,
 )

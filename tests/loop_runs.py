@@ -13,7 +13,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 import loops.finetune as finetune
 import loops.mlm as mlm
-from concept_encoder.training.metrics_log import read_metrics
+from concept_encoder.common.metrics_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -42,11 +42,11 @@ def fresh_accelerate(workdir, monkeypatch):
 def in_process(tmp_path, monkeypatch):
     """A driver's loops run in this process, in `tmp_path` (`launch_in_process`); yields the commands launched, and
     resets accelerate's singletons afterwards."""
-    from concept_encoder.decide import curve
+    from concept_encoder.decide import experiments
 
     monkeypatch.chdir(tmp_path)
     commands = []
-    monkeypatch.setattr(curve, "run_command", launch_in_process(commands))
+    monkeypatch.setattr(experiments, "run_command", launch_in_process(commands))
     yield commands
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -65,16 +65,16 @@ def run(*extra: str) -> int:
 
 
 def launch_in_process(commands: list):
-    """A stand-in for `curve.run_command`: the loop an `accelerate launch` command names runs in this process
+    """A stand-in for `experiments.run_command`: the loop an `accelerate launch` command names runs in this process
     (seconds saved per run), and every command is kept in `commands`."""
-    from concept_encoder.decide import curve
+    from concept_encoder.decide import experiments
 
     def in_process(command):
         commands.append(command)
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
         script = next(c for c in command if c.endswith(".py"))
-        loop = mlm if script == str(curve.MLM_SCRIPT) else finetune
+        loop = mlm if script == str(experiments.MLM_SCRIPT) else finetune
         return 1 if loop.main(command[command.index(script) + 1 :]) else 0  # as `accelerate launch` reports it
 
     return in_process

@@ -89,7 +89,8 @@ def test_a_compiled_model_saves_and_reloads_under_its_plain_names(tmp_path):
     weight `_orig_mod.<name>`, which `save_pretrained` would write as weights no model loads."""
     from accelerate import Accelerator
 
-    from concept_encoder.training.runtime import model_state_dict, plain_model
+    from concept_encoder.common.accelerator_state import plain_model
+    from concept_encoder.training.runtime import model_state_dict
 
     torch.manual_seed(0)
     model = ConceptEncoderForMaskedLM(config_from_preset("micro", vocab_size=VOCAB, hidden_dropout_prob=0.0))

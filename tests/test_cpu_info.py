@@ -5,7 +5,7 @@ import json
 import cpuinfo
 import pytest
 
-from concept_encoder.training import cpu_info
+from concept_encoder.machine import cpu_info
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from loop_runs import COMMON, fresh_accelerate, launch_in_process, workdir  # no
 from safetensors.torch import load_file
 
 import loops.mlm as mlm
-from concept_encoder.decide import curve
+from concept_encoder.decide import curve, experiments
 
 PRETRAIN = [*COMMON, "--output_dir", "runs", "--save_steps", "2"]  # 8 x 64 = 512 tokens per step
 FINETUNE = ("--max_steps 2 --eval_steps 1 --learning_rates 1e-3 --seeds 1 --max_seq_length 32 "
@@ -33,7 +33,7 @@ def task():
 def launches(monkeypatch):
     """The loops run in this process instead of `accelerate launch` (seconds saved per run); every command kept."""
     commands = []
-    monkeypatch.setattr(curve, "run_command", launch_in_process(commands))
+    monkeypatch.setattr(experiments, "run_command", launch_in_process(commands))
     return commands
 
 
@@ -42,14 +42,14 @@ def scripts(commands) -> list[str]:
 
 
 def test_budget_parsing_and_labels():
-    assert curve.parse_budgets("2M, 0.5M,8e6,300k") == [300_000, 500_000, 2_000_000, 8_000_000]
-    assert [curve.token_label(t) for t in (1024, 2_000_000, 999)] == ["1.024k", "2M", "999"]
+    assert experiments.parse_budgets("2M, 0.5M,8e6,300k") == [300_000, 500_000, 2_000_000, 8_000_000]
+    assert [experiments.token_label(t) for t in (1024, 2_000_000, 999)] == ["1.024k", "2M", "999"]
     with pytest.raises(ValueError, match="'2 tokens' is not a token count such as 500k"):
-        curve.parse_budgets("1M,2 tokens")
+        experiments.parse_budgets("1M,2 tokens")
     with pytest.raises(ValueError, match="a budget is given twice"):
-        curve.parse_budgets("1M,1000k")
+        experiments.parse_budgets("1M,1000k")
     with pytest.raises(ValueError, match=r"'1e30' is beyond 1e\+14 tokens, a run that cannot finish"):
-        curve.parse_budgets("1M,1e30")
+        experiments.parse_budgets("1M,1e30")
 
 
 @pytest.mark.loop
@@ -168,14 +168,14 @@ def test_a_budget_added_later_extends_the_pretraining_run_as_if_planned_that_lon
     ],
 )  # fmt: skip
 def test_a_budget_past_a_run_that_cannot_grow_is_refused_with_the_reason(tmp_path, loop, message):
-    plan, run = curve.plan_architecture("concept", [1024, 2048, 5120], [*PRETRAIN, *loop], "p", 1)
+    plan, run = experiments.plan_architecture("concept", [1024, 2048, 5120], [*PRETRAIN, *loop], "p", 1)
     run_dir = tmp_path / "p-concept"
     (run_dir / "final").mkdir(parents=True)
     (run_dir / "summary.json").write_text(json.dumps({"steps": 4}))
     if "--save_steps" in loop:  # a checkpoint the extension would resume from
         (run_dir / "checkpoints" / "step_0000004").mkdir(parents=True)
         (run_dir / "checkpoints" / "step_0000004" / "train_state.json").write_text("{}")
-    problem = curve.extension_problem(plan, run_dir, 4)
+    problem = experiments.extension_problem(plan, run_dir, 4)
     if message is None:
         assert problem is None
         return
@@ -234,7 +234,7 @@ def test_a_busy_curve_and_a_failed_run_end_in_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     [error] = errors(err)
     assert "curve busy is being measured by another process" in error and "Traceback" not in err
-    monkeypatch.setattr(curve, "run_command", lambda command: 1)  # the pretraining run fails
+    monkeypatch.setattr(experiments, "run_command", lambda command: 1)  # the pretraining run fails
     assert curve.main(argv) == 1
     err = capsys.readouterr().err
     [error] = errors(err)  # one line, beside the task loader's progress bars
@@ -259,7 +259,7 @@ def test_ctrl_c_in_a_curve_is_one_line_and_leaves_it_free_for_the_next_invocatio
     def interrupted(command):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(curve, "run_command", interrupted)  # Ctrl-C during the pretraining run
+    monkeypatch.setattr(experiments, "run_command", interrupted)  # Ctrl-C during the pretraining run
     argv = ["--tokens", "1024,2048", "--name", "ctrlc", "--task", "colors.csv", "--finetune_args", FINETUNE,
             "--", *PRETRAIN]  # fmt: skip
     assert run_tool(curve.main, "python -m concept_encoder curve", argv) == 130
@@ -277,11 +277,11 @@ def test_a_reference_folder_that_now_holds_other_weights_is_not_reused(tmp_path,
     argv = ["--tokens", "1024,2048", "--name", "ref", "--reference", str(reference), "--", *PRETRAIN]
     args = curve.build_parser().parse_args(argv[: argv.index("--")])
     folder = tmp_path / "curve"
-    plans = [curve.plan_architecture("concept", [1024, 2048], PRETRAIN, "ref", 1)]
-    curve.check_reuse(folder, curve.curve_request(args, PRETRAIN, []), plans)  # records the request
+    plans = [experiments.plan_architecture("concept", [1024, 2048], PRETRAIN, "ref", 1)]
+    experiments.check_reuse(folder, curve.curve_request(args, PRETRAIN, []), plans)  # records the request
     (reference / "model.safetensors").write_bytes(b"weights two")  # the same path, another model
     with pytest.raises(ValueError, match="was measured under other settings \\(reference_sha256: the curve's '"):
-        curve.check_reuse(folder, curve.curve_request(args, PRETRAIN, []), plans)
+        experiments.check_reuse(folder, curve.curve_request(args, PRETRAIN, []), plans)
 
 
 @pytest.mark.loop

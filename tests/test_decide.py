@@ -279,8 +279,8 @@ def test_ablate_checks_each_final_model_on_held_out_text_and_decides_by_it(capsy
 
 @pytest.mark.loop
 def test_compare_shows_an_unfinished_run_and_a_cut_metrics_line_is_named_not_fatal(finished_run, tmp_path, monkeypatch):
+    from concept_encoder.common import metrics_log
     from concept_encoder.decide.compare import compare
-    from concept_encoder.training import metrics_log
 
     warnings = []
     monkeypatch.setattr(metrics_log.logger, "warning", lambda text, *args: warnings.append(text % args))
@@ -304,7 +304,7 @@ def test_compare_shows_an_unfinished_run_and_a_cut_metrics_line_is_named_not_fat
 def test_reports_of_invocations_started_in_the_same_second_never_collide(finished_run, tmp_path):
     from concept_encoder.common.report_files import claim_report_folder
     from concept_encoder.decide.compare import compare
-    from concept_encoder.training.finetune_report import write_report
+    from concept_encoder.finetuning.report import write_report
 
     first, second = (compare([finished_run], report_dir=tmp_path) for _ in range(2))
     assert first["markdown"] != second["markdown"]  # e.g. compare_<time>.md and compare_<time>_02.md

@@ -24,8 +24,9 @@ import torch
 from safetensors.torch import load_file
 
 from concept_encoder import ConceptEncoderForMaskedLM
+from concept_encoder.checkpoints.checkpoint import CheckpointError, deepspeed_safe_globals
 from concept_encoder.common import process_group
-from concept_encoder.training.checkpoint import CheckpointError, check_resume_settings, deepspeed_safe_globals
+from concept_encoder.training.resume import check_resume_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOP = [
@@ -246,7 +247,7 @@ def test_zero3_continues_from_a_saved_model_loaded_partitioned(workdir):
 def test_export_gathers_a_zero3_checkpoint_into_the_final_model(workdir, tmp_path):
     """`python -m concept_encoder export` of the last ZeRO-3 checkpoint (two ranks' shards, fp32 master weights
     gathered by DeepSpeed's zero_to_fp32) computes what the run's final model computes."""
-    from concept_encoder.training import export
+    from concept_encoder.checkpoints import export
 
     run = made(workdir, "zero3")[0]
     checkpoint = run / "checkpoints/step_0000004"
@@ -271,7 +272,7 @@ def test_a_bf16_zero2_run_saves_its_fp32_masters_and_fine_tuning_loads_float32(w
     masters in float32 (what an export of the same step reads from the checkpoint, bit for bit), config.json says
     float32, the end-of-run check ran the reload as the run ran (bf16) and agrees, and the classifier a fine-tuning
     run builds on it, and its from-scratch twin, are float32."""
-    from concept_encoder.training import export
+    from concept_encoder.checkpoints import export
     from concept_encoder.training.model import build_classifier
 
     finish(launch(workdir, "zero2", "--run_name", "z2bf16", "--mixed_precision", "bf16", "--max_steps", "2",
@@ -297,7 +298,7 @@ def test_a_bf16_zero2_run_saves_its_fp32_masters_and_fine_tuning_loads_float32(w
 def test_a_bf16_zero3_run_gathers_its_fp32_masters_from_both_ranks_into_final(workdir, tmp_path):
     """Under ZeRO-3 each rank holds a shard of the fp32 masters: `final/` gathers them (DeepSpeed's
     `safe_get_full_fp32_param` on every rank), and equals what `export` gathers from the checkpoint's shards."""
-    from concept_encoder.training import export
+    from concept_encoder.checkpoints import export
 
     run = made(workdir, "z3bf16")[0]
     weights = load_file(run / "final/model.safetensors")
@@ -366,7 +367,7 @@ def test_make_install_builds_the_deepspeed_ops_a_run_would_compile_first(capsys)
     """`launch/build_ops.py` (run by `make install`) leaves CPU Adam and the CPU collectives built: a load
     afterwards finds them (seconds, not the minute and a half of a build)."""
     import launch.build_ops as build_ops
-    from concept_encoder.training.extension_locks import extensions_root
+    from concept_encoder.machine.extension_locks import extensions_root
 
     assert build_ops.main([]) == 0
     out = capsys.readouterr().out

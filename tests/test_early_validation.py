@@ -107,7 +107,7 @@ def test_a_gpu_torch_cannot_use_is_refused_by_the_loop_before_anything_is_built(
     data, the model or a run folder; `--allow_cpu` and the unit cases: test_machine_checks.py."""
     import torch
 
-    from concept_encoder.training import machine_checks
+    from concept_encoder.machine import checks as machine_checks
 
     monkeypatch.setattr(machine_checks, "driver_gpu", lambda: machine_checks.DriverGpu("550.54.15", "12.4"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM, AutoTokenizer
 
 import concept_encoder  # noqa: F401 (registers the model with the Auto classes)
-from concept_encoder.training import export
+from concept_encoder.checkpoints import export
 
 IDS = torch.randint(5, 2000, (2, 64), generator=torch.Generator().manual_seed(1))
 

@@ -21,9 +21,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 import concept_encoder  # noqa: F401 (registers the model with the Auto classes)
+from concept_encoder.checkpoints import export, reshard
+from concept_encoder.checkpoints.checkpoint import write_manifest
 from concept_encoder.common.paths import OWNER_MARKER, remove_stale_partials, written_aside
-from concept_encoder.training import export, reshard
-from concept_encoder.training.checkpoint import write_manifest
 
 STEP = "checkpoints/step_0000004"
 CARD_WITHOUT_THE_PACKAGE = """
@@ -420,7 +420,7 @@ def test_a_tokenizer_saved_into_a_model_folder_leaves_its_own_code_behind(tmp_pa
     from tokenizers import Tokenizer, models
 
     from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
-    from concept_encoder.training.model_folder import save_tokenizer_without_code
+    from concept_encoder.checkpoints.model_folder import save_tokenizer_without_code
 
     module_file = tmp_path / "planted_tokenizer.py"
     module_file.write_text("from transformers import PreTrainedTokenizerFast\n\n\n"

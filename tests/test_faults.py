@@ -20,8 +20,8 @@ from loop_runs import (  # noqa: F401 (fixtures)
     workdir,
 )
 
-from concept_encoder.training.checkpoint import CheckpointError
-from concept_encoder.training.faults import RunFolderError
+from concept_encoder.checkpoints.checkpoint import CheckpointError
+from concept_encoder.common.faults import RunFolderError
 
 
 @pytest.mark.loop
@@ -31,7 +31,7 @@ def test_a_full_disk_at_the_final_save_removes_the_partial_model_and_names_the_l
                                                                                                 error):  # fmt: skip
     import transformers.modeling_utils
 
-    from concept_encoder.training.faults import DiskFullError
+    from concept_encoder.common.faults import DiskFullError
 
     os.chdir(workdir)
 
@@ -105,8 +105,8 @@ def test_written_aside_moves_a_whole_file_or_folder_into_place_and_removes_a_fai
 
 
 def test_a_folder_is_replaced_only_if_this_project_wrote_it_never_through_a_link_or_over_a_file(tmp_path):
+    from concept_encoder.checkpoints.model_folder import holds_only_saved_model_files
     from concept_encoder.common.paths import NotOursError, written_aside
-    from concept_encoder.training.model_folder import holds_only_saved_model_files
 
     def write_model(target, legacy=None):
         with written_aside(target, replace_existing=True, legacy=legacy) as partial:
@@ -166,7 +166,7 @@ def read_only_folder(tmp_path):
 
 @pytest.mark.loop
 def test_a_real_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_partial_files(tmp_path, monkeypatch):
-    from concept_encoder.training.faults import DiskFullError
+    from concept_encoder.common.faults import DiskFullError
 
     disk = tmp_path / "small-disk"  # 3 MB: the run folder fits, a micro model's checkpoint (~4 MB) does not
     disk.mkdir()
@@ -256,7 +256,7 @@ class CreatesAFile:
 def test_a_checkpoint_runs_no_code_and_lacks_no_state(finished_run, tmp_path, state_file, content, message):
     import torch
 
-    from concept_encoder.training.checkpoint import write_manifest
+    from concept_encoder.checkpoints.checkpoint import write_manifest
 
     crafted = tmp_path / "crafted" / "checkpoints" / "step_0000004"
     shutil.copytree(finished_run / "checkpoints/step_0000004", crafted)
@@ -281,7 +281,7 @@ def test_a_checkpoint_runs_no_code_and_lacks_no_state(finished_run, tmp_path, st
 )  # fmt: skip
 def test_checkpoint_json_whose_sizes_match_but_values_do_not_is_named_before_use(finished_run, tmp_path, state_file,
                                                                                  content, message):  # fmt: skip
-    from concept_encoder.training.checkpoint import resolve_resume, write_manifest
+    from concept_encoder.checkpoints.checkpoint import resolve_resume, write_manifest
 
     crafted = tmp_path / "run" / "checkpoints" / "step_0000004"
     shutil.copytree(finished_run / "checkpoints/step_0000004", crafted)
@@ -298,7 +298,7 @@ def test_deepspeed_state_files_are_checked_before_deepspeed_unpickles_them(tmp_p
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    from concept_encoder.training.checkpoint import verify_deepspeed_states
+    from concept_encoder.checkpoints.checkpoint import verify_deepspeed_states
 
     sound = tmp_path / "sound" / "pytorch_model"
     sound.mkdir(parents=True)  # what a ZeRO-3 checkpoint's optimizer file holds besides tensors
@@ -342,9 +342,9 @@ def test_a_log_file_that_cannot_be_written_is_one_line_not_a_traceback_per_recor
 def test_unreadable_files_other_models_and_a_full_disk_are_named(tmp_path, monkeypatch, capsys):
     from accelerate import Accelerator
 
+    from concept_encoder.common.faults import DiskFullError
     from concept_encoder.data import DataSourceError, load_raw_dataset
     from concept_encoder.decide.check_health import main as check_health
-    from concept_encoder.training.faults import DiskFullError
 
     undecodable = tmp_path / "latin1.txt"
     undecodable.write_bytes("first paragraph\n\ncaf\xe9 au lait\n".encode("latin-1"))
@@ -383,7 +383,7 @@ def test_unreadable_files_other_models_and_a_full_disk_are_named(tmp_path, monke
 @pytest.mark.loop
 def test_a_stale_cpu_adam_lock_is_named_not_waited_on(workdir, tmp_path, monkeypatch, capsys):
     from concept_encoder.common import process_group
-    from concept_encoder.training.extension_locks import stale_op_locks
+    from concept_encoder.machine.extension_locks import stale_op_locks
 
     lock = tmp_path / "extensions" / "cpu_adam" / "lock"
     lock.parent.mkdir(parents=True)
@@ -417,7 +417,7 @@ def test_a_report_folder_that_cannot_take_reports_is_one_line_before_the_work(tm
     """Every tool that writes a report checks its folder first (here a file stands where a folder must be; a
     read-only folder takes the same path), so no run's hours are lost to it at the end."""
     from concept_encoder.decide import ablate, compare
-    from concept_encoder.training import finetune_report
+    from concept_encoder.finetuning import report as finetune_report
 
     sys.path.insert(0, str(ROOT / "launch"))
     import zero_compare
@@ -457,7 +457,7 @@ def test_a_report_folder_that_cannot_take_reports_is_one_line_before_the_work(tm
 def test_a_report_written_whole_leaves_nothing_when_the_disk_fills(tmp_path):
     import errno
 
-    from concept_encoder.training.faults import DiskFullError, written_whole
+    from concept_encoder.common.faults import DiskFullError, written_whole
 
     paths = [tmp_path / f"report.{ext}" for ext in ("md", "json", "png")]
     paths[0].touch()  # the claimed name

@@ -276,9 +276,9 @@ def test_baselines_and_probes_see_exactly_the_rows_the_models_see_and_the_report
 def test_probe_only_leaves_the_model_untouched_and_trains_nothing(workdir, concept_model):
     from transformers import AutoTokenizer
 
+    from concept_encoder.finetuning.probe import linear_probe
     from concept_encoder.tasks.loading import encode_splits
     from concept_encoder.training.model import build_classifier
-    from concept_encoder.training.probe import linear_probe
 
     task = load_task(TaskArguments(task=str(write_tasks(workdir / "tasks")["single"])))
     tokenizer = AutoTokenizer.from_pretrained(concept_model)
@@ -353,7 +353,7 @@ def test_pooling_choice_and_new_weights_are_named_in_full(workdir, concept_model
 
 @pytest.mark.parametrize("kind", ["roberta", "distilbert", "mpnet"])
 def test_mean_pooling_and_chunks_are_refused_for_a_classifier_without_a_pooler(kind):
-    from concept_encoder.training.chunked import chunk_problem
+    from concept_encoder.finetuning.chunked import chunk_problem
     from concept_encoder.training.model import check_pooling
 
     without = tiny_config(kind, vocab_size=100)  # its head reads [CLS] itself: mean-pooled input would be dropped
@@ -651,7 +651,7 @@ def test_a_failed_gate_stops_the_seed_keeps_its_best_step_and_exits_3(workdir, c
 
 
 def test_reports_of_several_invocations_merge_into_one_table(tmp_path):
-    from concept_encoder.training import finetune_report
+    from concept_encoder.finetuning import report as finetune_report
 
     def run(model, method, seed, accuracy, **extra):
         return {"model": model, "method": method, "task": "t", "seed": seed, "pooling": "p", "seconds": 1.0,
@@ -705,7 +705,7 @@ def test_reports_of_several_invocations_merge_into_one_table(tmp_path):
 
 @pytest.mark.loop
 def test_a_non_finite_loss_stops_fine_tuning_before_the_step_is_applied(workdir, concept_model, monkeypatch):
-    from concept_encoder.training.faults import NonFiniteLossError
+    from concept_encoder.common.faults import NonFiniteLossError
 
     task_file = str(write_tasks(workdir / "tasks")["single"])
     real = finetune.build_classifier
@@ -750,8 +750,8 @@ def test_an_fp16_overflow_in_fine_tuning_backs_the_loss_scale_off_and_the_run_go
 
 
 def test_a_full_disk_while_writing_a_report_leaves_no_empty_or_half_report(tmp_path, monkeypatch):
-    from concept_encoder.training import finetune_report
-    from concept_encoder.training.faults import DiskFullError
+    from concept_encoder.common.faults import DiskFullError
+    from concept_encoder.finetuning import report as finetune_report
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -768,7 +768,7 @@ def test_a_full_disk_while_writing_a_report_leaves_no_empty_or_half_report(tmp_p
 def test_a_full_disk_at_a_seeds_final_save_is_one_line_and_leaves_no_half_model(workdir, concept_model, monkeypatch):
     import transformers.modeling_utils
 
-    from concept_encoder.training.faults import DiskFullError
+    from concept_encoder.common.faults import DiskFullError
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -147,7 +147,7 @@ def test_a_profile_range_that_cannot_happen_is_refused_saying_why(value, reason)
 
 
 def profiler(steps, run_dir: Path, done: int):
-    from concept_encoder.training.profiling import StepProfiler
+    from concept_encoder.machine.profiling import StepProfiler
 
     made = StepProfiler(steps, run_dir, main_process=True, done=done)
     if made.profiler is not None:
@@ -361,8 +361,9 @@ def test_what_the_project_writes_is_json_without_nan_or_infinity():
     with pytest.raises(ValueError):  # a non-finite number made by `default=` is refused, not written
         json_io.dumps({"x": object()}, default=lambda _: float("nan"))
     root = Path(__file__).resolve().parent.parent
-    writers = ["loops/mlm.py", "loops/finetune.py", "concept_encoder/training/metrics_log.py",
-               "concept_encoder/training/finetune_report.py", "concept_encoder/decide/curve.py"]  # fmt: skip
+    writers = ["loops/mlm.py", "loops/finetune.py", "concept_encoder/common/metrics_log.py",
+               "concept_encoder/finetuning/report.py", "concept_encoder/decide/curve.py",
+               "concept_encoder/decide/experiments.py"]  # fmt: skip
     for writer in writers:
         text = (root / writer).read_text()
         assert "json_io.dumps(" in text and ".write_text(json.dumps(" not in text, writer

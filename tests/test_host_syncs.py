@@ -1,5 +1,5 @@
 """No host sync in a training micro-batch, at most one per optimizer step, and an encoder that runs on the
-`meta` device (issue 53): counted with `training.host_syncs.HostSyncCounter` over the loops' own steps."""
+`meta` device (issue 53): counted with `machine.host_syncs.HostSyncCounter` over the loops' own steps."""
 
 from types import SimpleNamespace
 
@@ -15,10 +15,10 @@ import loops.mlm as mlm
 from benchmarks.host_syncs import LOOPS, cpu_batch, measure_loop
 from concept_encoder import ConceptEncoderForMaskedLM, ConceptEncoderForSequenceClassification, config_from_preset
 from concept_encoder.data.objectives import model_inputs, prepare_batch
+from concept_encoder.machine.host_syncs import HostSyncCounter, count_host_syncs
 from concept_encoder.model.bert_baseline import BertForSparseMaskedLM, bert_config
 from concept_encoder.model.presets import PRESETS
 from concept_encoder.training.batches import placed
-from concept_encoder.training.host_syncs import HostSyncCounter, count_host_syncs
 from concept_encoder.training.steps import finetuning_step, pretraining_step
 from concept_encoder.training.tracking import any_rank
 

@@ -15,9 +15,9 @@ from loop_runs import fresh_accelerate, in_process, workdir  # noqa: F401 (fixtu
 from torch.utils.data import DataLoader
 
 import loops.finetune as finetune
-from concept_encoder.decide import curve, listops
+from concept_encoder.checkpoints.checkpoint import TrainState
+from concept_encoder.decide import experiments, listops
 from concept_encoder.training.batches import LengthBucketedBatches, accumulation_windows
-from concept_encoder.training.checkpoint import TrainState
 
 LENGTHS = [(7 * i) % 97 + 3 for i in range(203)]
 FINETUNE = ["--max_steps", "16", "--eval_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "8",
@@ -71,8 +71,8 @@ def test_bucketed_batches_resume_exactly_across_an_epoch_boundary():
 def test_bert_mean_pooling_feeds_the_masked_mean_to_its_pooler():
     from transformers import BertConfig, BertForSequenceClassification
 
-    from concept_encoder.training.chunked import apply_reading
-    from concept_encoder.training.probe import masked_mean
+    from concept_encoder.finetuning.chunked import apply_reading
+    from concept_encoder.finetuning.probe import masked_mean
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -163,7 +163,7 @@ def test_the_driver_on_a_tiny_variant_writes_every_row_and_reuses_them(in_proces
     refined, plain = rows["micro-concept-C16-refine"], rows["micro-concept-C16"]
     assert refined["forward_flops_per_example"] > plain["forward_flops_per_example"]
     assert refined["parameters"] > plain["parameters"]
-    pretraining = [c for c in in_process if str(curve.MLM_SCRIPT) in c]
+    pretraining = [c for c in in_process if str(experiments.MLM_SCRIPT) in c]
     assert len(pretraining) == 2 and all("task:listops:100:200" in c and "0.1" in c for c in pretraining)
     assert data["published"][0] == ["Transformer (LRA)", 36.37] and data["goals"]
     markdown = report.with_suffix(".md").read_text()
@@ -171,7 +171,7 @@ def test_the_driver_on_a_tiny_variant_writes_every_row_and_reuses_them(in_proces
     launched = len(in_process)
     capsys.readouterr()
     assert listops.main(DRIVER) == 0  # everything measured: reused, nothing launched but the finished pretraining
-    assert len([c for c in in_process[launched:] if str(curve.FINETUNE_SCRIPT) in c]) == 0
+    assert len([c for c in in_process[launched:] if str(experiments.FINETUNE_SCRIPT) in c]) == 0
     assert "finished earlier, reused" in capsys.readouterr().out
 
 

@@ -322,3 +322,44 @@ def test_the_loop_builds_it_and_the_plan_checker_and_ablate_vary_it(capsys):
     plans = plan_runs("local_mixer", ["none", "conv"], ["--preset", "micro"], "ablate")
     assert [p[0] for p in plans] == ["ablate-local_mixernone", "ablate-local_mixerconv"]
     assert [p[2]["model_args.local_mixer"] for p in plans] == ["none", "conv"]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_autocast_the_mixer_computes_what_float32_does_and_its_gradients_stay_float32(placement, dtype):
+    """The bf16 and fp16 paths of a GPU run, on the CPU: fp32 weights under `torch.autocast`, the loss scaled by a
+    real `GradScaler` for fp16. The mixer's convolution runs in the low precision, its LayerNorm in float32; the
+    logits stay close to float32's and every mixer's gradients are float32, finite and point where float32's do."""
+    torch.manual_seed(0)
+    model = ConceptEncoderForMaskedLM(config(local_mixer_placement=placement)).train()
+    scramble(model, std=0.3)
+    ids = torch.randint(5, VOCAB, (2, 24))
+    ids[:, 3] = MASK
+    labels = torch.full_like(ids, -100)
+    labels[:, 3] = 7
+
+    def loss_and_grads(autocast: bool):
+        model.zero_grad()
+        torch.manual_seed(1)  # the same dropout masks both times
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            out = model(ids, labels=labels)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=autocast and dtype == torch.float16)
+        scaler.scale(out.loss).backward()
+        scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+        grads = [p.grad / scale for mixer in mixers(model) for p in mixer.parameters()]
+        return out, grads
+
+    reference, reference_grads = loss_and_grads(autocast=False)
+    seen = {}
+    for mixer in mixers(model):
+        for name in ("conv", "norm"):
+            getattr(mixer, name).register_forward_hook(
+                lambda m, i, o, name=name: seen.setdefault(name, set()).add(o.dtype)
+            )
+    low, low_grads = loss_and_grads(autocast=True)
+    assert seen == {"conv": {dtype}, "norm": {torch.float32}}
+    assert low.logits.shape == reference.logits.shape and torch.isfinite(low.logits).all()
+    torch.testing.assert_close(low.logits.float(), reference.logits, atol=0.1, rtol=0.05)
+    for grad, ref in zip(low_grads, reference_grads, strict=True):
+        assert grad.dtype == torch.float32 and torch.isfinite(grad).all()
+        assert torch.nn.functional.cosine_similarity(grad.flatten(), ref.flatten(), dim=0) > 0.98

@@ -10,7 +10,7 @@ from loop_runs import launch_in_process
 from test_docstrings import write_distribution
 from test_long_tasks import long_module
 
-from concept_encoder.decide import curve, long_context
+from concept_encoder.decide import experiments, long_context
 
 PRETRAIN = ["--preset", "micro", "--tokenizer", "train:wordpiece:1000", "--report_to", "none", "--progress_bar",
             "false", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--eval_steps", "0",
@@ -32,7 +32,7 @@ def site(tmp_path, monkeypatch):
     for k, name in enumerate(("alpha", "beta", "gamma")):
         write_distribution(root, name, "1.0", {f"{name}/m{i}.py": long_module(100 * k + i) for i in range(12)})
     commands = []
-    monkeypatch.setattr(curve, "run_command", launch_in_process(commands))
+    monkeypatch.setattr(experiments, "run_command", launch_in_process(commands))
     yield root, commands
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -73,13 +73,14 @@ def test_the_driver_writes_every_row_and_reuses_them(site, capsys):
     assert (trunc["max_seq_length"], chunks["max_seq_length"], chunks["chunk_length"]) == (32, 64, 32)
     assert chunks["flops_per_example"] == pytest.approx(2 * trunc["flops_per_example"])  # two windows of 32
     concept = by_key[("concept-L64", True)]
-    for command in [c for c in commands if str(curve.MLM_SCRIPT) in c and "-clock-" not in str(c)]:  # equal budgets
+    equal = [c for c in commands if str(experiments.MLM_SCRIPT) in c and "-clock-" not in str(c)]
+    for command in equal:  # equal budgets
         steps, length = (int(command[command.index(flag) + 1]) for flag in ("--max_steps", "--max_seq_length"))
         assert steps * 4 * length == 1536
     assert 0 < concept["pretrain_tokens"] <= 1536 and 0 < trunc["pretrain_tokens"] <= 1536  # short last blocks
     assert concept["tokens_per_second"] > 0 and concept["parameters"] > 0
     assert by_key[("concept-L64", False)]["pretrain_seconds"] is None
-    pretrainings = [c for c in commands if str(curve.MLM_SCRIPT) in c]
+    pretrainings = [c for c in commands if str(experiments.MLM_SCRIPT) in c]
     planned = sorted(int(c[c.index("--max_seq_length") + 1]) for c in pretrainings if "-clock-" not in str(c))
     assert planned == [32, 48, 48, 64] and all("--document_blocks" in c for c in pretrainings)  # W, L, L, full ≤ 48
     chunked = [c for c in commands if "--chunk_length" in c]

@@ -28,10 +28,10 @@ from transformers import AutoModelForMaskedLM
 import loops.mlm as mlm
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
 from concept_encoder.accounting.flops import mlm_training_flops
+from concept_encoder.checkpoints.checkpoint import CheckpointError
 from concept_encoder.common import process_group
+from concept_encoder.common.metrics_log import read_metrics
 from concept_encoder.training.args import parse_args
-from concept_encoder.training.checkpoint import CheckpointError
-from concept_encoder.training.metrics_log import read_metrics
 
 
 @pytest.mark.loop

@@ -13,7 +13,8 @@ import torch
 
 import launch.build_ops as build_ops
 import launch.check_plan as check_plan
-from concept_encoder.training import machine_checks, runtime
+from concept_encoder.machine import checks as machine_checks
+from concept_encoder.training import runtime
 from concept_encoder.training.args import parse_args
 from concept_encoder.training.plan import zero3_compile_problem
 from concept_encoder.training.preflight import fail_fast, preflight

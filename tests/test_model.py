@@ -269,7 +269,8 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 def test_construct_draws_weights_from_the_seed_alone_and_leaves_the_global_rng_alone():
     from concept_encoder.model.bert_baseline import BertForSparseMaskedLM, bert_config
-    from concept_encoder.training.model import construct, held_parameters
+    from concept_encoder.model.construct import construct
+    from concept_encoder.training.model import held_parameters
 
     config = config_from_preset("micro", vocab_size=300)
     torch.manual_seed(123)

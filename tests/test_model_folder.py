@@ -1,4 +1,4 @@
-"""A model folder is what it claims (concept_encoder/training/model_folder.py): every way a folder can lie ends in
+"""A model folder is what it claims (concept_encoder/checkpoints/model_folder.py): every way a folder can lie ends in
 one line naming the file, before training; a sound folder loads with only the new task head random."""
 
 import json
@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification
 
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
+from concept_encoder.checkpoints.model_folder import ModelFolderError, load_checked, model_folder_problem
 from concept_encoder.training.model import build_classifier
-from concept_encoder.training.model_folder import ModelFolderError, load_checked, model_folder_problem
 
 TASK = SimpleNamespace(label_names=["a", "b"], num_labels=2, task_type="single_label_classification")
 

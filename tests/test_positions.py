@@ -91,8 +91,8 @@ def test_a_saved_model_read_past_its_table_is_refused_naming_the_extension(tmp_p
 def test_a_chunked_reading_encodes_each_chunk_alone_and_averages_their_mean_states():
     from transformers import BertConfig, BertForSequenceClassification
 
-    from concept_encoder.training.chunked import read_in_chunks
-    from concept_encoder.training.probe import frozen_features
+    from concept_encoder.finetuning.chunked import read_in_chunks
+    from concept_encoder.finetuning.probe import frozen_features
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,

@@ -12,9 +12,9 @@ from loop_runs import fresh_accelerate, run, workdir  # noqa: F401 (fixtures)
 from safetensors.torch import load_file
 
 import loops.mlm as mlm
-from concept_encoder.training import export
+from concept_encoder.checkpoints import export
+from concept_encoder.checkpoints.model_folder import save_model_weights, stored_float_dtypes
 from concept_encoder.training.model import build_classifier
-from concept_encoder.training.model_folder import save_model_weights, stored_float_dtypes
 
 TASK = type("Task", (), {"num_labels": 2, "task_type": "single_label_classification", "label_names": None})()
 

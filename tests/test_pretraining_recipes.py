@@ -17,7 +17,7 @@ from concept_encoder.data.base import DataSourceError
 from concept_encoder.data.mixture import repetition
 from concept_encoder.data.sources import load_raw_dataset, texts_digest
 from concept_encoder.decide.ablate import parse_vary
-from concept_encoder.decide.curve import plan_architecture
+from concept_encoder.decide.experiments import plan_architecture
 from concept_encoder.tasks.arguments import TaskArguments
 from concept_encoder.tasks.leakage import (
     held_out_texts,

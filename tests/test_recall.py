@@ -154,7 +154,7 @@ def test_the_masked_form_answers_several_queries_and_only_their_values_are_maske
 @pytest.mark.loop
 def test_the_masked_form_pretrains_through_the_mlm_loop(workdir):
     import loops.mlm as mlm
-    from concept_encoder.training.metrics_log import read_metrics
+    from concept_encoder.common.metrics_log import read_metrics
 
     assert mlm.main(["--preset", "micro", "--concept_num", "8", "--max_seq_length", "32", "--tokenizer", "recall",
                      "--dataset", "task:recall:4:64:16:200", "--masking", "query_values", "--max_steps", "2",

@@ -8,7 +8,7 @@ import pytest
 from accelerate.state import AcceleratorState, GradientState
 from loop_runs import launch_in_process, tiny_teacher
 
-from concept_encoder.decide import curve, recipes
+from concept_encoder.decide import experiments, recipes
 
 PRETRAIN = ["--preset", "micro", "--tokenizer", "train:wordpiece:1000", "--report_to", "none", "--progress_bar",
             "false", "--per_device_train_batch_size", "4", "--max_seq_length", "32", "--logging_steps", "1",
@@ -26,7 +26,7 @@ def workspace(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     teacher = tiny_teacher(tmp_path / "teacher")
     commands = []
-    monkeypatch.setattr(curve, "run_command", launch_in_process(commands))
+    monkeypatch.setattr(experiments, "run_command", launch_in_process(commands))
     yield teacher, commands
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -84,7 +84,7 @@ def test_every_arm_is_pretrained_as_named_and_stands_beside_its_twin(workspace, 
 )
 def test_bad_plans_are_refused_before_any_run(tmp_path, monkeypatch, capsys, extra, loop_extra, message):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(curve, "run_command", lambda command: pytest.fail("a run started"))
+    monkeypatch.setattr(experiments, "run_command", lambda command: pytest.fail("a run started"))
     with pytest.raises(SystemExit) as ended:
         recipes.main([*argv(tmp_path, *extra), *loop_extra])
     assert ended.value.code == 2 and message in capsys.readouterr().err

@@ -19,8 +19,8 @@ from loop_runs import (  # noqa: F401 (fixtures)
     workdir,
 )
 
-from concept_encoder.training.checkpoint import CheckpointError, resolve_resume
-from concept_encoder.training.faults import RunFolderError
+from concept_encoder.checkpoints.checkpoint import CheckpointError, resolve_resume
+from concept_encoder.common.faults import RunFolderError
 
 pytestmark = pytest.mark.loop
 
@@ -144,7 +144,7 @@ def test_a_resume_that_cannot_continue_is_refused_before_anything_is_written(fin
 def test_a_checkpoint_written_before_arguments_were_recorded_is_checked_against_the_runs_config(finished_run):
     import json
 
-    from concept_encoder.training.checkpoint import write_manifest
+    from concept_encoder.checkpoints.checkpoint import write_manifest
 
     old = finished_run.parent / "old-format"
     shutil.copytree(finished_run, old)
@@ -214,7 +214,8 @@ def test_auto_picks_the_highest_intact_step_and_names_damage(finished_run, caplo
 
 
 def test_another_process_count_is_refused_where_the_state_cannot_move(tmp_path):
-    from concept_encoder.training.checkpoint import TrainState, resharded_position, split_processes
+    from concept_encoder.checkpoints.checkpoint import TrainState, resharded_position
+    from concept_encoder.training.resume import split_processes
 
     saved = {
         "world_size": 2,

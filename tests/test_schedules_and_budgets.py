@@ -19,8 +19,8 @@ from loop_runs import (  # noqa: F401 (fixtures)
 from safetensors.torch import load_file
 
 import loops.mlm as mlm
+from concept_encoder.checkpoints.checkpoint import CheckpointError
 from concept_encoder.training.args import parse_args, parse_duration
-from concept_encoder.training.checkpoint import CheckpointError
 from concept_encoder.training.optim import build_scheduler, rate_factors, schedule_problem
 from concept_encoder.training.runtime import set_tf32
 

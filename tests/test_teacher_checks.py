@@ -17,9 +17,9 @@ from transformers import AutoTokenizer, BertConfig, BertModel
 
 import loops.mlm as mlm
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
+from concept_encoder.checkpoints.model_folder import ModelFolderError
 from concept_encoder.data.tokenizer import train_tokenizer
 from concept_encoder.training import distill
-from concept_encoder.training.model_folder import ModelFolderError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 DISTILL = ["--objective", "distill", "--packing", "false", "--max_steps", "2"]

@@ -194,3 +194,8 @@ def format_health_table(metrics: Mapping[str, float]) -> str:
         text = str(value) if isinstance(value, int) else f"{value:.4g}"
         lines.append(f"| {name} | {text} |")
     return "\n".join(lines)
+
+
+def health_of(results: dict) -> dict[str, float]:
+    """The `health/<metric>` entries of `evaluate`'s results, as `{metric: value}`."""
+    return {key.split("/", 1)[1]: value for key, value in results.items() if key.startswith("health/")}

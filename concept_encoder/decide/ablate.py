@@ -33,12 +33,12 @@ from pathlib import Path
 
 from ..common import process_group
 from ..common.cli_types import at_least
+from ..common.differences import differences
+from ..common.faults import DiskFullError
 from ..common.paths import PROJECT_ROOT
 from ..common.report_files import check_report_dir
 from ..constants import LICENSES_DATASET, pretraining_metric_names
 from ..training.args import parse_args
-from ..training.checkpoint import differences
-from ..training.faults import DiskFullError
 from ..training.plan import launch_command, local_launcher
 from ..training.runs import ended_on_its_own, stopped_by_gate
 from .compare import compare, lower_is_better

@@ -23,9 +23,10 @@ from pathlib import Path
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from ..checkpoints.model_folder import ModelFolderError, load_checked
 from ..common import json_io
 from ..common.cli_types import at_least
-from ..concepts.health import format_health_table
+from ..concepts.health import format_health_table, health_of
 from ..data import DataArguments, DataSourceError, prepare_data
 from ..data.sources import source_fingerprint
 from ..data.tokenizer import check_tokenizer
@@ -34,8 +35,7 @@ from ..model.constants import POSITION_EXTENSIONS
 from ..model.heads import ConceptEncoderForMaskedLM
 from ..model.positions import extend_position_tables
 from ..tasks.loading import training_texts
-from ..training.evaluation import evaluate, health_of, most_frequent_token
-from ..training.model_folder import ModelFolderError, load_checked
+from ..training.evaluation import evaluate, most_frequent_token
 from ..training.plan import output_file_problem
 from ..training.preflight import beyond_positions
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..common import json_io
+from ..common.faults import DiskFullError, written_whole
+from ..common.metrics_log import read_metrics
 from ..common.paths import cache_path
 from ..common.report_files import check_report_dir, claim_report_stem
-from ..training.faults import DiskFullError, written_whole
-from ..training.metrics_log import read_metrics
 
 # Settings that name or place a run, or describe the machine, rather than define the experiment.
 NOT_SETTINGS = (

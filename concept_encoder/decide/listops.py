@@ -33,25 +33,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..accounting.flops import classifier_forward_flops
-from ..common.paths import cache_path, written_aside
-from ..common.report_files import ReportFolderError, check_report_dir
+from ..common.paths import cache_path
+from ..common.report_files import check_report_dir
 from ..data.tokenizer import load_tokenizer
-from ..model.bert_baseline import bert_config
-from ..model.config import ConceptEncoderConfig
 from ..model.presets import PRESETS
 from ..tasks.arguments import is_listops
 from ..tasks.listops import listops_splits, parse_listops, root_operator_rule
-from .curve import (
-    Curve,
+from .experiments import (
+    PointFolder,
     add_report_driver_arguments,
     check_finetune_argv,
     check_reuse,
+    chosen_runs,
     exclusive,
     given_flags,
+    given_or_default,
+    holding,
     parse_budgets,
     parse_driver_argv,
+    parse_list,
+    percent,
     plan_architecture,
     pretrain,
+    print_report,
+    refuse_driver_flags,
+    scratch_model,
+    usage_errors,
     write_report_files,
 )
 
@@ -89,19 +96,6 @@ class Arm:
     kind: str  # scratch | sweep | pretrained
 
 
-def parse_list(text: str, what: str, convert=str) -> list:
-    """`a,b,c` → its distinct values, each through `convert`; ValueError naming `what` for a value `convert`
-    refuses (e.g. `--concepts 16,x`), an empty list or a repeated value."""
-    try:
-        values = [convert(v.strip()) for v in text.split(",") if v.strip()]
-    except ValueError:
-        kind = "whole numbers" if convert is int else "values"
-        raise ValueError(f"{what} {text!r}: give distinct comma-separated {kind}, e.g. 16,64") from None
-    if not values or len(set(values)) != len(values):
-        raise ValueError(f"{what} {text!r}: give distinct comma-separated values")
-    return values
-
-
 def scratch_arms(args) -> list[Arm]:
     """The from-scratch arms in the order they run: per preset, each width without then with refinement, then
     BERT; every pooling of `--poolings` an arm has (a Concept Encoder pools `cls` only when it refines)."""
@@ -129,23 +123,10 @@ def scratch_arms(args) -> list[Arm]:
 def fresh_folder(folder: Path, arm: Arm, tokenizer, positions: int) -> Path:
     """`folder/models/<arm>`: the arm's config and the ListOps tokenizer (no weights: fine-tuning builds them
     from the seed, `--from_scratch`)."""
-    target = folder / "models" / arm.key
-    if (target / "config.json").is_file():
-        return target
-    shape = {**PRESETS[arm.preset], "max_position_embeddings": max(PRESETS[arm.preset]["max_position_embeddings"],
-                                                                    positions)}  # fmt: skip
-    ids = {name: getattr(tokenizer, name) for name in ("pad_token_id", "unk_token_id", "cls_token_id",
-                                                       "sep_token_id", "mask_token_id")}  # fmt: skip
-    if arm.architecture == "bert":
-        config = bert_config(shape, len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    else:
-        config = ConceptEncoderConfig(**{**shape, "concept_num": arm.concept_num}, vocab_size=len(tokenizer),
-                                      token_refinement=arm.refine, classifier_pooling=arm.pooling, **ids)  # fmt: skip
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with written_aside(target, replace_existing=True) as partial:
-        config.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-    return target
+    return scratch_model(
+        folder / "models" / arm.key, arm.architecture, arm.preset, positions, tokenizer,
+        concept_num=arm.concept_num, token_refinement=arm.refine, classifier_pooling=arm.pooling,
+    )  # fmt: skip
 
 
 def finetune_extra(arm: Arm, max_seq_length: int) -> list[str]:
@@ -157,9 +138,8 @@ def finetune_extra(arm: Arm, max_seq_length: int) -> list[str]:
 def with_defaults(finetune_argv: list[str]) -> list[str]:
     """The fine-tuning arguments with the driver's defaults for what was not given (5K steps of 32, LRA's tiny
     configuration; two rates; a checkpoint every 500 steps; dev evaluated 20 times a run)."""
-    given = set(given_flags(finetune_argv, (*FINETUNE_DEFAULTS, "--eval_steps")))
-    argv = [*finetune_argv, *(x for flag, v in FINETUNE_DEFAULTS.items() if flag not in given for x in (flag, v))]
-    if "--eval_steps" not in given:  # --max_steps is in argv now: given, or the default
+    argv = given_or_default(finetune_argv, FINETUNE_DEFAULTS)
+    if not given_flags(finetune_argv, ("--eval_steps",)):  # --max_steps is in argv now: given, or the default
         argv += ["--eval_steps", str(max(1, int(argv[argv.index("--max_steps") + 1]) // 20))]
     return argv
 
@@ -173,13 +153,6 @@ def pretraining_plan(arm: Arm, args, loop_argv: list[str], max_seq_length: int, 
     if arm.architecture == "concept":
         argv += ["--concept_num", str(arm.concept_num), "--token_refinement", str(arm.refine).lower()]
     return plan_architecture(arm.architecture, [budget], argv, f"{args.name}-selfpre-{arm.key}", args.num_processes)
-
-
-def chosen_runs(point: dict) -> tuple[dict, list[dict]]:
-    """A point's fine-tuning report row and its runs at the rate chosen on dev (one per seed)."""
-    (row,) = [r for r in point["rows"] if r["method"] == "fine-tune"]
-    runs = [r for r in point.get("runs", []) if r.get("method") == "fine-tune"]
-    return row, [r for r in runs if r["learning_rate"] == row["learning_rate"]]
 
 
 def arm_row(point: dict, arm: Arm, tokens: float) -> dict:
@@ -239,12 +212,6 @@ def goal_lines(rows: list[dict], preset: str, root_rule: float, test_examples: i
                  f"{100 * noise:.1f} points (two standard errors of {test_examples:,} test trees): "
                  f"{', '.join(above) or 'none'}")  # fmt: skip
     return lines
-
-
-def percent(value, std=None) -> str:
-    if value is None:
-        return "-"
-    return f"{100 * value:.2f}" + (f" ± {100 * std:.2f}" if std is not None else "")
 
 
 def format_markdown(report: dict) -> str:
@@ -365,12 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, loop_argv, finetune_argv = parse_driver_argv(parser, argv)
     folder = cache_path(args.runs_dir) / args.name
-    try:  # every check before the first run starts
+    with usage_errors(parser):  # every check before the first run starts
         check_arguments(args)
-        if taken := given_flags(finetune_argv, DRIVER_FINETUNE_FLAGS):
-            raise ValueError(f"--finetune_args: {taken} are set by the listops driver; leave them out")
-        if taken := given_flags(loop_argv, PRETRAIN_FLAGS):
-            raise ValueError(f"pretraining arguments {taken} are set by the listops driver; leave them out")
+        refuse_driver_flags(finetune_argv, DRIVER_FINETUNE_FLAGS, "--finetune_args:", "by the listops driver")
+        refuse_driver_flags(loop_argv, PRETRAIN_FLAGS, "pretraining arguments", "by the listops driver")
         finetune_argv = with_defaults(finetune_argv)
         max_seq_length = parse_listops(args.task).max_length + 2  # [CLS] … [SEP]
         check_finetune_argv([*finetune_argv, "--max_seq_length", str(max_seq_length)], args.task)  # generates it
@@ -380,19 +345,18 @@ def main(argv: list[str] | None = None) -> int:
                    "finetune_args": finetune_argv, "pretrain_args": loop_argv, "num_processes": args.num_processes}  # fmt: skip
         check_reuse(folder, request, [])
         check_report_dir(args.report_dir)
-    except (ValueError, ReportFolderError) as error:
-        parser.exit(2, f"usage error: {error}\n")
     tokenizer = load_tokenizer("listops")
-    curve = Curve(folder, args.task, finetune_argv, args.num_processes, probe=False)
+    point_folder = PointFolder(folder, args.task, finetune_argv, args.num_processes, probe=False)
     lock = exclusive(folder, f"listops {args.name}")
     if lock is None:
         return 1
     points = {}
-    try:
+    with holding(lock) as outcome:
         for index, arm in enumerate(arms, 1):
             model = fresh_folder(folder, arm, tokenizer, max_seq_length)
-            points[arm.key] = curve.reused_or_measured(arm.key, str(model), finetune_extra(arm, max_seq_length),
-                                                       {"arm": arm.__dict__}, f"[{index}/{len(arms)}] {arm.label}")  # fmt: skip
+            points[arm.key] = point_folder.reused_or_measured(
+                arm.key, str(model), finetune_extra(arm, max_seq_length), {"arm": arm.__dict__},
+                f"[{index}/{len(arms)}] {arm.label}")  # fmt: skip
         if args.pretrain_budget:
             first = [a for a in arms if a.preset == args.preset_list[0] and a.kind != "sweep"]
             concept = [a for a in first if a.architecture == "concept"]
@@ -405,14 +369,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"self-pretraining {plan.run_name}: {plan.tokens(plan.steps[-1]):,} tokens", flush=True)
                 pretrain(plan, run_dir, args.num_processes)
                 arms.append(arm)
-                points[arm.key] = curve.reused_or_measured(arm.key, str(run_dir / "final"),
-                                                           finetune_extra(arm, max_seq_length), {"arm": arm.__dict__},
-                                                           f"{arm.label}: fine-tuning")  # fmt: skip
-    except RuntimeError as error:  # a run failed: finished arms stay, the same command continues
-        print(f"error: {error}", file=sys.stderr)
+                points[arm.key] = point_folder.reused_or_measured(
+                    arm.key, str(run_dir / "final"), finetune_extra(arm, max_seq_length), {"arm": arm.__dict__},
+                    f"{arm.label}: fine-tuning")  # fmt: skip
+    if outcome.failed:  # a run failed: finished arms stay, the same command continues
         return 1
-    finally:
-        lock.release()
     splits = listops_splits(args.task)  # read once: about 250 MB of JSON lines at full size
     tokens = statistics.fmean(row["length"] for row in splits["train"]) + 2  # [CLS] and [SEP]
     rows = [arm_row(points[a.key], a, tokens) for a in arms]
@@ -424,9 +385,7 @@ def main(argv: list[str] | None = None) -> int:
               "mean_tokens": tokens,
               "settings_line": f"Fine-tuning: {' '.join(finetune_argv)}; mean input {tokens:.0f} tokens; test = the "
                                "task's test split, read once per seed at the step chosen on dev."}  # fmt: skip
-    paths = write_report_files(report, args.report_dir, "listops", format_markdown, plot)
-    print(paths["md"].read_text())
-    print(f"report: {paths['md']}, {paths['json']}, {paths['png']}")
+    print_report(write_report_files(report, args.report_dir, "listops", format_markdown, plot))
     return 0
 
 

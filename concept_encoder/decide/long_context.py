@@ -7,8 +7,8 @@ For each length L (tokens an example is read at) the task is `needle:<L x --word
 sentence hidden in about L tokens of the `modules` corpus), or a natural task read up to L (`--task
 modules_spliced`: one module's documentation or two halves of different modules; `modules_package`: which
 package, where a bag of words is at its ceiling). Every model is pretrained on the long corpus (`--dataset modules`, document blocks) for the same `--tokens`,
-then fine-tuned and probed under the fair protocol of the curve driver (`curve.py`: learning rate and step on
-dev, seeds, TF-IDF beside), each beside its from-scratch twin:
+then fine-tuned and probed under the fair protocol of the drivers' engine (`experiments.py`: learning rate and
+step on dev, seeds, TF-IDF beside), each beside its from-scratch twin:
 
 | row | pretrained at | reads an example as |
 |---|---|---|
@@ -35,32 +35,37 @@ from pathlib import Path
 
 from ..accounting.flops import mlm_forward_flops
 from ..common.cli_types import at_least
+from ..common.metrics_log import read_metrics
 from ..common.paths import cache_path
-from ..common.report_files import ReportFolderError, check_report_dir
+from ..common.report_files import check_report_dir
 from ..tasks.arguments import MODULES_PACKAGE, MODULES_SPLICED
 from ..tasks.baselines import task_baselines
 from ..tasks.loading import TaskData, load_task
 from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
-from ..training.metrics_log import read_metrics
-from . import curve
-from .curve import (
-    Curve,
+from . import experiments
+from .experiments import (
+    PointFolder,
     add_report_driver_arguments,
     check_finetune_argv,
     check_reuse,
     exclusive,
     given_flags,
-    parse_budgets,
+    holding,
+    last_snapshot,
+    one_budget,
     parse_driver_argv,
     plan_architecture,
     pretrain,
+    print_report,
+    refuse_driver_flags,
+    usage_errors,
     write_report_files,
 )
 
 ROWS = ("concept", "trunc", "chunks", "full", "clock")  # --rows: which readings to measure (all by default)
 WORDS_PER_TOKEN = 0.5  # the modules corpus reads ~1.9 wordpiece tokens per word: N/2 words fill about N tokens
-DRIVER_FLAGS = (*curve.DRIVER_FLAGS, "--max_seq_length", "--document_blocks")
-FINETUNE_DRIVER_FLAGS = (*curve.FINETUNE_DRIVER_FLAGS, "--max_seq_length", "--chunk_length", "--extend_positions")
+DRIVER_FLAGS = (*experiments.DRIVER_FLAGS, "--max_seq_length", "--document_blocks")
+FINETUNE_DRIVER_FLAGS = (*experiments.FINETUNE_DRIVER_FLAGS, "--max_seq_length", "--chunk_length", "--extend_positions")
 
 
 @dataclass
@@ -110,11 +115,6 @@ def pretraining_cost(run_dir: Path) -> dict:
             "peak_memory_gb": max(peaks, default=None)}  # fmt: skip
 
 
-def model_folder(plan, run_dir: Path) -> Path:
-    """The model a single-budget plan saved at its last step (the snapshot the curve driver asks for)."""
-    return run_dir / "snapshots" / f"step-{plan.steps[-1]}"
-
-
 def forward_flops(config_path: Path, length: int, chunk: int | None) -> float:
     """Matmul FLOPs of the encoder reading one example of `length` tokens (in chunks of `chunk`)."""
     config = json.loads(config_path.read_text())
@@ -137,10 +137,10 @@ def wall_clock_plan(args, base: list[str], length: int, concept_run: tuple, wind
 
 
 def measure_row(folder: Path, row: Row, finetune_argv: list[str], processes: int) -> dict:
-    """The row's points (pretrained, and its twin): fine-tuning and probes under the curve's protocol, reused when
+    """The row's points (pretrained, and its twin): fine-tuning and probes under the fair protocol, reused when
     measured before. `{"row", "pretrained", "twin"}`."""
-    points = Curve(folder, row.task, finetune_argv, processes)
-    model = str(model_folder(*row.run))
+    points = PointFolder(folder, row.task, finetune_argv, processes)
+    model = str(last_snapshot(*row.run))
     result = {"row": row}
     for kind in ("pretrained", "twin") if row.twin else ("pretrained",):
         key = row.key if kind == "pretrained" else f"{row.key}-twin"
@@ -205,7 +205,7 @@ def assemble(measured: list[dict], tasks: dict, finetune_argv: list[str], args, 
             tuned = next(r for r in point["rows"] if r["method"] == "fine-tune")
             probes = [r for r in point["rows"] if r["method"] != "fine-tune"]
             probe = max(probes, key=lambda r: r["accuracy_mean"]) if probes else None
-            config = model_folder(*row.run) / "config.json"
+            config = last_snapshot(*row.run) / "config.json"
             rows.append({
                 "model": row.label if kind == "pretrained" else f"{row.label}, from scratch", "key": row.key,
                 "task": row.task, "input_length": row.input_length, "max_seq_length": row.length,
@@ -357,16 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, loop_argv, finetune_argv = parse_driver_argv(parser, argv)
     folder = cache_path(args.runs_dir) / args.name
-    try:  # every check before the first run starts
+    with usage_errors(parser):  # every check before the first run starts
         lengths = parse_lengths(args.lengths, args.window)
-        budgets = parse_budgets(args.tokens)
-        if len(budgets) != 1:
-            raise ValueError(f"--tokens {args.tokens!r}: give one budget (every model is pretrained for as many)")
-        budget = budgets[0]
-        if taken := given_flags(loop_argv, DRIVER_FLAGS):
-            raise ValueError(f"pretraining arguments {taken} are set by the long-context driver; leave them out")
-        if taken := given_flags(finetune_argv, FINETUNE_DRIVER_FLAGS):
-            raise ValueError(f"--finetune_args: {taken} are set by the long-context driver; leave them out")
+        budget = one_budget(args.tokens, "every model is pretrained for as many")
+        refuse_driver_flags(loop_argv, DRIVER_FLAGS, "pretraining arguments", "by the long-context driver")
+        refuse_driver_flags(finetune_argv, FINETUNE_DRIVER_FLAGS, "--finetune_args:", "by the long-context driver")
         chosen = {r.strip() for r in args.rows.split(",") if r.strip()} | {"concept"}
         if unknown := sorted(chosen - set(ROWS)):
             raise ValueError(f"--rows {args.rows!r}: {unknown} unknown; choose from {ROWS}")
@@ -392,12 +387,10 @@ def main(argv: list[str] | None = None) -> int:
                    "num_processes": args.num_processes, "rows": sorted(chosen)}  # fmt: skip
         check_reuse(folder, request, runs)
         check_report_dir(args.report_dir)
-    except (ValueError, ReportFolderError) as error:
-        parser.exit(2, f"usage error: {error}\n")
     lock = exclusive(folder, f"long-context {args.name}")
     if lock is None:
         return 1
-    try:
+    with holding(lock) as outcome:
         for pretraining, run_dir in runs:
             print(f"pretraining {pretraining.run_name}: {pretraining.tokens(pretraining.steps[-1]):,} tokens",
                   flush=True)  # fmt: skip
@@ -429,15 +422,10 @@ def main(argv: list[str] | None = None) -> int:
             [] if given_flags(finetune_argv, ("--output_dir",)) else ["--output_dir", str(folder / "finetune" / "runs")]
         )
         measured = [measure_row(folder, row, [*finetune_argv, *own], args.num_processes) for row in rows]
-    except RuntimeError as error:  # a run failed: finished runs and points stay, the same command continues
-        print(f"error: {error}", file=sys.stderr)
+    if outcome.failed:  # a run failed: finished runs and points stay, the same command continues
         return 1
-    finally:
-        lock.release()
-    report = assemble(measured, tasks, finetune_argv, args, model_folder(*concept[lengths[0]]))
-    paths = write_report_files(report, args.report_dir, "long-context", format_markdown, plot)
-    print(paths["md"].read_text())
-    print(f"report: {paths['md']}, {paths['json']}, {paths['png']}")
+    report = assemble(measured, tasks, finetune_argv, args, last_snapshot(*concept[lengths[0]]))
+    print_report(write_report_files(report, args.report_dir, "long-context", format_markdown, plot))
     return 0
 
 

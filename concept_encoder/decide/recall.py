@@ -6,7 +6,7 @@ Encoder at several widths C, without and with the local token mixer, beside BERT
 
 Each cell is one model fine-tuned from scratch by `loops/finetune.py` on `recall:<K>` under the fair protocol (its
 rate chosen on dev from `--learning_rates`, the test split read once per seed at the step chosen on dev), a point
-of the curve folder `Cache/recall/<name>-K<K>/` (resumable: a finished cell is reused, an interrupted one resumes
+of the point folder `Cache/recall/<name>-K<K>/` (resumable: a finished cell is reused, an interrupted one resumes
 from its checkpoint). The main cells (C in `--main_concepts`, K in `--main_pairs`, and BERT at those K) run
 `--seeds` seeds; the others one (`--sweep_seeds`), marked in the report. K above `--keys` draws its keys from K
 symbols (a key appears once an example), marked too.
@@ -26,26 +26,31 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..common.paths import cache_path, written_aside
-from ..common.report_files import ReportFolderError, check_report_dir
+from ..common.paths import cache_path
+from ..common.report_files import check_report_dir
 from ..data.recall_vocab import KEYS, VALUES
 from ..data.tokenizer import load_tokenizer
-from ..model.bert_baseline import bert_config
-from ..model.config import ConceptEncoderConfig
 from ..model.constants import LOCAL_MIXERS
 from ..model.presets import PRESETS
 from ..tasks.recall import RecallSettings, no_binding_line, parse_recall, recall_splits
-from .curve import (
-    Curve,
+from .experiments import (
+    PointFolder,
     add_report_driver_arguments,
     check_finetune_argv,
     check_reuse,
+    chosen_runs,
     exclusive,
-    given_flags,
+    given_or_default,
+    holding,
     parse_driver_argv,
+    parse_list,
+    percent,
+    print_report,
+    refuse_driver_flags,
+    scratch_model,
+    usage_errors,
     write_report_files,
 )
-from .listops import chosen_runs, parse_list, percent
 
 GOAL_ACCURACY = 0.95  # the mixer at C = 64 holds this up to K = 32 (issue 54)
 GOAL_CONCEPTS, GOAL_PAIRS = 64, 32
@@ -70,7 +75,7 @@ class Cell:
 
     @property
     def key(self) -> str:
-        """The point's name inside its K's curve folder."""
+        """The point's name inside its K's point folder."""
         return "bert" if self.architecture == "bert" else f"C{self.concept_num}-{self.mixer}"
 
     @property
@@ -110,28 +115,8 @@ def task_name(pairs: int, args) -> str:
 def model_folder(folder: Path, cell: Cell, preset: str, positions: int, tokenizer) -> Path:
     """`folder/models/<cell>`: the cell's config and the recall tokenizer (no weights: fine-tuning builds them
     from the seed, `--from_scratch`)."""
-    target = folder / "models" / cell.key
-    if (target / "config.json").is_file():
-        return target
-    shape = {**PRESETS[preset], "max_position_embeddings": max(PRESETS[preset]["max_position_embeddings"], positions)}
-    if cell.architecture == "bert":
-        config = bert_config(shape, len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    else:
-        ids = {name: getattr(tokenizer, name) for name in ("pad_token_id", "unk_token_id", "cls_token_id",
-                                                           "sep_token_id", "mask_token_id")}  # fmt: skip
-        config = ConceptEncoderConfig(**{**shape, "concept_num": cell.concept_num}, vocab_size=len(tokenizer),
-                                      local_mixer=cell.mixer, classifier_pooling="mean", **ids)  # fmt: skip
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with written_aside(target, replace_existing=True) as partial:
-        config.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-    return target
-
-
-def with_defaults(finetune_argv: list[str]) -> list[str]:
-    """The fine-tuning arguments with the driver's defaults for what was not given (`FINETUNE_DEFAULTS`)."""
-    given = set(given_flags(finetune_argv, tuple(FINETUNE_DEFAULTS)))
-    return [*finetune_argv, *(x for flag, v in FINETUNE_DEFAULTS.items() if flag not in given for x in (flag, v))]
+    return scratch_model(folder / "models" / cell.key, cell.architecture, preset, positions, tokenizer,
+                         concept_num=cell.concept_num, local_mixer=cell.mixer, classifier_pooling="mean")  # fmt: skip
 
 
 def cell_row(point: dict, cell: Cell, line: float) -> dict:
@@ -336,14 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, loop_argv, finetune_argv = parse_driver_argv(parser, argv)
     root = cache_path(args.runs_dir)
-    try:  # every check before the first run starts
+    with usage_errors(parser):  # every check before the first run starts
         check_arguments(args)
         if loop_argv:
             raise ValueError(f"{loop_argv} after --: the recall driver pretrains nothing; pass fine-tuning "
                              "arguments in --finetune_args")  # fmt: skip
-        if taken := given_flags(finetune_argv, DRIVER_FINETUNE_FLAGS):
-            raise ValueError(f"--finetune_args: {taken} are set by the recall driver; leave them out")
-        finetune_argv = with_defaults(finetune_argv)
+        refuse_driver_flags(finetune_argv, DRIVER_FINETUNE_FLAGS, "--finetune_args:", "by the recall driver")
+        finetune_argv = given_or_default(finetune_argv, FINETUNE_DEFAULTS)
         plan = cells(args)
         tasks = {pairs: task_name(pairs, args) for pairs in args.pair_list}
         for pairs, task in tasks.items():
@@ -352,45 +336,38 @@ def main(argv: list[str] | None = None) -> int:
                        "finetune_args": finetune_argv, "num_processes": args.num_processes}  # fmt: skip
             check_reuse(root / f"{args.name}-K{pairs}", request, [])
         check_report_dir(args.report_dir)
-    except (ValueError, ReportFolderError) as error:
-        parser.exit(2, f"usage error: {error}\n")
     points = {}
     for pairs, task in tasks.items():
         folder = root / f"{args.name}-K{pairs}"  # the name in the folder: fine-tuning runs are named after it
         keys = max(args.keys, pairs)
         tokenizer = load_tokenizer(f"recall:{keys}:{args.values}")
         positions = 2 * pairs + 4  # [CLS] k v … [QUERY] k [SEP]
-        curve = Curve(folder, task, finetune_argv, args.num_processes, probe=False)
+        point_folder = PointFolder(folder, task, finetune_argv, args.num_processes, probe=False)
         lock = exclusive(folder, f"recall {folder.name}")
         if lock is None:
             return 1
-        try:
+        with holding(lock) as outcome:
             for cell in [c for c in plan if c.pairs == pairs]:
                 model = model_folder(folder, cell, args.preset, positions, tokenizer)
                 extra = ["--seeds", str(cell.seeds), "--pooling", "mean", "--from_scratch", "--report_last_step",
                          "true"]  # fmt: skip
                 index = plan.index(cell) + 1
-                points[(pairs, cell.key)] = curve.reused_or_measured(
+                points[(pairs, cell.key)] = point_folder.reused_or_measured(
                     cell.key,
                     str(model),
                     extra,
                     {"cell": cell.__dict__},
                     f"[{index}/{len(plan)}] K={pairs}, {cell.label}",
                 )
-        except RuntimeError as error:  # a run failed: finished cells stay, the same command continues
-            print(f"error: {error}", file=sys.stderr)
+        if outcome.failed:  # a run failed: finished cells stay, the same command continues
             return 1
-        finally:
-            lock.release()
     lines = {str(k): no_binding_line(recall_splits(task))["test"] for k, task in tasks.items()}
     rows = [cell_row(points[(c.pairs, c.key)], c, lines[str(c.pairs)]) for c in plan]
     report = {"name": args.name, "rows": rows, "lines": lines, "chance": 1 / args.values, "goals": goal_lines(rows),
               "settings_line": f"Preset {args.preset}, fine-tuned from scratch, mean pooling: "
                                f"{' '.join(finetune_argv)}; {args.values} values, keys max({args.keys}, K); "
                                "the test split read once per seed at the step chosen on dev."}  # fmt: skip
-    paths = write_report_files(report, args.report_dir, "recall", format_markdown, plot)
-    print(paths["md"].read_text())
-    print(f"report: {paths['md']}, {paths['json']}, {paths['png']}")
+    print_report(write_report_files(report, args.report_dir, "recall", format_markdown, plot))
     return 0
 
 

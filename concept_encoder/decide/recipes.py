@@ -13,13 +13,13 @@ Each arm changes how the model is pretrained on `--corpus` (the docstring corpus
 | `distill` | `--objective distill --teacher <--teacher> --packing false`: the teacher's sentence embeddings beside MLM |
 | `distill-init` | `distill` with `--teacher_embedding_init --tokenizer <--teacher>`: word embeddings from the teacher's |
 
-For each architecture (`--architectures concept,bert`) and arm, one pretraining run of `--tokens` (the curve's
+For each architecture (`--architectures concept,bert`) and arm, one pretraining run of `--tokens` (the engine's
 `plan_architecture`: one budget, so a decaying schedule ends where the run ends), then per task one point under
-the curve's protocol (`Curve.measure`: rate and step on dev, seeds, linear probes, TF-IDF). Every model stands
-beside its from-scratch twin: same architecture and tokenizer, random weights; arms whose tokenizers are equal
-share one twin (their twin is the same model). Budgets are optimizer steps of full blocks: the distillation arms
-read one document per example (shorter than a block), so at equal steps they see fewer tokens; the report gives
-the tokens each run saw.
+the curve's protocol (`experiments.PointFolder.measure`: rate and step on dev, seeds, linear probes, TF-IDF).
+Every model stands beside its from-scratch twin: same architecture and tokenizer, random weights; arms whose
+tokenizers are equal share one twin (their twin is the same model). Budgets are optimizer steps of full blocks:
+the distillation arms read one document per example (shorter than a block), so at equal steps they see fewer
+tokens; the report gives the tokens each run saw.
 
 The report, `Cache/reports/recipes_<time>.{md,json,png}`: per task, architecture and arm the accuracy ± std over
 seeds, the twin's, the gain and the gain in standard errors (`gain / sqrt(s1²/n1 + s2²/n2)`), the probes of the
@@ -36,32 +36,36 @@ import math
 import sys
 from pathlib import Path
 
+from ..checkpoints.model_folder import model_folder_problem
 from ..common.paths import cache_path
-from ..common.report_files import ReportFolderError, check_report_dir
+from ..common.report_files import check_report_dir
 from ..constants import ARCHITECTURES
-from ..training.model_folder import model_folder_problem
-from . import curve
+from . import experiments
 from .ablate import safe_name
-from .curve import (
-    Curve,
+from .experiments import (
+    PointFolder,
     add_report_driver_arguments,
     check_finetune_argv,
     check_reuse,
     exclusive,
-    given_flags,
-    parse_budgets,
+    holding,
+    last_snapshot,
+    one_budget,
+    parse_architectures,
     parse_driver_argv,
     plan_architecture,
     pretrain,
+    print_report,
+    refuse_driver_flags,
+    usage_errors,
     write_report_files,
 )
-from .long_context import model_folder
 
 ARMS = ("default", "tapt", "budget", "distill", "distill-init")
 DISTILL_ARMS = ("distill", "distill-init")
 DEFAULT_TEACHER = "Cache/models/all-MiniLM-L6-v2"  # `make reference`
 # set per arm by the driver: given after `--` they would make every arm the same run
-DRIVER_FLAGS = (*curve.DRIVER_FLAGS, "--dataset", "--recipe", "--objective", "--teacher", "--packing",
+DRIVER_FLAGS = (*experiments.DRIVER_FLAGS, "--dataset", "--recipe", "--objective", "--teacher", "--packing",
                 "--teacher_embedding_init")  # fmt: skip
 GOAL_GAIN, GOAL_SE, GOAL_DISTILLED = 0.02, 2.0, 0.828  # +2 points beyond 2 standard errors; 97% of MiniLM's 0.854
 
@@ -227,24 +231,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, loop_argv, finetune_argv = parse_driver_argv(parser, argv)
     folder = cache_path(args.runs_dir) / args.name
-    try:  # every check before the first run starts
-        budgets = parse_budgets(args.tokens)
-        if len(budgets) != 1:
-            raise ValueError(f"--tokens {args.tokens!r}: give one budget (each arm's schedule ends at it)")
+    with usage_errors(parser):  # every check before the first run starts
+        budget = one_budget(args.tokens, "each arm's schedule ends at it")
         arms = [a.strip() for a in args.arms.split(",") if a.strip()]
         unknown = sorted(set(arms) - set(ARMS))
         if not arms or unknown:
             raise ValueError(f"--arms {args.arms!r}: {unknown or 'none given'}; choose from {ARMS}")
-        architectures = [a.strip() for a in args.architectures.split(",") if a.strip()]
-        if not architectures or any(a not in ARCHITECTURES for a in architectures):
-            raise ValueError(f"--architectures {args.architectures!r}: choose from {ARCHITECTURES}")
+        architectures = parse_architectures(args.architectures)
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
         if not tasks:
             raise ValueError("--tasks: name at least one task")
         if not args.task_weight > 0:
             raise ValueError(f"--task_weight {args.task_weight}: give a positive number of times per epoch")
-        if taken := given_flags(loop_argv, DRIVER_FLAGS):
-            raise ValueError(f"pretraining arguments {taken} are set per arm by the recipes driver; leave them out")
+        refuse_driver_flags(loop_argv, DRIVER_FLAGS, "pretraining arguments", "per arm by the recipes driver")
         teacher = str(cache_path(args.teacher))
         if set(arms) & set(DISTILL_ARMS) and (problem := model_folder_problem(teacher)):
             raise ValueError(f"--teacher: {problem}; make reference fetches the default teacher, or leave the "
@@ -256,32 +255,30 @@ def main(argv: list[str] | None = None) -> int:
                     extra = arm_arguments(arm, args.corpus, task, args.task_weight, teacher)
                     tag = f"{arm}-{safe_name(task)}" if arm == "tapt" else arm
                     plans[architecture, arm, task if arm == "tapt" else None] = plan_architecture(
-                        architecture, budgets, [*loop_argv, *extra], f"{args.name}-{tag}", args.num_processes
+                        architecture, [budget], [*loop_argv, *extra], f"{args.name}-{tag}", args.num_processes
                     )
         for task in tasks:  # the task must load, and no arm read its held-out texts, before hours of pretraining
             datasets = [plan.loop_args[1].dataset for (_, _, own), (plan, _) in plans.items() if own in (None, task)]
             check_finetune_argv(finetune_argv, task, datasets)
-        request = {"tokens": budgets[0], "tasks": tasks, "arms": arms, "architectures": architectures,
+        request = {"tokens": budget, "tasks": tasks, "arms": arms, "architectures": architectures,
                    "corpus": args.corpus, "task_weight": args.task_weight, "teacher": teacher,
                    "finetune_args": finetune_argv, "pretrain_args": loop_argv, "num_processes": args.num_processes}  # fmt: skip
         check_reuse(folder, request, list(plans.values()))
         check_report_dir(args.report_dir)
-    except (ValueError, ReportFolderError) as error:
-        parser.exit(2, f"usage error: {error}\n")
     lock = exclusive(folder, f"recipes {args.name}")
     if lock is None:
         return 1
     rows = []
-    try:
+    with holding(lock) as outcome:
         for (_, arm, _), (plan, run_dir) in plans.items():
             print(f"pretraining {plan.run_name} ({arm}): {plan.tokens(plan.steps[-1]):,} tokens", flush=True)
             pretrain(plan, run_dir, args.num_processes)
         for task in tasks:
-            points = Curve(folder / "tasks" / safe_name(task), task, finetune_argv, args.num_processes)
+            points = PointFolder(folder / "tasks" / safe_name(task), task, finetune_argv, args.num_processes)
             for (architecture, arm, own_task), (plan, run_dir) in plans.items():
                 if own_task not in (None, task):
                     continue
-                model = model_folder(plan, run_dir)
+                model = last_snapshot(plan, run_dir)
                 measured = {}
                 for kind, key, extra in (("pretrained", f"{architecture}-{arm}", []),
                                          ("twin", f"{architecture}-twin-{tokenizer_digest(model)}", ["--from_scratch"])):  # fmt: skip
@@ -294,13 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                              "eval_loss": summary.get("eval_loss"),
                              "unigram_ratio": summary.get("eval_accuracy_over_unigram"), "model": str(model)})  # fmt: skip
             if task != tasks[-1]:  # hours may pass before the next task's report: this one's rows now
-                report_rows(rows, args, budgets[0], final=False)
-    except RuntimeError as error:  # a run failed: finished runs and points stay, the same command continues
-        print(f"error: {error}", file=sys.stderr)
+                report_rows(rows, args, budget, final=False)
+    if outcome.failed:  # a run failed: finished runs and points stay, the same command continues
         return 1
-    finally:
-        lock.release()
-    report_rows(rows, args, budgets[0], final=True)
+    report_rows(rows, args, budget, final=True)
     return 0
 
 
@@ -309,9 +303,8 @@ def report_rows(rows: list[dict], args, tokens: int, final: bool) -> None:
     baselines = {r["task"]: {"tfidf": r["tfidf"], "majority": r["majority"]} for r in rows}
     report = {"title": f"Pretraining recipes at {args.tokens} tokens ({args.name})", "tokens": tokens,
               "rows": rows, "baselines": baselines, "goals": goal_lines(rows), "complete": final}  # fmt: skip
-    paths = write_report_files(report, args.report_dir, "recipes", format_markdown, plot)
-    print(paths["md"].read_text())
-    print(f"report{'' if final else ' so far'}: {paths['md']}, {paths['json']}, {paths['png']}", flush=True)
+    print_report(write_report_files(report, args.report_dir, "recipes", format_markdown, plot),
+                 f"report{'' if final else ' so far'}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Linear models on fixed features with their regularisation chosen on the dev split (scikit-learn).
 
 Two users: the TF-IDF baseline (`baselines.py`, sparse bag-of-n-gram features) and the linear probe
-(`concept_encoder/training/probe.py`, frozen features of a model). Both fit on `train`, choose the inverse
+(`concept_encoder/finetuning/probe.py`, frozen features of a model). Both fit on `train`, choose the inverse
 regularisation strength `C` (or Ridge's `alpha`) by the task's main metric on `dev`, and report that one
 fit on `validation`: the same protocol as fine-tuning, so every number of a report is chosen the same way.
 """

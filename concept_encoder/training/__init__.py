@@ -1,6 +1,5 @@
-"""What the training loops share, one module per init-order step or concern: arguments and their checks
-(`args`, `preflight`, `plan`, `machine_checks`), the runtime (`runtime`, `attention_probe`, `deepspeed_setup`,
-`extension_locks`, `cpu_info`), the model and its objective (`model`, `objective`, `optim`, `batches`), run
-folders, checkpoints and their faults (`runs`, `checkpoint`, `faults`), what a run records (`metrics_log`,
-`tracking`, `logs`, `model_card`), evaluation and decision gates (`evaluation`, `gates`, `selection`, `probe`,
-`finetune_report`)."""
+"""The training loops' steps, one module per init-order step or concern: arguments and their checks (`args`,
+`preflight`, `plan`), the runtime (`runtime`, `attention_probe`, `deepspeed_setup`), the model and its objective
+(`model`, `objective`, `distill`, `optim`, `steps`, `batches`), run folders and resuming (`runs`, `resume`), what a
+run records (`tracking`, `logs`), evaluation and decision gates (`evaluation`, `gates`). Checkpoint files and model
+folders are `checkpoints/`, fine-tuning's reports and probes `finetuning/`, the machine's facts `machine/`."""

@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from ..checkpoints.model_folder import model_folder_problem
 from ..common.dataclass_args import (
     ArgumentSet,
     field_default,
@@ -38,6 +39,7 @@ from ..constants import (
     DISTILL_LOSSES,
     LOSS_WEIGHTING_NAMES,
     OBJECTIVES,
+    SAVE_DTYPES,
     TASK_METRIC_NAMES,
     check_concept_loss_settings,
     pretraining_metric_names,
@@ -68,7 +70,6 @@ from ..tasks.arguments import (
     is_recall,
 )
 from .gates import GATE_ACTIONS, GATE_EXIT_CODE, parse_gates
-from .model_folder import model_folder_problem
 
 EXTEND_HELP = (
     f"one of {POSITION_EXTENSIONS}: a saved model whose position table is shorter than --max_seq_length is refused (no), "
@@ -76,7 +77,6 @@ EXTEND_HELP = (
 )
 
 
-SAVE_DTYPES = ("float32", "bfloat16", "float16")  # --save_dtype: float32 unless the user asks for smaller files
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 WSD_DECAYS = ("1-sqrt", "linear", "cosine")  # transformers' get_wsd_schedule decay_type
 SCHEDULE_ARGUMENTS = ("lr_scheduler_type", "warmup_steps", "warmup_ratio", "decay_steps", "decay_type", "min_lr_ratio")
@@ -612,7 +612,7 @@ class FinetuneArguments:
     chunk_length: int | None = field(
         default=None,
         metadata={"help": "token encoders: read inputs in chunks of this many tokens, each encoded alone, their mean "
-                  "token states averaged (the chunked BERT baseline of long documents; training/chunked.py)"},
+                  "token states averaged (the chunked BERT baseline of long documents; finetuning/chunked.py)"},
     )  # fmt: skip
 
     def __post_init__(self):

@@ -7,14 +7,13 @@ placement), so accelerate cannot infer them and they are filled here from the ar
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
 import torch
-from accelerate.utils import DistributedType
 
 from ..accounting.memory import zero_settings
+from ..common.accelerator_state import deepspeed_config
 from .plan import deepspeed_batch_values, launched_ds_config
 
 
@@ -44,12 +43,6 @@ def zero3_construction_config(training_args, world_size: int) -> dict | None:
             config[name]["enabled"] = precision == name
     config.pop("gradient_clipping", None)
     return config
-
-
-def deepspeed_config(accelerator) -> dict | None:
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return None
-    return accelerator.state.deepspeed_plugin.deepspeed_config
 
 
 def fill_deepspeed_auto_values(accelerator, args) -> None:
@@ -87,20 +80,3 @@ def adamw_class(accelerator):
 
         return lambda groups, **kw: DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
     return functools.partial(torch.optim.AdamW, fused=True)
-
-
-@contextlib.contextmanager
-def outside_zero3():
-    """Load a model on one process as a plain model while a ZeRO-3 run is active.
-
-    Under ZeRO-3, `from_pretrained` partitions new models across ranks (a collective); a
-    single-rank reload inside that context would wait for ranks that never come.
-    """
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved

@@ -37,11 +37,11 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModel, AutoTokenizer
 
+from ..checkpoints.model_folder import ModelFolderError, load_checked, model_digest
 from ..common.paths import written_aside
 from ..constants import DISTILL_LOSSES
 from ..data.objectives import model_inputs
 from ..model.constants import IGNORE_INDEX
-from .model_folder import ModelFolderError, load_checked, model_digest
 from .objective import step_own_parameters
 
 logger = logging.getLogger("concept_encoder")

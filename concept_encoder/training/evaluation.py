@@ -112,11 +112,6 @@ def unigram_scores(totals: torch.Tensor) -> dict[str, float]:
     return {"eval_unigram_accuracy": unigram, "eval_accuracy_over_unigram": accuracy / unigram if unigram else math.nan}
 
 
-def health_of(results: dict) -> dict[str, float]:
-    """The `health/<metric>` entries of `evaluate`'s results, as `{metric: value}`."""
-    return {key.split("/", 1)[1]: value for key, value in results.items() if key.startswith("health/")}
-
-
 @torch.no_grad()
 def predict(accelerator, model, loader) -> tuple[np.ndarray, np.ndarray]:
     """`(logits [n,K], labels [n] or [n,K])` over `loader`, gathered across ranks (padding duplicates dropped)."""

@@ -4,54 +4,20 @@ from __future__ import annotations
 
 import logging
 
+from ..checkpoints.model_folder import check_model_folder, load_checked, note_upcast
 from ..data.tokenizer import check_tokenizer
+from ..finetuning.chunked import pooler_problem
 from ..model.bert_baseline import BertForSparseMaskedLM, bert_config
 from ..model.config import ConceptEncoderConfig
 from ..model.constants import CLASSIFIER_POOLINGS
+from ..model.construct import construct
 from ..model.heads import ConceptEncoderForMaskedLM
 from ..model.positions import extend_position_tables
 from ..model.summary import parameter_counts
-from .chunked import pooler_problem
-from .model_folder import check_model_folder, load_checked, note_upcast
 from .plan import fresh_model_fields
 from .preflight import beyond_positions
 
 logger = logging.getLogger(__name__)
-
-
-def construct(model_class, config, seed: int, zero3_config: dict | None = None):
-    """A fresh `model_class(config)`: the module tree built without initialising it, then every weight
-    initialised (`initialize_weights`) from torch's generator seeded with `seed`, in a forked RNG state (the
-    weights depend on the seed alone, not on what ran before, and the global RNG is left as it was).
-
-    With `zero3_config` the tree is built under `deepspeed.zero.Init`: each module's parameters are
-    partitioned across the ranks (or offloaded, `offload_param`) as soon as the module exists, so no process
-    ever holds the whole model; transformers' `initialize_weights_zero3` then gathers one module at a time on
-    rank 0 to initialise it. It runs the same initialisers in the same order, so on CPU both ways give equal
-    weights (on CUDA the gathered weights draw from the GPU's generator)."""
-    import contextlib
-
-    import torch
-    from transformers import initialization as init
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(init.no_init_weights())
-        if zero3_config is not None:
-            import deepspeed
-
-            stack.enter_context(deepspeed.zero.Init(config_dict_or_path=zero3_config))
-        model = model_class(config)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        if zero3_config is None:
-            model.initialize_weights()
-        else:
-            from transformers.integrations.deepspeed import initialize_weights_zero3
-
-            initialize_weights_zero3(model)
-    model.tie_weights()
-    return model
 
 
 def held_parameters(model) -> dict[str, int]:

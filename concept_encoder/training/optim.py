@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import get_scheduler
 
-from .faults import NonFiniteLossError
+from ..common.faults import NonFiniteLossError
 
 logger = logging.getLogger("concept_encoder")
 

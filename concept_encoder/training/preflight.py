@@ -17,16 +17,16 @@ from pathlib import Path
 
 from ..accounting.architectures import readable_positions
 from ..accounting.memory import GIB, estimate_training_memory, zero_settings
+from ..checkpoints.checkpoint import resolve_resume
+from ..checkpoints.model_folder import model_folder_problem
+from ..common.faults import DiskFullError, RunFolderError
 from ..common.paths import cache_path, folder_problem
 from ..data.base import DataSourceError
 from ..data.mixture import TASK_SOURCE, is_mixture, parse_mixture
+from ..machine.checks import nvme_offload_problem, unseen_gpu_problem
+from ..machine.extension_locks import StaleLockError, stale_lock_message, stale_op_locks
 from ..tasks.arguments import is_listops, is_recall
 from .args import ARGUMENT_CLASSES, parse_args
-from .checkpoint import resolve_resume
-from .extension_locks import StaleLockError, stale_lock_message, stale_op_locks
-from .faults import DiskFullError, RunFolderError
-from .machine_checks import nvme_offload_problem, unseen_gpu_problem
-from .model_folder import model_folder_problem
 from .plan import (
     decoded_fraction,
     ds_config_problems,
@@ -53,7 +53,7 @@ def cuda_present() -> bool:
 def preflight(model_args, data_args, training_args, cuda: bool) -> None:
     """ValueError naming the first argument this run cannot work with (`cuda`: a GPU is in use; among them a
     `--profile_steps` folder that cannot be written, a fixed-vocabulary tokenizer on text it cannot read), or what this
-    machine lacks for it (`machine_checks`: a GPU torch cannot use, unless --allow_cpu; libaio or nvcc for NVMe
+    machine lacks for it (`machine.checks`: a GPU torch cannot use, unless --allow_cpu; libaio or nvcc for NVMe
     offload), or `StaleLockError` when the launch offloads the optimizer and a stale CPU Adam build lock would hang it.
 
     `model_args` needs `model_name_or_path`, `data_args` `max_seq_length` (both loops' arguments have them).

@@ -12,11 +12,12 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from filelock import FileLock, Timeout
 
+from ..checkpoints.checkpoint import checkpoint_dirs, disk_full
+from ..checkpoints.model_folder import holds_only_saved_model_files, save_tokenizer_without_code
 from ..common import json_io
+from ..common.faults import RunFolderError, is_disk_full
 from ..common.paths import OWNER_MARKER, NotOursError, check_replaceable, written_aside
-from .checkpoint import checkpoint_dirs, disk_full
-from .faults import RunFolderError, is_disk_full
-from .model_folder import holds_only_saved_model_files, save_tokenizer_without_code
+from ..constants import RUN_TOKENIZER
 from .plan import foreign_run_folder
 
 logger = logging.getLogger("concept_encoder")
@@ -115,9 +116,6 @@ def ended_without_checkpoint(run_dir: Path, max_steps: int) -> str | None:
         "run shorter than --save_steps), so it "
         f"cannot be trained on to step {max_steps}; start a new --run_name (with --save_steps > 0 to extend it later)"
     )
-
-
-RUN_TOKENIZER = "tokenizer"  # <run>/tokenizer: the tokenizer the run started with
 
 
 def starting_tokenizer(resume: Path | None, model_name_or_path: str | None, tokenizer_spec: str) -> Path | None:

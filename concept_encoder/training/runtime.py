@@ -15,7 +15,8 @@ import torch
 from accelerate import PartialState
 
 from ..accounting.memory import CUDA_CONTEXT_BYTES, GIB, allocator_budget_bytes
-from .cpu_info import reuse_cpu_info
+from ..common.accelerator_state import plain_model
+from ..machine.cpu_info import reuse_cpu_info
 
 logger = logging.getLogger("concept_encoder")
 DEFAULT_DDP_TIMEOUT_S = 1800
@@ -208,12 +209,6 @@ def maybe_compile(model, enabled: bool, backend="inductor"):
     torch._dynamo.config.capture_dynamic_output_shape_ops = True
     logger.info("compiling the model with torch.compile(dynamic=True)")
     return torch.compile(model, dynamic=True, backend=backend)
-
-
-def plain_model(accelerator, model):
-    """The model `prepare` wrapped (DDP, DeepSpeed) and `maybe_compile` compiled, as its own class:
-    what `save_pretrained`, `from_pretrained` of its type and parameter walks need."""
-    return accelerator.unwrap_model(model, keep_torch_compile=False)
 
 
 def model_state_dict(accelerator, model) -> dict | None:

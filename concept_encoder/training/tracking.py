@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from .metrics_log import read_metrics
+from ..common.metrics_log import read_metrics
 
 logger = logging.getLogger("concept_encoder")
 

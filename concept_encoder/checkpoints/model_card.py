@@ -7,8 +7,7 @@ import json
 import shlex
 from pathlib import Path
 
-from ..concepts.health import format_health_table
-from .evaluation import health_of
+from ..concepts.health import format_health_table, health_of
 
 OBJECTIVE_TEXT = {
     "mlm": "masked-language modelling: {masking} masking of {mlm_probability:.0%} of tokens",

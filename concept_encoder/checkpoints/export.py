@@ -38,6 +38,9 @@ from safetensors import SafetensorError
 from transformers import BertConfig
 
 from ..common import json_io
+from ..common.accelerator_state import deepspeed_config, outside_zero3, plain_model
+from ..common.faults import is_disk_full
+from ..common.metrics_log import read_metrics
 from ..common.paths import (
     OWNER_MARKER,
     OWNER_MARKER_TEXT,
@@ -47,10 +50,11 @@ from ..common.paths import (
     partial_path,
     written_aside,
 )
+from ..constants import RUN_TOKENIZER, SAVE_DTYPES
 from ..model.bert_baseline import BertForSparseMaskedLM
 from ..model.config import ConceptEncoderConfig
+from ..model.construct import construct
 from ..model.heads import ConceptEncoderForMaskedLM
-from .args import SAVE_DTYPES
 from .checkpoint import (
     MANIFEST,
     TRAIN_STATE,
@@ -63,10 +67,6 @@ from .checkpoint import (
     saved_train_state,
     verify_deepspeed_states,
 )
-from .deepspeed_setup import deepspeed_config, outside_zero3
-from .faults import is_disk_full
-from .metrics_log import read_metrics
-from .model import construct
 from .model_card import write_model_card
 from .model_folder import (
     ModelFolderError,
@@ -76,8 +76,6 @@ from .model_folder import (
     stored_float_dtypes,
     without_foreign_code,
 )
-from .runs import RUN_TOKENIZER
-from .runtime import plain_model
 
 TOLERANCE = 1e-5  # max |Δlogit| between the written folder, reloaded, and the model that loaded the checkpoint
 PROBE_LENGTH = 64

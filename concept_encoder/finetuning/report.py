@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from ..common import json_io
+from ..common.differences import differences
+from ..common.faults import DiskFullError, written_whole
 from ..common.report_files import check_report_dir, claim_report_stem
-from .checkpoint import differences
-from .faults import DiskFullError, written_whole
 
 STILL_IMPROVING = "still improving: train longer"
 

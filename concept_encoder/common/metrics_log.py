@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from ..common import json_io
+from . import json_io
 from .faults import raise_run_folder_gone
 
 logger = logging.getLogger("concept_encoder")

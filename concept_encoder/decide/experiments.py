@@ -1,0 +1,607 @@
+"""The experiment engine the drivers share: planning points and arms, running and reusing them, writing reports.
+
+The drivers `curve` (learning curves), `listops`, `long_context`, `recipes` and `recall` each measure a set of
+points: a pretrained (or freshly configured) model fine-tuned and probed under the fair protocol (rate and step
+chosen on dev, seeds, TF-IDF beside). This module holds what they do alike; each driver keeps its own arms, rows,
+tables and plots:
+
+- planning: token budgets as optimizer steps (`parse_budgets`, `one_budget`, `token_label`), an architecture's
+  pretraining run and the models along it (`ArchitecturePlan`, `plan_architecture`, `kept_model`,
+  `decayed_model`, `last_snapshot`; under wsd `wsd_stable_argv`), whether a finished run can be extended
+  (`extension_problem`), a model to fine-tune from scratch (`scratch_model`), the flags a driver sets itself
+  (`given_flags`, `refuse_driver_flags`, `without_flags`, `given_or_default`);
+- running and reusing: the launches (`run_command`: tests replace it here, `pretrain`), a folder of points
+  (`PointFolder`: each point a JSON file, measured once, reused after), the checks that a folder and its runs are
+  this request's (`check_reuse`), one invocation a folder at a time (`exclusive`, `holding`);
+- the command line and the reports: what every driver takes and checks before its first run
+  (`add_report_driver_arguments`, `parse_driver_argv`, `check_finetune_argv`, `parse_list`,
+  `parse_architectures`, `usage_errors`), the report files (`write_report_files`, `print_report`) and what the
+  reports read from a point (`chosen_runs`, `percent`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import shlex
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from ..checkpoints.checkpoint import checkpoint_dirs, step_of
+from ..common import json_io, process_group
+from ..common.cli_types import at_least
+from ..common.differences import differences
+from ..common.faults import written_whole
+from ..common.metrics_log import read_metrics
+from ..common.paths import PROJECT_ROOT, folder_problem, written_aside
+from ..common.report_files import claim_report_stem
+from ..constants import ARCHITECTURES
+from ..data.base import DataSourceError
+from ..model.bert_baseline import bert_config
+from ..model.config import ConceptEncoderConfig
+from ..model.presets import PRESETS
+from ..tasks.leakage import planned_overlap
+from ..tasks.loading import load_task
+from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
+from ..training.plan import local_launcher
+from ..training.resume import argument_settings, run_config_arguments
+from ..training.runs import ended_on_its_own, stopped_by_gate
+
+MLM_SCRIPT = PROJECT_ROOT / "loops" / "mlm.py"
+FINETUNE_SCRIPT = PROJECT_ROOT / "loops" / "finetune.py"
+SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+MAX_TOKENS = 10**14  # a budget beyond this is a typo, not a plan: refused before anything runs
+DRIVER_FLAGS = (
+    "--max_steps",
+    "--run_name",
+    "--architecture",
+    "--snapshot_steps",
+    "--resume_from_checkpoint",
+    "--checkpoint_steps",
+)
+FINETUNE_DRIVER_FLAGS = ("--model_name_or_path", "--task", "--run_name", "--report_dir", "--from_scratch",
+                         "--compare_to", "--resume_from_checkpoint", "--probe", "--finetune")  # fmt: skip
+
+
+def parse_budgets(text: str) -> list[int]:
+    """`"0.5M,2M,8M"` → [500000, 2000000, 8000000] (suffixes k, M, G/B; plain numbers too), ascending;
+    ValueError naming the bad entry."""
+    budgets = []
+    for item in (part.strip() for part in text.split(",")):
+        match = re.fullmatch(r"(\d+\.?\d*(?:[eE][-+]?\d+)?)\s*([kKmMgGbB]?)", item)
+        if not match:
+            raise ValueError(f"--tokens {text!r}: {item!r} is not a token count such as 500k, 2M or 8000000")
+        tokens = round(float(match[1]) * SUFFIXES[match[2].lower()])
+        if tokens < 1:
+            raise ValueError(f"--tokens {text!r}: {item!r} is not a positive token count")
+        if tokens > MAX_TOKENS:
+            raise ValueError(
+                f"--tokens {text!r}: {item!r} is beyond {MAX_TOKENS:.0e} tokens, a run that "
+                "cannot finish (the largest pretraining runs read about 15T); give a budget that can"
+            )
+        budgets.append(tokens)
+    if len(set(budgets)) != len(budgets):
+        raise ValueError(f"--tokens {text!r}: a budget is given twice")
+    return sorted(budgets)
+
+
+def token_label(tokens: int) -> str:
+    """500000 → "500k", 2000000 → "2M", 1234 → "1234": short, exact enough for names and axes."""
+    for suffix, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if tokens >= size:
+            return f"{tokens / size:.4g}{suffix}"
+    return str(tokens)
+
+
+@dataclass
+class ArchitecturePlan:
+    """One architecture's pretraining run and the points along it."""
+
+    architecture: str
+    run_name: str
+    tokens_per_step: int
+    steps: list[int]  # per budget, ascending
+    pretrain_argv: list[str] = field(default_factory=list)
+    loop_args: tuple = ()  # (model, data, training) arguments: pretrain_argv as the loop parses it
+    decay_steps: int = 0  # wsd: each budget's decay, branched from the stable run (0: snapshots of one run)
+    decay_argv: list[str] = field(default_factory=list)  # wsd: the loop arguments of every decay
+
+    def tokens(self, step: int) -> int:
+        return step * self.tokens_per_step
+
+    @property
+    def run_to(self) -> int:
+        """The last step of the pretraining run (under wsd the stable run ends where the last decay branches)."""
+        return self.steps[-1] - self.decay_steps
+
+    def decay_command(self, step: int, resume: str) -> list[str]:
+        """wsd: the loop arguments of the decay that ends at `step`, resuming from `resume`."""
+        return [*self.decay_argv, "--run_name", f"{self.run_name}-decay{step}", "--max_steps", str(step),
+                "--resume_from_checkpoint", resume]  # fmt: skip
+
+
+WSD_FLAGS = ("--lr_scheduler_type", "--decay_steps", "--decay_type", "--min_lr_ratio")
+
+
+def without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`argv` without `flags` and their values (`--flag value` or `--flag=value`)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.split("=")[0] in flags:
+            skip = "=" not in arg
+        else:
+            kept.append(arg)
+    return kept
+
+
+def wsd_stable_argv(loop_argv: list[str], train_args, steps: list[int]) -> list[str]:
+    """The stable run of a wsd curve: the same arguments under a constant rate after the same warm-up, with a
+    checkpoint kept at every budget's branch point; ValueError when a budget cannot branch in the stable phase."""
+    decay, warmup = train_args.decay_steps, train_args.warmup_steps
+    if not warmup and train_args.warmup_ratio:
+        raise ValueError(
+            "a wsd curve gives every budget the stable run's warm-up: give it in steps (--warmup_steps N, or "
+            "--warmup_ratio 0), not as a ratio of one run's length"
+        )
+    if short := [step for step in steps if step - decay < max(warmup, 1)]:
+        raise ValueError(
+            f"--tokens: budgets of steps {short} end before warm-up ({warmup}) plus --decay_steps ({decay}) are done; "
+            "choose larger budgets or a shorter decay"
+        )
+    return [*without_flags(loop_argv, WSD_FLAGS), "--lr_scheduler_type", "constant",
+            "--checkpoint_steps", ",".join(str(step - decay) for step in steps)]  # fmt: skip
+
+
+def given_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """Which of `flags` `argv` gives (`--flag value` or `--flag=value`), sorted."""
+    return sorted({arg.split("=")[0] for arg in argv if arg.split("=")[0] in flags})
+
+
+def refuse_driver_flags(argv: list[str], flags: tuple[str, ...], where: str, by: str) -> None:
+    """ValueError when `argv` gives any of `flags`, which the driver sets itself: `<where> [flags] are set <by>;
+    leave them out` (`where`: e.g. "pretraining arguments"; `by`: e.g. "by the curve driver")."""
+    if taken := given_flags(argv, flags):
+        raise ValueError(f"{where} {taken} are set {by}; leave them out")
+
+
+def given_or_default(argv: list[str], defaults: dict[str, str]) -> list[str]:
+    """`argv` with `defaults` (flag → value) appended for each flag it does not give."""
+    given = set(given_flags(argv, tuple(defaults)))
+    return [*argv, *(x for flag, value in defaults.items() if flag not in given for x in (flag, value))]
+
+
+def plan_architecture(architecture: str, budgets: list[int], loop_argv: list[str], name: str, processes: int):
+    """The pretraining command for `architecture` (checked by the loop's own parser) and a step per budget;
+    ValueError when two budgets round to the same step or a budget is under one step."""
+    run_name = f"{name}-{architecture}"
+    probe_args = parse_args([*loop_argv, "--architecture", architecture])
+    _, data_args, train_args = probe_args
+    per_step = (train_args.per_device_train_batch_size * train_args.gradient_accumulation_steps * processes
+                * data_args.max_seq_length)  # fmt: skip
+    steps = [max(1, round(tokens / per_step)) for tokens in budgets]
+    if len(set(steps)) != len(steps) or any(tokens < per_step / 2 for tokens in budgets):
+        raise ValueError(
+            f"--tokens {','.join(map(token_label, budgets))}: one optimizer step is {per_step:,} tokens here, so the "
+            f"budgets give steps {steps}; choose budgets at least one step apart (or a smaller batch)"
+        )
+    if train_args.lr_scheduler_type == "wsd":
+        decay = train_args.decay_steps
+        argv = [*wsd_stable_argv(loop_argv, train_args, steps), "--architecture", architecture, "--run_name", run_name,
+                "--max_steps", str(steps[-1] - decay), "--resume_from_checkpoint", "auto"]  # fmt: skip
+        plan = ArchitecturePlan(architecture, run_name, per_step, steps, argv, parse_args(argv), decay,
+                                [*loop_argv, "--architecture", architecture])  # fmt: skip
+        for step in steps:  # every decay's arguments as the loop checks them, before any run
+            parse_args(plan.decay_command(step, "auto"))
+        return plan, Path(train_args.output_dir) / run_name
+    argv = [*loop_argv, "--architecture", architecture, "--run_name", run_name, "--max_steps", str(steps[-1]),
+            "--snapshot_steps", ",".join(map(str, steps)), "--resume_from_checkpoint", "auto"]  # fmt: skip
+    plan = ArchitecturePlan(architecture, run_name, per_step, steps, argv, parse_args(argv))  # checked before any run
+    return plan, Path(train_args.output_dir) / run_name
+
+
+def kept_model(plan: ArchitecturePlan, run_dir: Path, step: int) -> Path:
+    """What a budget's point is made from along the pretraining run: the snapshot at `step`, or under wsd the
+    stable run's checkpoint its decay branches from."""
+    if plan.decay_steps:
+        return run_dir / "checkpoints" / f"step_{step - plan.decay_steps:07d}"
+    return run_dir / "snapshots" / f"step-{step}"
+
+
+def scratch_model(target: Path, architecture: str, preset: str, positions: int, tokenizer, **concept_settings) -> Path:
+    """`target`: a model to fine-tune from scratch, its config and `tokenizer` and no weights (fine-tuning builds
+    them from the seed, `--from_scratch`): BERT or the Concept Encoder (with `concept_settings`, e.g. `concept_num`,
+    `token_refinement`, `local_mixer`, `classifier_pooling`) of `preset`'s shape, at least `positions` long. Made
+    once: a folder that holds a config is kept."""
+    if (target / "config.json").is_file():
+        return target
+    shape = {**PRESETS[preset], "max_position_embeddings": max(PRESETS[preset]["max_position_embeddings"], positions)}
+    if architecture == "bert":
+        config = bert_config(shape, len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    else:
+        ids = {name: getattr(tokenizer, name) for name in ("pad_token_id", "unk_token_id", "cls_token_id",
+                                                           "sep_token_id", "mask_token_id")}  # fmt: skip
+        config = ConceptEncoderConfig(**{**shape, **concept_settings}, vocab_size=len(tokenizer), **ids)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with written_aside(target, replace_existing=True) as partial:
+        config.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+    return target
+
+
+def last_snapshot(plan: ArchitecturePlan, run_dir: Path) -> Path:
+    """The model a single-budget plan saved at its last step (the snapshot `plan_architecture` asks for)."""
+    return run_dir / "snapshots" / f"step-{plan.steps[-1]}"
+
+
+def decayed_model(plan: ArchitecturePlan, run_dir: Path, step: int, processes: int) -> Path | None:
+    """wsd: the model of the budget ending at `step`: its decay run's final model, run (or resumed, or reused) from
+    the stable run's checkpoint at the branch point; None when the stable run has no checkpoint there."""
+    branch = run_dir.parent / f"{plan.run_name}-decay{step}"
+    if ended_on_its_own(branch) and finished_steps(branch) >= step:
+        return branch / "final"
+    start = kept_model(plan, run_dir, step)
+    resume = "auto" if checkpoint_dirs(branch) else str(start)
+    if resume != "auto" and not start.is_dir():
+        return None
+    code = run_command([*local_launcher(MLM_SCRIPT, processes), *plan.decay_command(step, resume)])
+    if code != 0:
+        raise RuntimeError(f"the decay {branch.name} failed (exit code {code}); fix it and rerun: it resumes")
+    return branch / "final"
+
+
+def extension_problem(plan: ArchitecturePlan, run_dir: Path, finished: int) -> str | None:
+    """Why pretraining run `run_dir`, finished at step `finished`, cannot be trained on to the plan's last
+    step as if it had been planned that long from the start (None when it can: its schedule, `TrainingArguments.
+    schedule`, is the same at both lengths, and a checkpoint is there to resume from). The loop's resume check
+    refuses the same (`schedule` in the checkpoint's settings); here it is said before any run starts."""
+    needed = plan.run_to
+    start = (f"--tokens: {token_label(plan.tokens(needed))} needs step {needed}, but pretraining run {run_dir} "
+             f"finished at step {finished}")  # fmt: skip
+    ran, longer = (dataclasses.replace(plan.loop_args[2], max_steps=steps, snapshot_steps="", checkpoint_steps="").schedule
+                   for steps in (finished, needed))  # (the snapshots are checked against the plan's own length)  # fmt: skip
+    if ran["decays_to_step"] is not None:
+        return (
+            f"{start} under a {ran['lr_scheduler_type']} learning-rate schedule that decays to its own last step, so "
+            "training it on is not the run a larger budget would have had; a curve meant to grow takes a schedule "
+            "that does not depend on its length (`-- --lr_scheduler_type constant --warmup_steps N`); or measure "
+            "under another --name"
+        )
+    if ran != longer:
+        return (
+            f"{start}, and its warm-up ({ran['warmup_steps']} steps, --warmup_ratio of the run's length) would "
+            f"be {longer['warmup_steps']} steps in the longer run; give --warmup_steps N instead of a ratio, or "
+            "measure under another --name"
+        )
+    if not checkpoint_dirs(run_dir):
+        return (
+            f"{start} and kept no checkpoint to continue from (none was due: --save_steps 0, or a run shorter than "
+            "--save_steps); give the pretraining a --save_steps it reaches and "
+            "measure under another --name"
+        )
+    return None
+
+
+REQUEST = "request.json"  # in a point folder: what its points and pretraining runs were measured under
+# all a point folder holds: what the drivers write (the long-context driver keeps its fine-tuning runs in `finetune/`)
+FOLDER_ENTRIES = {REQUEST, ".lock", "points", "reports", "finetune", "tasks", "models", "curve.md", "curve.png",
+                 "curve.json"}  # fmt: skip
+
+
+def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan, Path]]) -> None:
+    """ValueError when the point folder `folder` (a curve's, or another driver's) was measured under another
+    request (its points and runs would be reused as this one's), or when a budget needs more steps than a finished
+    pretraining run took and the run cannot be extended as if planned that long (`extension_problem`); records the
+    request for the next invocation."""
+    path = folder / REQUEST
+    if problem := folder_problem(folder, "--curves_dir/--name"):  # a file in the way, read-only: before any run
+        raise ValueError(problem)
+    if folder.is_symlink() or folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is a link or a file, not a curve folder; choose another --name")
+    if folder.is_dir() and (foreign := sorted({p.name for p in folder.iterdir()} - FOLDER_ENTRIES)):
+        raise ValueError(f"{folder} holds files a curve does not write ({', '.join(foreign[:5])}): it is not a curve "
+                         "folder; choose another --name or --curves_dir")  # fmt: skip
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if changed := differences(saved, request, "the curve's", "this invocation's"):
+            raise ValueError(
+                f"curve {folder.name} ({folder}) was measured under other settings ({'; '.join(changed)}): its "
+                "points and pretraining runs are not this request's; choose another --name"
+            )
+    for plan, run_dir in plans:
+        if (run_dir / "config.json").is_file():  # a run of that name exists: this curve's only if run as it plans
+            current = argument_settings(*plan.loop_args)
+            saved = run_config_arguments(run_dir, current)
+            if changed := differences(saved, current, "the run has", "this curve", keys=sorted(saved)):
+                raise ValueError(
+                    f"pretraining run {run_dir} was run under other settings ({'; '.join(changed[:4])}): it is not "
+                    "this curve's run; choose another --name (or move that run away)"
+                )
+        reached = max([finished_steps(run_dir) if (run_dir / "summary.json").is_file() else 0,
+                       *(step_of(c) for c in checkpoint_dirs(run_dir))])  # fmt: skip
+        for step in plan.steps:  # a budget added between steps the run has passed: no model of that step is left
+            key = f"{plan.architecture}-{token_label(plan.tokens(step))}"
+            kept = kept_model(plan, run_dir, step)
+            if (
+                step - plan.decay_steps <= reached
+                and not kept.is_dir()
+                and not (folder / "points" / f"{key}.json").is_file()
+            ):
+                raise ValueError(
+                    f"--tokens: {token_label(plan.tokens(step))} is step {step}, which pretraining run {run_dir} has "
+                    f"passed (it reached step {reached}) without a {'checkpoint' if plan.decay_steps else 'snapshot'} "
+                    f"at {kept.name}: that model is not kept; measure it under another --name"
+                )
+        if ended_on_its_own(run_dir) and not stopped_by_gate(run_dir):
+            steps = finished_steps(run_dir)
+            if plan.run_to > steps and (problem := extension_problem(plan, run_dir, steps)):
+                raise ValueError(problem)
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json_io.dumps(request, indent=2))
+
+
+def exclusive(folder: Path, what: str) -> FileLock | None:
+    """The lock on `folder` (one invocation measures it at a time), acquired; None, with one line saying so, when
+    another process holds it."""
+    lock = FileLock(folder / ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"error: {what} is being measured by another process ({folder / '.lock'}); wait for it to finish, or "
+              "choose another --name", file=sys.stderr)  # fmt: skip
+        return None
+    return lock
+
+
+@dataclass
+class Outcome:
+    """How the runs under `holding` ended: `failed` when one failed (one line said why)."""
+
+    failed: bool = False
+
+
+@contextmanager
+def holding(lock: FileLock) -> Iterator[Outcome]:
+    """The runs of a driver's folder under its `lock` (from `exclusive`), released however they end; a run that
+    fails (a RuntimeError) is one line `error: ...` and `failed` (finished runs and points stay: the same command
+    continues)."""
+    outcome = Outcome()
+    try:
+        yield outcome
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        outcome.failed = True
+    finally:
+        lock.release()
+
+
+def write_report_files(report: dict, report_dir: str, prefix: str, markdown, plot) -> dict[str, Path]:
+    """A driver's report as `<prefix>_<time>.{md,json,png}` under `report_dir` (`markdown(report)` → text,
+    `plot(report, path)`), written whole: a failure leaves none of them."""
+    stem = claim_report_stem(report_dir, prefix)
+    paths = {ext: Path(f"{stem}.{ext}") for ext in ("md", "json", "png")}
+    with written_whole(list(paths.values()), f"the report {stem.name}.*"):
+        paths["md"].write_text(markdown(report))
+        paths["json"].write_text(json_io.dumps(report, indent=2, default=str))
+        plot(report, paths["png"])
+    return paths
+
+
+def print_report(paths: dict[str, Path], label: str = "report") -> None:
+    """A report `write_report_files` wrote, on the terminal: its markdown, then one line `<label>: <its files>`."""
+    print(paths["md"].read_text())
+    print(f"{label}: {paths['md']}, {paths['json']}, {paths['png']}", flush=True)
+
+
+def chosen_runs(point: dict) -> tuple[dict, list[dict]]:
+    """A point's fine-tuning report row and its runs at the rate chosen on dev (one per seed)."""
+    (row,) = [r for r in point["rows"] if r["method"] == "fine-tune"]
+    runs = [r for r in point.get("runs", []) if r.get("method") == "fine-tune"]
+    return row, [r for r in runs if r["learning_rate"] == row["learning_rate"]]
+
+
+def percent(value, std=None) -> str:
+    """A fraction (and its std) as a report's percentage, `12.34 ± 0.56`; `-` for a value not measured."""
+    if value is None:
+        return "-"
+    return f"{100 * value:.2f}" + (f" ± {100 * std:.2f}" if std is not None else "")
+
+
+def run_command(command: list[str]) -> int:
+    """One `accelerate launch` of a loop; its exit code (tests replace this to run the loops in process). Ctrl-C
+    stops the loop's ranks at a checkpoint, not the launcher (`process_group.call_interrupting_ranks`)."""
+    return process_group.call_interrupting_ranks(command)
+
+
+class PointFolder:
+    """The points of one experiment on disk (a curve's `Cache/curves/<name>/`, a driver's `<runs_dir>/<name>/`), and
+    the runs that make missing ones."""
+
+    def __init__(self, folder: Path, task: str, finetune_argv: list[str], processes: int, probe: bool = True):
+        self.folder, self.task, self.finetune_argv, self.processes = folder, task, finetune_argv, processes
+        self.probe = probe  # linear probes beside fine-tuning at every point
+        self.named: set[str] = set()  # damaged points already named
+        (folder / "points").mkdir(parents=True, exist_ok=True)
+
+    def point_file(self, key: str) -> Path:
+        return self.folder / "points" / f"{key}.json"
+
+    def done(self, key: str) -> bool:
+        """Whether `key` was measured: its point file holds what `measure` writes (a damaged one is named and
+        measured again)."""
+        path = self.point_file(key)
+        if not path.is_file():
+            return False
+        if problem := point_problem(path):
+            if key not in self.named:  # once per invocation
+                print(f"{path} {problem}: measuring the point again", file=sys.stderr)
+                self.named.add(key)
+            return False
+        return True
+
+    def measure(self, key: str, model: str, extra: list[str], info: dict) -> dict:
+        """Fine-tune and probe `model` under the fair protocol (resuming an interrupted attempt); the point's
+        report rows and baselines go to `points/<key>.json` once all of it finished."""
+        reports = self.folder / "reports" / key
+        argv = [*self.finetune_argv, "--model_name_or_path", model, "--task", self.task,
+                *(["--probe"] if self.probe else []), "--run_name", f"{self.folder.name}-{key}",
+                "--report_dir", str(reports), *extra]  # fmt: skip
+        # auto: a fresh start the first time; after an interruption, finished seeds reused, the cut one resumed
+        code = run_command(
+            [*local_launcher(FINETUNE_SCRIPT, self.processes), *argv, "--resume_from_checkpoint", "auto"]
+        )
+        found = sorted(reports.glob("finetune_*.json"), key=lambda p: p.stat().st_mtime_ns)  # the newest last
+        if code != 0 or not found:
+            raise RuntimeError(f"fine-tuning {model} for point {key} failed (exit code {code}); fix it and rerun: "
+                               "finished points are reused")  # fmt: skip
+        report = json.loads(found[-1].read_text())
+        point = {"key": key, "model": model, **info, "rows": report["rows"], "baselines": report["baselines"],
+                 "runs": report["runs"]}  # fmt: skip
+        self.point_file(key).write_text(json_io.dumps(point, indent=2))
+        return point
+
+    def reused_or_measured(self, key: str, model: str, extra: list[str], info: dict, what: str) -> dict:
+        """The point `key`: read when measured before, else measured (`measure`); one line says which."""
+        if self.done(key):
+            print(f"{key}: finished earlier, reused", flush=True)
+            return json.loads(self.point_file(key).read_text())
+        print(f"{key}: {what}", flush=True)
+        return self.measure(key, model, extra, info)
+
+    def points(self) -> list[dict]:
+        """The points measured (a damaged file is left out: `done` names it)."""
+        return [
+            json.loads(p.read_text()) for p in sorted((self.folder / "points").glob("*.json")) if not point_problem(p)
+        ]
+
+
+def point_problem(path: Path) -> str | None:
+    """Why `path` does not hold a point as `PointFolder.measure` writes it (JSON object named by its key, rows and
+    baselines, whole-number tokens and step for a snapshot), else None."""
+    try:
+        point = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        return f"is not readable JSON ({error})"
+    if not isinstance(point, dict) or point.get("key") != path.stem:
+        return f"does not hold the point {path.stem!r}"
+    if not isinstance(point.get("rows"), list) or not isinstance(point.get("baselines"), dict):
+        return "lacks its rows or baselines"
+    if point.get("kind") == "snapshot" and not all(
+        isinstance(point.get(k), int) and not isinstance(point.get(k), bool) for k in ("tokens", "step")
+    ):
+        return "holds tokens or a step that are not whole numbers"
+    return None
+
+
+def evaluation_at(run_dir: Path, step: int) -> dict:
+    """The pretraining run's MLM eval loss and accuracy over the unigram baseline at `step` (the loop evaluates
+    at every snapshot step); None for what was not recorded."""
+    path = run_dir / "metrics.jsonl"
+    found = [r for r in read_metrics(path) if r["kind"] == "eval" and r["step"] == step] if path.is_file() else []
+    last = found[-1] if found else {}
+    return {"eval_loss": last.get("eval_loss"), "unigram_ratio": last.get("eval_accuracy_over_unigram")}
+
+
+def finished_steps(run_dir: Path) -> int:
+    """The steps a finished run took (its `summary.json`)."""
+    return json.loads((run_dir / "summary.json").read_text()).get("steps", 0)
+
+
+def pretrain(plan: ArchitecturePlan, run_dir: Path, processes: int) -> dict:
+    """Run (or resume, or reuse, or extend to a budget added later) the architecture's pretraining; returns
+    what ended it. An extension resumes the run's newest checkpoint with the larger `--max_steps`: under a
+    schedule that does not depend on the run's length (`extension_problem` checked it) that is the run a larger
+    budget would have had from the start, so the points measured before stay valid."""
+    ended = ended_on_its_own(run_dir)
+    if ended and not stopped_by_gate(run_dir) and (steps := finished_steps(run_dir)) < plan.run_to:
+        print(f"extending {plan.run_name} from step {steps} to {plan.run_to} (a budget added)")
+        ended = False
+    if not ended:
+        code = run_command([*local_launcher(MLM_SCRIPT, processes), *plan.pretrain_argv])
+        if code != 0 and not stopped_by_gate(run_dir):
+            raise RuntimeError(f"pretraining {plan.run_name} failed (exit code {code}); fix it and rerun the same "
+                               "command: it resumes from the newest checkpoint")  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"stopped_by_gate": bool(summary.get("stopped_by_gate")), "steps": summary["steps"],
+            "gates": summary.get("gates", [])}  # fmt: skip
+
+
+def add_report_driver_arguments(parser: argparse.ArgumentParser, name: str, runs_dir: str) -> None:
+    """What every driver that writes `Cache/reports/<name>_<time>.*` from fine-tuned points takes beside its own."""
+    parser.add_argument("--finetune_args", default="", help='arguments for loops/finetune.py, e.g. "--seeds 3"')
+    parser.add_argument("--name", default=name)
+    parser.add_argument("--runs_dir", default=runs_dir, help="where the runs' points are kept")
+    parser.add_argument("--report_dir", default="Cache/reports")
+    parser.add_argument("--num_processes", type=at_least(1), default=1, help="processes per run (accelerate launch)")
+
+
+def check_finetune_argv(finetune_argv: list[str], task: str, datasets: Iterable[str] = ()) -> None:
+    """The fine-tuning arguments as the loop will see them (a placeholder model), before anything runs; and that
+    no pretraining on `datasets` reads a text the task's dev or validation split holds (`task:` sources)."""
+    refuse_driver_flags(finetune_argv, FINETUNE_DRIVER_FLAGS, "--finetune_args:", "by the curve driver")
+    _, task_args, _ = parse_args(["--model_name_or_path", ".", "--task", task, *finetune_argv],
+                                 classes=FINETUNE_ARGUMENT_CLASSES, defaults=FINETUNE_DEFAULTS)  # fmt: skip
+    try:  # the task must load before hours of pretraining are spent on it
+        data = load_task(task_args)
+    except DataSourceError as error:
+        raise ValueError(str(error)) from error
+    for dataset in dict.fromkeys(datasets):
+        if problem := planned_overlap(dataset, data):
+            raise ValueError(problem)
+
+
+def parse_driver_argv(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple:
+    """A driver's command line: (its own arguments parsed, the pretraining arguments after `--`, its
+    `--finetune_args` split as a shell would)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, loop_argv = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    args = parser.parse_args(own)
+    return args, loop_argv, shlex.split(args.finetune_args)
+
+
+def parse_list(text: str, what: str, convert=str) -> list:
+    """`a,b,c` → its distinct values, each through `convert`; ValueError naming `what` for a value `convert`
+    refuses (e.g. `--concepts 16,x`), an empty list or a repeated value."""
+    try:
+        values = [convert(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError:
+        kind = "whole numbers" if convert is int else "values"
+        raise ValueError(f"{what} {text!r}: give distinct comma-separated {kind}, e.g. 16,64") from None
+    if not values or len(set(values)) != len(values):
+        raise ValueError(f"{what} {text!r}: give distinct comma-separated values")
+    return values
+
+
+def parse_architectures(text: str) -> list[str]:
+    """`--architectures concept,bert` → the architectures it names, each one of `ARCHITECTURES`; ValueError
+    naming the flag otherwise."""
+    architectures = [a.strip() for a in text.split(",") if a.strip()]
+    if not architectures or any(a not in ARCHITECTURES for a in architectures):
+        raise ValueError(f"--architectures {text!r}: choose from {ARCHITECTURES}")
+    return architectures
+
+
+def one_budget(text: str, why: str) -> int:
+    """`--tokens` of a driver whose runs all take one budget: that budget; ValueError saying `why` for several."""
+    budgets = parse_budgets(text)
+    if len(budgets) != 1:
+        raise ValueError(f"--tokens {text!r}: give one budget ({why})")
+    return budgets[0]
+
+
+@contextmanager
+def usage_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
+    """The checks a driver makes before its first run: a ValueError among them (a `ReportFolderError` is one)
+    ends the program as a usage error, one line and exit code 2."""
+    try:
+        yield
+    except ValueError as error:
+        parser.exit(2, f"usage error: {error}\n")
