@@ -182,6 +182,7 @@ def test_bad_driver_plans_are_refused_before_any_run(in_process, capsys):
         (["--concepts", "16,16"], "distinct"),
         (["--poolings", "max"], "mean and/or cls"),
         (["--architectures", "gpt"], "concept and/or bert"),
+        (["--mixers", "none,lstm"], "--mixers: ['lstm'] unknown; choose from none, conv"),
         (["--finetune_args", "--seeds 2"], "set by the listops driver"),
     ):
         with pytest.raises(SystemExit):
@@ -191,3 +192,22 @@ def test_bad_driver_plans_are_refused_before_any_run(in_process, capsys):
         listops.main(["--task", "listops:100:200", "--", "--dataset", "docstrings"])
     assert "set by the listops driver" in capsys.readouterr().err
     assert in_process == []  # nothing launched
+
+
+def test_the_mixer_arms_build_models_with_the_mixer_and_keep_the_plain_arms_keys(tmp_path):
+    """`--mixers none,conv` adds a mixer arm beside each Concept Encoder arm (BERT has none); the plain arms keep the
+    keys they had before the axis existed (so earlier folders are reused), and each arm's model folder says its mixer."""
+    from concept_encoder.data.tokenizer import load_tokenizer
+
+    args = listops.build_parser().parse_args(["--presets", "micro", "--concepts", "16", "--refinement", "both",
+                                              "--mixers", "none,conv"])  # fmt: skip
+    listops.check_arguments(args)
+    arms = listops.scratch_arms(args)
+    assert [a.key for a in arms] == ["micro-concept-C16", "micro-concept-C16-conv", "micro-concept-C16-refine",
+                                     "micro-concept-C16-refine-conv", "micro-bert"]  # fmt: skip
+    tokenizer = load_tokenizer("listops")
+    for arm in arms:
+        config = json.loads((listops.fresh_folder(tmp_path, arm, tokenizer, 102) / "config.json").read_text())
+        assert config.get("local_mixer", "none") == arm.mixer and ("local mixer" in arm.label) == (arm.mixer == "conv")
+    plan, _ = listops.pretraining_plan(arms[1], args, [], 102, 1000)
+    assert plan.pretrain_argv[plan.pretrain_argv.index("--local_mixer") + 1] == "conv"

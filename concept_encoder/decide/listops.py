@@ -9,7 +9,8 @@ folder (`Cache/listops/<name>/`, resumable: a finished arm is reused, an interru
 checkpoint, saved every `--save_steps`):
 
 - per preset, from scratch: the Concept Encoder at each width C of `--concepts`, without and with token
-  refinement (`--refinement`), and BERT of the same shape (full attention through SDPA). The preset's own C is a
+  refinement (`--refinement`), without and with the local token mixer (`--mixers none,conv`: `local_mixer`,
+  placed once before the first layer; docs/model.md), and BERT of the same shape (full attention through SDPA). The preset's own C is a
   main row (`--seeds` seeds); the other widths are the width sweep (`--sweep_seeds`, 1 by default);
 - self-pretrained (`--pretrain_tokens` > 0): `loops/mlm.py` on the task's own training inputs (`--dataset
   task:<task>`, `--mlm_probability 0.1`, one example per sequence) for the first preset's best from-scratch
@@ -36,6 +37,7 @@ from ..accounting.flops import classifier_forward_flops
 from ..common.paths import cache_path
 from ..common.report_files import check_report_dir
 from ..data.tokenizer import load_tokenizer
+from ..model.constants import LOCAL_MIXERS
 from ..model.presets import PRESETS
 from ..tasks.arguments import is_listops
 from ..tasks.listops import listops_splits, parse_listops, root_operator_rule
@@ -78,7 +80,7 @@ DRIVER_FINETUNE_FLAGS = ("--seeds", "--pooling", "--bucket_by_length", "--report
 FINETUNE_DEFAULTS = {"--max_steps": "5000", "--per_device_train_batch_size": "32", "--learning_rates": "1e-4,3e-4",
                      "--save_steps": "500"}  # fmt: skip
 PRETRAIN_FLAGS = ("--dataset", "--tokenizer", "--max_seq_length", "--preset", "--concept_num", "--token_refinement",
-                  "--packing")  # fmt: skip
+                  "--packing", "--local_mixer")  # fmt: skip
 
 
 @dataclass
@@ -94,25 +96,30 @@ class Arm:
     pooling: str
     seeds: int
     kind: str  # scratch | sweep | pretrained
+    mixer: str = "none"  # the Concept Encoder's local_mixer (BERT: none)
 
 
 def scratch_arms(args) -> list[Arm]:
-    """The from-scratch arms in the order they run: per preset, each width without then with refinement, then
-    BERT; every pooling of `--poolings` an arm has (a Concept Encoder pools `cls` only when it refines)."""
+    """The from-scratch arms in the order they run: per preset, each width without then with refinement, each
+    without then with the mixer, then BERT; every pooling of `--poolings` an arm has (a Concept Encoder pools `cls`
+    only when it refines). Arms without the mixer keep the keys they had before `--mixers` existed."""
     arms = []
     for preset in args.preset_list:
         own = PRESETS[preset]["concept_num"]
         for concepts in args.concept_list if "concept" in args.architecture_list else []:
             for refine in args.refine_list:
-                for pooling in args.pooling_list:
-                    if pooling == "cls" and not refine:
-                        continue
-                    main = concepts == own
-                    suffix = f"{'-refine' if refine else ''}{'' if pooling == 'mean' else '-' + pooling}"
-                    arms.append(Arm(f"{preset}-concept-C{concepts}{suffix}",
-                                    f"Concept Encoder {preset}, C={concepts}{', refined tokens' if refine else ''}, "
-                                    f"{pooling} pooling", preset, "concept", concepts, refine, pooling,
-                                    args.seeds if main else args.sweep_seeds, "scratch" if main else "sweep"))  # fmt: skip
+                for mixer in args.mixer_list:
+                    for pooling in args.pooling_list:
+                        if pooling == "cls" and not refine:
+                            continue
+                        main = concepts == own
+                        suffix = (f"{'-refine' if refine else ''}{'' if mixer == 'none' else '-' + mixer}"
+                                  f"{'' if pooling == 'mean' else '-' + pooling}")  # fmt: skip
+                        label = (f"Concept Encoder {preset}, C={concepts}{', refined tokens' if refine else ''}"
+                                 f"{', local mixer' if mixer != 'none' else ''}, {pooling} pooling")  # fmt: skip
+                        arms.append(Arm(f"{preset}-concept-C{concepts}{suffix}", label, preset, "concept", concepts,
+                                        refine, pooling, args.seeds if main else args.sweep_seeds,
+                                        "scratch" if main else "sweep", mixer))  # fmt: skip
         for pooling in args.pooling_list if "bert" in args.architecture_list else []:
             arms.append(Arm(f"{preset}-bert{'' if pooling == 'mean' else '-' + pooling}",
                             f"BERT {preset}, full attention, {pooling} pooling", preset, "bert", None, False, pooling,
@@ -126,6 +133,7 @@ def fresh_folder(folder: Path, arm: Arm, tokenizer, positions: int) -> Path:
     return scratch_model(
         folder / "models" / arm.key, arm.architecture, arm.preset, positions, tokenizer,
         concept_num=arm.concept_num, token_refinement=arm.refine, classifier_pooling=arm.pooling,
+        **({"local_mixer": arm.mixer} if arm.architecture == "concept" else {}),
     )  # fmt: skip
 
 
@@ -151,7 +159,8 @@ def pretraining_plan(arm: Arm, args, loop_argv: list[str], max_seq_length: int, 
     if "--mlm_probability" not in given_flags(loop_argv, ("--mlm_probability",)):
         argv += ["--mlm_probability", "0.1"]
     if arm.architecture == "concept":
-        argv += ["--concept_num", str(arm.concept_num), "--token_refinement", str(arm.refine).lower()]
+        argv += ["--concept_num", str(arm.concept_num), "--token_refinement", str(arm.refine).lower(),
+                 "--local_mixer", arm.mixer]  # fmt: skip
     return plan_architecture(arm.architecture, [budget], argv, f"{args.name}-selfpre-{arm.key}", args.num_processes)
 
 
@@ -169,7 +178,7 @@ def arm_row(point: dict, arm: Arm, tokens: float) -> dict:
     peak = max((m.get("cuda_peak_allocated_gb") or m.get("peak_rss_gb") or 0 for m in memory), default=None)
     return {"key": arm.key, "label": arm.label, "kind": arm.kind, "preset": arm.preset,
             "architecture": arm.architecture, "concept_num": arm.concept_num, "refine": arm.refine,
-            "pooling": arm.pooling, "seeds": row["seeds"], "accuracy": row["accuracy_mean"],
+            "mixer": arm.mixer, "pooling": arm.pooling, "seeds": row["seeds"], "accuracy": row["accuracy_mean"],
             "accuracy_std": row["accuracy_std"], "accuracy_last": row.get("last_step_accuracy_mean"),
             "accuracy_last_std": row.get("last_step_accuracy_std"), "best_steps": row["best_steps"],
             "steps": steps, "learning_rate": row["learning_rate"], "seconds": seconds,
@@ -261,14 +270,13 @@ def plot(report: dict, path: Path) -> None:
         bars.text(len(rows) - 0.5, value, label, fontsize=7, ha="right", va="bottom")
     bars.set_ylabel("test accuracy (%) at the dev-chosen step")
     for preset in dict.fromkeys(r["preset"] for r in rows):
-        for refine in (False, True):
+        for refine, mixer in ((False, "none"), (True, "none"), (False, "conv"), (True, "conv")):
             points = sorted((r["concept_num"], 100 * r["accuracy"]) for r in rows if r["preset"] == preset
                             and r["architecture"] == "concept" and r["refine"] == refine and r["kind"] != "pretrained"
-                            and r["pooling"] == "mean")  # fmt: skip
+                            and r["pooling"] == "mean" and r.get("mixer", "none") == mixer)  # fmt: skip
             if points:
-                widths.plot(
-                    *zip(*points, strict=True), marker="o", label=f"{preset}{', refined tokens' if refine else ''}"
-                )
+                label = f"{preset}{', refined tokens' if refine else ''}{', local mixer' if mixer != 'none' else ''}"
+                widths.plot(*zip(*points, strict=True), marker="o", label=label)
     widths.axhline(100 * base["root_rule"], linestyle="-", color="grey", linewidth=1, label="root-operator rule")
     widths.set_ylim(0, max([45.0, *(100 * r["accuracy"] + 5 for r in rows)]))
     widths.set_xscale("log", base=2)
@@ -289,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="LRA ListOps: the Concept Encoder at several widths, with and without token refinement, "
                     "against BERT of the same shape, from scratch and self-pretrained, beside the published table.",
         epilog="Everything after `--` goes to the self-pretraining runs (loops/mlm.py); the driver sets --dataset, "
-               "--tokenizer, --packing, --max_seq_length, --preset, --concept_num, --token_refinement.",
+               "--tokenizer, --packing, --max_seq_length, --preset, --concept_num, --token_refinement, --local_mixer.",
     )  # fmt: skip
     parser.add_argument("--task", default="listops", help="listops, or listops:<max_length>[:<train>] (shorter)")
     parser.add_argument("--architectures", default="concept,bert",
@@ -297,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--presets", default="micro,tiny", help="model shapes, comma-separated (the first is main)")
     parser.add_argument("--concepts", default="16,32,64,128", help="the Concept Encoder's widths C")
     parser.add_argument("--refinement", default="both", choices=("off", "on", "both"), help="token refinement arms")
+    parser.add_argument("--mixers", default="none", help="the Concept Encoder's local mixer arms: none and/or conv")
     parser.add_argument("--poolings", default="mean", help="mean and/or cls, comma-separated")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the main rows")
     parser.add_argument("--sweep_seeds", type=int, default=1, help="seeds of the width sweep's other widths")
@@ -320,6 +329,9 @@ def check_arguments(args) -> None:
     if any(c < 1 for c in args.concept_list):
         raise ValueError(f"--concepts {args.concepts!r}: widths are whole numbers >= 1")
     args.refine_list = {"off": [False], "on": [True], "both": [False, True]}[args.refinement]
+    args.mixer_list = parse_list(args.mixers, "--mixers")
+    if bad := [m for m in args.mixer_list if m not in LOCAL_MIXERS]:
+        raise ValueError(f"--mixers: {bad} unknown; choose from {', '.join(LOCAL_MIXERS)}")
     args.pooling_list = parse_list(args.poolings, "--poolings")
     if bad := [p for p in args.pooling_list if p not in ("mean", "cls")]:
         raise ValueError(f"--poolings: {bad} unknown; choose mean and/or cls")
@@ -364,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             twins += [a for a in first if a.architecture == "bert"][:1]
             for twin in twins:
                 arm = Arm(f"{twin.key}-selfpre", f"{twin.label}, self-pretrained", twin.preset, twin.architecture,
-                          twin.concept_num, twin.refine, twin.pooling, args.seeds, "pretrained")  # fmt: skip
+                          twin.concept_num, twin.refine, twin.pooling, args.seeds, "pretrained", twin.mixer)  # fmt: skip
                 plan, run_dir = pretraining_plan(arm, args, loop_argv, max_seq_length, args.pretrain_budget)
                 print(f"self-pretraining {plan.run_name}: {plan.tokens(plan.steps[-1]):,} tokens", flush=True)
                 pretrain(plan, run_dir, args.num_processes)
