@@ -4,7 +4,7 @@
     make listops LISTOPS_TASK=listops:500 LISTOPS_ARGS="--presets micro"     (a shorter variant)
 
 Arms, each fine-tuned by `loops/finetune.py` under the fair protocol (rate and step chosen on dev, the test split
-reported once at the dev-chosen step and at the last step, `--bucket_by_length`), each a point of a `Curve`
+reported once at the dev-chosen step and at the last step, `--bucket_by_length`), each a point of a `PointFolder`
 folder (`Cache/listops/<name>/`, resumable: a finished arm is reused, an interrupted one resumes from its
 checkpoint, saved every `--save_steps`):
 
