@@ -182,7 +182,7 @@ def test_bad_driver_plans_are_refused_before_any_run(in_process, capsys):
         (["--concepts", "16,16"], "distinct"),
         (["--poolings", "max"], "mean and/or cls"),
         (["--architectures", "gpt"], "concept and/or bert"),
-        (["--mixers", "none,lstm"], "--mixers: ['lstm'] unknown; choose from none, conv"),
+        (["--mixers", "none,lstm"], "--mixers: ['lstm'] unknown; choose from ('none', 'conv')"),
         (["--finetune_args", "--seeds 2"], "set by the listops driver"),
     ):
         with pytest.raises(SystemExit):

@@ -17,6 +17,7 @@ def plain_model(accelerator, model):
 
 
 def deepspeed_config(accelerator) -> dict | None:
+    """The ds config the accelerator's DeepSpeed plugin runs under; None without DeepSpeed."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return None
     return accelerator.state.deepspeed_plugin.deepspeed_config

@@ -46,6 +46,7 @@ from ..constants import ARCHITECTURES
 from ..data.base import DataSourceError
 from ..model.bert_baseline import bert_config
 from ..model.config import ConceptEncoderConfig
+from ..model.constants import LOCAL_MIXERS
 from ..model.presets import PRESETS
 from ..tasks.leakage import planned_overlap
 from ..tasks.loading import load_task
@@ -587,6 +588,15 @@ def parse_architectures(text: str) -> list[str]:
     if not architectures or any(a not in ARCHITECTURES for a in architectures):
         raise ValueError(f"--architectures {text!r}: choose from {ARCHITECTURES}")
     return architectures
+
+
+def parse_mixers(text: str) -> list[str]:
+    """`--mixers none,conv` → the Concept Encoder's local mixers it names (the recall and ListOps drivers' arm axis),
+    each one of `LOCAL_MIXERS`; ValueError naming the flag and the unknown ones otherwise."""
+    mixers = parse_list(text, "--mixers")
+    if bad := [m for m in mixers if m not in LOCAL_MIXERS]:
+        raise ValueError(f"--mixers: {bad} unknown; choose from {LOCAL_MIXERS}")
+    return mixers
 
 
 def one_budget(text: str, why: str) -> int:

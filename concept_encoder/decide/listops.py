@@ -37,7 +37,6 @@ from ..accounting.flops import classifier_forward_flops
 from ..common.paths import cache_path
 from ..common.report_files import check_report_dir
 from ..data.tokenizer import load_tokenizer
-from ..model.constants import LOCAL_MIXERS
 from ..model.presets import PRESETS
 from ..tasks.arguments import is_listops
 from ..tasks.listops import listops_splits, parse_listops, root_operator_rule
@@ -54,6 +53,7 @@ from .experiments import (
     parse_budgets,
     parse_driver_argv,
     parse_list,
+    parse_mixers,
     percent,
     plan_architecture,
     pretrain,
@@ -329,9 +329,7 @@ def check_arguments(args) -> None:
     if any(c < 1 for c in args.concept_list):
         raise ValueError(f"--concepts {args.concepts!r}: widths are whole numbers >= 1")
     args.refine_list = {"off": [False], "on": [True], "both": [False, True]}[args.refinement]
-    args.mixer_list = parse_list(args.mixers, "--mixers")
-    if bad := [m for m in args.mixer_list if m not in LOCAL_MIXERS]:
-        raise ValueError(f"--mixers: {bad} unknown; choose from {', '.join(LOCAL_MIXERS)}")
+    args.mixer_list = parse_mixers(args.mixers)
     args.pooling_list = parse_list(args.poolings, "--poolings")
     if bad := [p for p in args.pooling_list if p not in ("mean", "cls")]:
         raise ValueError(f"--poolings: {bad} unknown; choose mean and/or cls")

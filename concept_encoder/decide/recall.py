@@ -44,6 +44,7 @@ from .experiments import (
     holding,
     parse_driver_argv,
     parse_list,
+    parse_mixers,
     percent,
     print_report,
     refuse_driver_flags,
@@ -303,9 +304,7 @@ def check_arguments(args) -> None:
     args.main_concept_list = parse_list(args.main_concepts, "--main_concepts", int)
     if any(v < 1 for v in [*args.pair_list, *args.concept_list]):
         raise ValueError("--pairs and --concepts are whole numbers >= 1")
-    args.mixer_list = parse_list(args.mixers, "--mixers")
-    if bad := [m for m in args.mixer_list if m not in LOCAL_MIXERS]:
-        raise ValueError(f"--mixers: {bad} unknown; choose from {LOCAL_MIXERS}")
+    args.mixer_list = parse_mixers(args.mixers)
     args.architecture_list = parse_list(args.architectures, "--architectures")
     if bad := [a for a in args.architecture_list if a not in ("concept", "bert")]:
         raise ValueError(f"--architectures: {bad} unknown; choose concept and/or bert")
