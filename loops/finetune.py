@@ -409,7 +409,9 @@ def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, task
         if run is None:
             return None
         runs.append(run)
-    return [{**validate(state, run, task, splits, tokenizer, fargs, args), "rate_grid": grid} for run in runs]
+    grid_seconds = {f"{rate:g}": tried[rate]["seconds"] for rate in fargs.rates if rate != chosen}  # the grid's cost
+    return [{**validate(state, run, task, splits, tokenizer, fargs, args), "rate_grid": grid,
+             "rate_grid_seconds": grid_seconds} for run in runs]  # fmt: skip
 
 
 def probe_model(state, model_path: str, task, splits, tokenizer, fargs, task_args, args) -> list[dict]:

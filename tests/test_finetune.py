@@ -197,6 +197,9 @@ def test_the_rate_and_step_are_chosen_on_dev_never_on_the_reported_split(workdir
     evaluated = {p.parent.name for p in Path("Cache/finetune").glob("clean-*/metrics.jsonl")
                  if any(json.loads(line)["kind"] == "validation" for line in p.read_text().splitlines())}  # fmt: skip
     assert evaluated == {f"clean-concept-lr{chosen}-seed42", f"clean-concept-lr{chosen}-seed43"}
+    other = next(rate for rate in ("0.0003", "0.003") if rate != chosen)  # the grid's other run: its time kept
+    assert all(list(run["rate_grid_seconds"]) == [other] for run in clean["runs"])
+    assert clean["rows"][0]["grid_seconds"] == clean["runs"][0]["rate_grid_seconds"][other] > 0
 
     real_load = finetune.load_task
 
@@ -793,3 +796,22 @@ def test_a_seeds_final_folder_it_did_not_write_is_refused_and_left_alone(workdir
     with pytest.raises(ValueError, match="seed42 holds files this project did not write .*: final\\)"):
         finetune.main([*argv, *COMMON])
     assert sorted(p.name for p in final.iterdir()) == ["notes.txt"]
+
+
+def test_a_rate_chosen_at_the_grids_end_is_named_in_the_report():
+    from concept_encoder.finetuning.report import format_markdown, grid_edge
+
+    def row(rate, grid):
+        return {"model": "m", "method": "fine-tune", "task": "t", "pooling": "p", "metrics": ["accuracy"],
+                "accuracy_mean": 0.5, "accuracy_std": 0.0, "accuracy_seeds": [0.5], "seconds": 1.0,
+                "learning_rate": rate, "rate_grid": grid, "best_steps": [10], "still_improving": False,
+                "train_loss": None}  # fmt: skip
+
+    assert grid_edge(row(3e-3, {"0.001": 0.35, "0.003": 1.0})) == "highest"
+    assert grid_edge(row(1e-4, {"0.0001": 0.6, "0.0003": 0.4, "0.001": 0.2})) == "lowest"
+    assert grid_edge(row(3e-4, {"0.0001": 0.4, "0.0003": 0.6, "0.001": 0.2})) is None  # bracketed
+    assert grid_edge(row(1e-3, {"0.001": 1.0, "0.003": 1.0})) is None  # a tie: flat there, not beyond
+    assert grid_edge(row(1e-3, {"0.001": 0.9})) is None  # one rate: no grid to be at the end of
+    text = format_markdown([row(3e-3, {"0.001": 0.35, "0.003": 1.0})], {}, "t")
+    assert "Chosen at the grid's end, the best rate may lie beyond it (extend --learning_rates): m (highest, 0.003)" in text
+    assert "grid's end" not in format_markdown([row(3e-4, {"0.0001": 0.4, "0.0003": 0.6, "0.001": 0.2})], {}, "t")

@@ -24,6 +24,7 @@ from concept_encoder.tasks.listops import (
 )
 from concept_encoder.training.args import (
     FINETUNE_ARGUMENT_CLASSES,
+    FINETUNE_DEFAULTS,
     LR_SCHEDULES,
     WSD_DECAYS,
     parse_args,
@@ -72,6 +73,27 @@ def test_a_known_decay_type_is_refused_where_the_schedule_has_no_decay_of_that_k
 def test_settings_a_schedule_ignores_are_refused_naming_the_schedules_that_use_them(kind, flags, setting):
     with pytest.raises(ValueError, match=rf"--{setting} applies to --lr_scheduler_type .* only \(this run: {kind}\)"):
         training_args("--lr_scheduler_type", kind, *flags)
+
+
+FINETUNE_MODEL = ["--model_name_or_path", "some/model", "--task", "embedded"]
+
+
+def test_a_warmup_ratio_given_beside_warmup_steps_is_refused_by_flag_or_config(tmp_path):
+    message = r"--warmup_ratio 0.2 is ignored beside --warmup_steps 10 \(the steps win\): give one of them"
+    with pytest.raises(ValueError, match=message):
+        training_args("--warmup_steps", "10", "--warmup_ratio", "0.2")
+    with pytest.raises(ValueError, match=message):  # fine-tuning's loop too, and `--flag=value`
+        parse_args([*FINETUNE_MODEL, "--warmup_steps", "10", "--warmup_ratio=0.2"], FINETUNE_ARGUMENT_CLASSES,
+                   FINETUNE_DEFAULTS)  # fmt: skip
+    config = tmp_path / "run.yaml"
+    config.write_text("warmup_ratio: 0.2\nwarmup_steps: 10\n")
+    with pytest.raises(ValueError, match=message):
+        training_args("--config", str(config))
+    # a default is not a choice: fine-tuning's own warm-up ratio, the budget recipe's, stand beside the steps
+    finetune_args = parse_args([*FINETUNE_MODEL, "--warmup_steps", "10"], FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS)
+    assert finetune_args[2].num_warmup_steps == 10
+    assert training_args("--warmup_steps", "10", "--recipe", "budget").num_warmup_steps == 10
+    assert training_args("--warmup_ratio", "0.2", "--max_steps", "100").num_warmup_steps == 20
 
 
 def test_schedule_settings_left_at_their_defaults_or_where_they_apply_are_accepted():

@@ -74,3 +74,18 @@ def test_goals_name_where_the_map_falls_short():
     assert "BERT solves (>= 95%): K=8; not solved: K=16 20.00% at lr 0.001" in goals[2]
     assert "- C=64, mixer conv: holds 95% up to K=8 (0.12 pairs per concept), below it from K=16" in goals
     assert "- C=16, mixer conv: below 95% from the smallest K measured (K=8)" in goals
+
+
+def test_a_cells_wall_clock_counts_the_grids_other_rates():
+    cell = recall.Cell(pairs=4, architecture="concept", concept_num=16, mixer="conv", seeds=2, main=True, keys=64)
+    runs = [{"method": "fine-tune", "learning_rate": 3e-3, "seconds": s, "rate_grid_seconds": {"0.001": 7.0}}
+            for s in (10.0, 11.0)]  # fmt: skip
+    row = {"method": "fine-tune", "seeds": [42, 43], "accuracy_mean": 1.0, "accuracy_std": 0.0,
+           "learning_rate": 3e-3, "rate_grid": {"0.001": 0.3, "0.003": 1.0}, "best_steps": [5, 6], "seconds": 21.0,
+           "grid_seconds": 7.0}  # fmt: skip
+    out = recall.cell_row({"rows": [row], "runs": runs}, cell, 0.34)
+    assert (out["cell_seconds"], out["runs"], out["rate_edge"]) == (28.0, 3, "highest")
+    older_row = {key: value for key, value in row.items() if key != "grid_seconds"}  # a point kept before the grid's time
+    older_runs = [{key: value for key, value in run.items() if key != "rate_grid_seconds"} for run in runs]
+    older = recall.cell_row({"rows": [older_row], "runs": older_runs}, cell, 0.34)
+    assert (older["cell_seconds"], older["runs"]) == (21.0, 2)

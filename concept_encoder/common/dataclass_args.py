@@ -110,8 +110,8 @@ def parse_dataclasses(argv: list[str] | None, classes, defaults: dict | None = N
     if defaults:
         check_argument_names(defaults, classes, "defaults")
         parser.set_defaults(**defaults)
-    if known.config:
-        parser.set_defaults(**read_argument_file(known.config, classes))
+    config = read_argument_file(known.config, classes) if known.config else {}
+    parser.set_defaults(**config)
     namespace, unknown = parser.parse_known_args(rest)
     if unknown:
         raise ValueError(f"unknown argument(s) {unknown}; run with --help for the valid flags")
@@ -119,9 +119,24 @@ def parse_dataclasses(argv: list[str] | None, classes, defaults: dict | None = N
     parsed = tuple(
         cls(**{f.name: typed_value(cls, f.name, values[f.name]) for f in fields(cls) if f.init}) for cls in classes
     )
+    given = flag_names(rest) | set(config)
+    for instance in parsed:
+        instance.__dict__["_given"] = given & {f.name for f in fields(instance)}
     if getattr(classes, "rule", None) is not None:
         classes.rule(*parsed)
     return parsed
+
+
+def flag_names(argv: list[str]) -> set[str]:
+    """The field names `argv`'s flags set: `--name value`, `--name=value`, and `--no_name` (a boolean's off)."""
+    names = {token[2:].split("=", 1)[0] for token in argv if token.startswith("--")}
+    return names | {name[3:] for name in names if name.startswith("no_")}
+
+
+def given_fields(instance) -> set[str]:
+    """The fields of a parsed `instance` set by a flag or a `--config` key, not by a default of any level (a
+    dataclass's, a profile's, a recipe's): what the rules may call a user's choice."""
+    return instance.__dict__.get("_given", set())
 
 
 def merge_repeated_lists(argv: list[str], repeatable: tuple[str, ...]) -> list[str]:

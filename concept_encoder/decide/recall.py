@@ -29,6 +29,7 @@ from pathlib import Path
 from ..common.paths import cache_path
 from ..common.report_files import check_report_dir
 from ..data.recall_vocab import KEYS, VALUES
+from ..finetuning.report import grid_edge
 from ..data.tokenizer import load_tokenizer
 from ..model.constants import LOCAL_MIXERS
 from ..model.presets import PRESETS
@@ -122,16 +123,16 @@ def model_folder(folder: Path, cell: Cell, preset: str, positions: int, tokenize
 
 def cell_row(point: dict, cell: Cell, line: float) -> dict:
     """One report row from a cell's point: test accuracy at the dev-chosen and last step, the rate chosen, and the
-    cell's wall-clock (every run it took: the rate grid and the seeds)."""
+    cell's wall-clock (every run it took: the seeds, and the grid's other rates where the point kept their time)."""
     row, _ = chosen_runs(point)
     runs = [r for r in point.get("runs", []) if r.get("method") == "fine-tune"]
     return {"key": cell.key, "label": cell.label, "pairs": cell.pairs, "keys": cell.keys,
             "architecture": cell.architecture, "concept_num": cell.concept_num, "mixer": cell.mixer,
             "main": cell.main, "seeds": row["seeds"], "accuracy": row["accuracy_mean"],
             "accuracy_std": row["accuracy_std"], "accuracy_last": row.get("last_step_accuracy_mean"),
-            "learning_rate": row["learning_rate"], "best_steps": row["best_steps"],
+            "learning_rate": row["learning_rate"], "rate_edge": grid_edge(row), "best_steps": row["best_steps"],
             "still_improving": row.get("still_improving"), "no_binding_line": line,
-            "cell_seconds": sum(r["seconds"] for r in runs), "runs": len(runs)}  # fmt: skip
+            "cell_seconds": row["seconds"] + row.get("grid_seconds", 0), "runs": len(runs) + len(runs[0].get("rate_grid_seconds", {}))}  # fmt: skip
 
 
 def holds(rows: list[dict], concepts: int, mixer: str, up_to: int) -> tuple[bool, list[int]]:
@@ -202,11 +203,11 @@ def format_markdown(report: dict) -> str:
         if row is None:
             return "-"
         seeds = len(row["seeds"])
-        return f"{percent(row['accuracy'], row['accuracy_std'] if seeds > 1 else None)}" + ("" if row["main"] else " ¹")
+        return f"{percent(row['accuracy'], row['accuracy_std'] if seeds > 1 else None)}" + ("" if seeds > 1 else " ¹")
 
     lines = [f"# Associative recall: the capacity map ({report['name']})", "", report["settings_line"], "",
-             "Test accuracy (%) at the step chosen on dev, mean ± std over seeds; ¹ one seed (outside the main "
-             "cells). Chance is " + percent(report["chance"]) + "%.", "",
+             "Test accuracy (%) at the step chosen on dev, mean ± std over seeds; ¹ one seed (the cells outside "
+             "the main ones, or a map run with --seeds 1). Chance is " + percent(report["chance"]) + "%.", "",
              "| model | " + " | ".join(f"K={k}" for k in pairs) + " |", "|---|" + "---|" * len(pairs),
              *(f"| {n} | " + " | ".join(cell_text(by.get((n, k))) for k in pairs) + " |" for n in names),
              "| no-binding line | " + " | ".join(percent(report["lines"][str(k)]) for k in pairs) + " |", "",
@@ -214,9 +215,10 @@ def format_markdown(report: dict) -> str:
              "| K | keys | model | seeds | test acc. (dev-chosen) | test acc. (last step) | rate | best-dev steps | "
              "runs | cell wall-clock (s) |", "|" + "---|" * 10]  # fmt: skip
     for r in rows:
+        rate = f"{r['learning_rate']}" + (f" (grid's {r['rate_edge']})" if r.get("rate_edge") else "")
         lines.append(f"| {r['pairs']} | {r['keys']} | {r['label']} | {len(r['seeds'])} | "
                      f"{percent(r['accuracy'], r['accuracy_std'])} | {percent(r['accuracy_last'])} | "
-                     f"{r['learning_rate']} | {', '.join(map(str, r['best_steps']))} | {r['runs']} | "
+                     f"{rate} | {', '.join(map(str, r['best_steps']))} | {r['runs']} | "
                      f"{r['cell_seconds']:.0f} |")  # fmt: skip
     total = sum(r["cell_seconds"] for r in rows)
     lines += ["", f"The map's wall-clock: {total / 60:.0f} min ({len(rows)} cells).", "", "## Goals", "",

@@ -17,6 +17,20 @@ from ..common.report_files import check_report_dir, claim_report_stem
 STILL_IMPROVING = "still improving: train longer"
 
 
+def grid_edge(row: dict) -> str | None:
+    """"lowest" or "highest" when the rate chosen on dev is an end of a grid of two or more tried rates and beat
+    its neighbour outright (the best rate may lie beyond the grid: extend `--learning_rates` that way), else None.
+    A tie with the neighbour says the optimum is flat there, not beyond the grid."""
+    grid = sorted((float(rate), score) for rate, score in row.get("rate_grid", {}).items() if score is not None)
+    if len(grid) < 2 or row.get("learning_rate") is None:
+        return None
+    rates = [rate for rate, _ in grid]
+    index = min(range(len(rates)), key=lambda i: abs(rates[i] - row["learning_rate"]))
+    if index not in (0, len(rates) - 1) or grid[index][1] == grid[1 if index == 0 else -2][1]:
+        return None
+    return "lowest" if index == 0 else "highest"
+
+
 def mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single seed)."""
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
@@ -42,7 +56,9 @@ def report_rows(results: list[dict]) -> list[dict]:
             values = [r["validation"][metric] for r in runs]
             row[f"{metric}_mean"], row[f"{metric}_std"] = mean_std(values)
             row[f"{metric}_seeds"] = values
-        row["seconds"] = round(sum(r["seconds"] for r in runs), 1)
+        row["seconds"] = round(sum(r["seconds"] for r in runs), 1)  # the seeds' runs at the chosen rate
+        if "rate_grid_seconds" in runs[0]:  # and the grid's other rates (first seed): what choosing the rate cost
+            row["grid_seconds"] = round(sum(runs[0]["rate_grid_seconds"].values()), 1)
         if all("validation_by_position" in r for r in runs):  # the needle task: accuracy by where the needle was
             buckets = runs[0]["validation_by_position"]
             row["accuracy_by_position"] = {
@@ -126,6 +142,10 @@ def format_markdown(rows: list[dict], baselines: dict, title: str) -> str:
                     cells.append(f"**{text}**" if rate == chosen and text else text)
                 lines.append(f"| {row['model']} | " + " | ".join(cells) + " |")
             lines.append("")
+            edges = [f"{row['model']} ({edge}, {row['learning_rate']:g})" for row in graded if (edge := grid_edge(row))]
+            if edges:
+                lines += [f"Chosen at the grid's end, the best rate may lie beyond it (extend --learning_rates): "
+                          f"{', '.join(edges)}", ""]  # fmt: skip
             improving = [row["model"] for row in graded if row["still_improving"]]
             if improving:
                 lines += [f"{STILL_IMPROVING}: {', '.join(improving)} (the chosen step was the last one evaluated)", ""]
@@ -243,7 +263,7 @@ def distinct_runs(runs: list[dict]) -> list[dict]:
 
 
 def without_timing(run: dict) -> dict:
-    return {key: value for key, value in run.items() if key != "seconds"}
+    return {key: value for key, value in run.items() if key not in ("seconds", "rate_grid_seconds")}
 
 
 def main(argv: list[str] | None = None) -> int:

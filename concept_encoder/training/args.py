@@ -26,6 +26,7 @@ from ..checkpoints.model_folder import model_folder_problem
 from ..common.dataclass_args import (
     ArgumentSet,
     field_default,
+    given_fields,
     imply_defaults,
     parse_dataclasses,
     read_yaml_mapping,
@@ -736,6 +737,17 @@ def check_distillation(data_args: DataArguments, args: TrainingArguments) -> Non
         raise ValueError("--objective distill embeds every document with the teacher first: leave out --streaming")
 
 
+def check_overridden(args: TrainingArguments) -> None:
+    """A setting given beside the one that overrides it is refused (ValueError naming both), not silently
+    unused: `--warmup_ratio` applies only while `--warmup_steps` is 0. Defaults (a recipe's, the fine-tuning
+    loop's) are not choices, so only a flag or `--config` key counts (`given_fields`)."""
+    if args.warmup_steps > 0 and "warmup_ratio" in given_fields(args):
+        raise ValueError(
+            f"--warmup_ratio {args.warmup_ratio:g} is ignored beside --warmup_steps {args.warmup_steps} (the steps "
+            "win): give one of them"
+        )
+
+
 def check_pretraining_combination(model_args: ModelArguments, data_args: DataArguments, args: TrainingArguments):
     """The pretraining set's rules between the model and the objective (ValueError naming the conflict and the
     fix); resolves the defaults that depend on them: the decoder (`posonly` for tsdae, `perceiver` otherwise), and
@@ -743,6 +755,7 @@ def check_pretraining_combination(model_args: ModelArguments, data_args: DataArg
     reads must exist; distillation's settings (`check_distillation`)."""
     check_task_sources(data_args.dataset)
     check_distillation(data_args, args)
+    check_overridden(args)
     if args.recipe == "budget" and model_args.model_name_or_path is None and model_args.hidden_dropout_prob is None:
         resolve_default(model_args, "hidden_dropout_prob", 0.0)  # no dropout, BERT too (see RECIPES)
     if model_args.model_name_or_path is not None:  # the folder's config.json decides the model's shape
@@ -813,6 +826,7 @@ def check_finetune_combination(finetune_args: FinetuneArguments, task_args: Task
     ]
     if given:  # pretraining settings: an error, not a silently ignored flag
         raise ValueError(f"loops/finetune.py does not support {given} (they are for pretraining)")
+    check_overridden(args)
     parse_gates(args.gate, TASK_METRIC_NAMES, "loops/finetune.py (dev split)")
     if args.learning_rate != FINETUNE_DEFAULTS["learning_rate"]:  # one flag for the rate, not two
         raise ValueError(
