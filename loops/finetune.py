@@ -246,9 +246,10 @@ def fine_tune(
                    disable=not (accelerator.is_main_process and args.progress_bar))  # fmt: skip
         preempted = False
         gate_stopped = bool(gates.failed()) and args.gate_action == "stop"  # a resumed run a gate had stopped
+        reached = best.reached(fargs.stop_at_dev)  # a resumed run that had reached --stop_at_dev
         last_evaluated = best.step
         model.train()
-        while progress.step < args.max_steps and not gate_stopped:
+        while progress.step < args.max_steps and not (gate_stopped or reached):
             stepped = train_step(accelerator, model, optimizer, next(source), args.max_grad_norm)
             if stepped["applied"]:
                 scheduler.step()
@@ -268,13 +269,16 @@ def fine_tune(
                     metrics.write({"kind": "dev", "step": step, **dev})
                 best.offer(step, dev, lambda: model_state_dict(accelerator, model))
                 last_evaluated = step
+                if reached := best.reached(fargs.stop_at_dev):
+                    logger.info("%s lr %g seed %d: dev %s %g reached --stop_at_dev %g at step %d: stopped", tag, rate,
+                                seed, main_metric, dev[main_metric], fargs.stop_at_dev, step)  # fmt: skip
                 for failure in gates.check(step, dev):
                     logger.warning("seed %d: gate failed: %s; %s", seed, describe_outcome(failure),
                                    GATE_ACTION_TEXT[args.gate_action])  # fmt: skip
                     gate_stopped = args.gate_action == "stop"
                 progress.gates = gates.summary()
             [preempted] = any_rank(accelerator, preemption.raised)
-            if preempted or gate_stopped or (args.save_steps and step % args.save_steps == 0):
+            if preempted or gate_stopped or reached or (args.save_steps and step % args.save_steps == 0):
                 save_checkpoint(accelerator, run_dir, progress, args.save_total_limit, None, settings, shared)
             if preempted:
                 logger.warning("stopped by signal at step %d; resume with --resume_from_checkpoint auto", step)
@@ -283,7 +287,7 @@ def fine_tune(
         if preempted:
             accelerator.wait_for_everyone()
             return None
-        still_improving = best.step == last_evaluated and not gate_stopped
+        still_improving = best.step == last_evaluated and not (gate_stopped or reached)
         if still_improving:
             logger.warning("%s lr %g seed %d: the chosen step %d is the last one evaluated: still improving: train "
                            "longer (--max_steps or --epochs)", tag, rate, seed, best.step)  # fmt: skip
@@ -291,7 +295,8 @@ def fine_tune(
                   "pooling": pooling, "parameters": counts["total"], "best_step": best.step, "steps": progress.step,
                   "still_improving": still_improving, "dev": best.dev, "memory": memory_stats(accelerator.device),
                   "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir), "settings": settings,
-                  **({"gates": gates.summary(), "stopped_by_gate": gate_stopped} if args.gate else {})}  # fmt: skip
+                  **({"gates": gates.summary(), "stopped_by_gate": gate_stopped} if args.gate else {}),
+                  **({"stopped_at_dev": reached} if fargs.stop_at_dev is not None else {})}  # fmt: skip
         last = model_state_dict(accelerator, model) if fargs.report_last_step else None  # collective
         if accelerator.is_main_process:
             losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"

@@ -653,6 +653,23 @@ def test_a_failed_gate_stops_the_seed_keeps_its_best_step_and_exits_3(workdir, c
     assert result["best_step"] <= 30 and "accuracy" in result["validation"]  # its best step, evaluated and saved
 
 
+@pytest.mark.loop
+def test_stop_at_dev_ends_the_run_at_the_first_evaluation_reaching_it_and_a_rerun_stays_stopped(workdir, concept_model):
+    task_file = str(write_tasks(workdir / "tasks")["single"])
+    argv = ["--model_name_or_path", str(concept_model), "--task", task_file, "--seeds", "1", *COMMON,
+            "--run_name", "target", "--stop_at_dev", "0"]  # any accuracy reaches 0: the first evaluation (step 15)
+    with pytest.raises(ValueError, match="stop_at_dev=nan must be a finite number"):
+        finetune.main([*argv, "--stop_at_dev", "nan"])
+    assert finetune.main(argv) == 0
+    [summary] = Path("Cache/finetune").glob("target-*/summary.json")
+    result = json.loads(summary.read_text())
+    assert (result["steps"], result["best_step"], result["stopped_at_dev"], result["still_improving"]) == (15, 15, True, False)
+    summary.unlink()  # as if the process died after the stop's checkpoint: the resumed run knows it had stopped
+    assert finetune.main([*argv, "--resume_from_checkpoint", "auto"]) == 0  # stopped where it was, not on to 60
+    metrics = [json.loads(line) for line in (summary.parent / "metrics.jsonl").read_text().splitlines()]
+    assert max(m["step"] for m in metrics) == 15 and json.loads(summary.read_text())["steps"] == 15
+
+
 def test_reports_of_several_invocations_merge_into_one_table(tmp_path):
     from concept_encoder.finetuning import report as finetune_report
 

@@ -25,6 +25,11 @@ class BestStep:
         self.weights = {name: tensor.detach().cpu().clone() for name, tensor in state_dict().items()}
         return True
 
+    def reached(self, target: float | None) -> bool:
+        """Whether the best dev metric so far has reached `target` (at or above it, or at or below for a metric
+        where lower is better): `--stop_at_dev`'s test, True again after a resume since the selection is restored."""
+        return target is not None and self.dev is not None and self.score >= self.sign * target
+
     def state_dict(self) -> dict:
         return {"score": self.score, "step": self.step, "dev": self.dev, "weights": self.weights}
 

@@ -610,6 +610,12 @@ class FinetuneArguments:
         metadata={"help": "also save each run's last step and report its validation metrics beside the dev-chosen "
                   "step's (a run that peaks then collapses shows it)"},
     )  # fmt: skip
+    stop_at_dev: float | None = field(
+        default=None,
+        metadata={"help": "stop a run once its main dev metric reaches this value (e.g. 1.0 for accuracy: no later "
+                  "step can beat it on dev); that step is the run's chosen step. Saves the rest of a long schedule "
+                  "for runs that solve their task early (associative recall's jump)"},
+    )  # fmt: skip
     chunk_length: int | None = field(
         default=None,
         metadata={"help": "token encoders: read inputs in chunks of this many tokens, each encoded alone, their mean "
@@ -622,6 +628,8 @@ class FinetuneArguments:
             raise ValueError(f"chunk_length={self.chunk_length} must be >= 2 (or unset to read inputs whole)")
         if self.seeds < 1:
             raise ValueError(f"seeds={self.seeds} must be >= 1")
+        if self.stop_at_dev is not None and not math.isfinite(self.stop_at_dev):
+            raise ValueError(f"stop_at_dev={self.stop_at_dev} must be a finite number (or unset to run every step)")
         if self.model_name_or_path is None:
             raise ValueError("--model_name_or_path is required: a saved model folder such as Cache/runs/<run>/final")
         rates = self.rates  # parses, so a malformed grid fails here
