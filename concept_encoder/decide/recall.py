@@ -262,7 +262,8 @@ def plot(report: dict, path: Path) -> None:
     for name in dict.fromkeys(row_name(r) for r in rows):
         points = sorted((r["pairs"], 100 * r["accuracy"]) for r in rows if row_name(r) == name)
         curves.plot(*zip(*points, strict=True), marker="o", label=name)
-    curves.plot(pairs, [100 * report["lines"][str(k)] for k in pairs], "k--", linewidth=1, label="no-binding line")
+    curves.plot(pairs, [100 * report["lines"][str(k)] for k in pairs], "k--", linewidth=1, marker="_", markersize=14,
+                label="no-binding line")  # the marker: one K still shows its line
     curves.axhline(100 * report["chance"], color="grey", linestyle=":", linewidth=1, label="chance")
     curves.set_xscale("log", base=2)
     curves.set_xticks(pairs, [str(k) for k in pairs])
