@@ -85,7 +85,8 @@ def test_a_cells_wall_clock_counts_the_grids_other_rates():
            "grid_seconds": 7.0}  # fmt: skip
     out = recall.cell_row({"rows": [row], "runs": runs}, cell, 0.34)
     assert (out["cell_seconds"], out["runs"], out["rate_edge"]) == (28.0, 3, "highest")
-    older_row = {key: value for key, value in row.items() if key != "grid_seconds"}  # a point kept before the grid's time
+    # a point kept before the grid's time was recorded: the seeds' runs only
+    older_row = {key: value for key, value in row.items() if key != "grid_seconds"}
     older_runs = [{key: value for key, value in run.items() if key != "rate_grid_seconds"} for run in runs]
     older = recall.cell_row({"rows": [older_row], "runs": older_runs}, cell, 0.34)
     assert (older["cell_seconds"], older["runs"]) == (21.0, 2)

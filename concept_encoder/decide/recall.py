@@ -29,8 +29,8 @@ from pathlib import Path
 from ..common.paths import cache_path
 from ..common.report_files import check_report_dir
 from ..data.recall_vocab import KEYS, VALUES
-from ..finetuning.report import grid_edge
 from ..data.tokenizer import load_tokenizer
+from ..finetuning.report import grid_edge
 from ..model.constants import LOCAL_MIXERS
 from ..model.presets import PRESETS
 from ..tasks.recall import RecallSettings, no_binding_line, parse_recall, recall_splits
@@ -132,7 +132,8 @@ def cell_row(point: dict, cell: Cell, line: float) -> dict:
             "accuracy_std": row["accuracy_std"], "accuracy_last": row.get("last_step_accuracy_mean"),
             "learning_rate": row["learning_rate"], "rate_edge": grid_edge(row), "best_steps": row["best_steps"],
             "still_improving": row.get("still_improving"), "no_binding_line": line,
-            "cell_seconds": row["seconds"] + row.get("grid_seconds", 0), "runs": len(runs) + len(runs[0].get("rate_grid_seconds", {}))}  # fmt: skip
+            "cell_seconds": row["seconds"] + row.get("grid_seconds", 0),
+            "runs": len(runs) + len(runs[0].get("rate_grid_seconds", {}))}  # fmt: skip
 
 
 def holds(rows: list[dict], concepts: int, mixer: str, up_to: int) -> tuple[bool, list[int]]:
@@ -262,8 +263,8 @@ def plot(report: dict, path: Path) -> None:
     for name in dict.fromkeys(row_name(r) for r in rows):
         points = sorted((r["pairs"], 100 * r["accuracy"]) for r in rows if row_name(r) == name)
         curves.plot(*zip(*points, strict=True), marker="o", label=name)
-    curves.plot(pairs, [100 * report["lines"][str(k)] for k in pairs], "k--", linewidth=1, marker="_", markersize=14,
-                label="no-binding line")  # the marker: one K still shows its line
+    line = [100 * report["lines"][str(k)] for k in pairs]  # drawn with a marker too: one K still shows its line
+    curves.plot(pairs, line, "k--", linewidth=1, marker="_", markersize=14, label="no-binding line")
     curves.axhline(100 * report["chance"], color="grey", linestyle=":", linewidth=1, label="chance")
     curves.set_xscale("log", base=2)
     curves.set_xticks(pairs, [str(k) for k in pairs])

@@ -18,7 +18,7 @@ STILL_IMPROVING = "still improving: train longer"
 
 
 def grid_edge(row: dict) -> str | None:
-    """"lowest" or "highest" when the rate chosen on dev is an end of a grid of two or more tried rates and beat
+    """`lowest` or `highest` when the rate chosen on dev is an end of a grid of two or more tried rates and beat
     its neighbour outright (the best rate may lie beyond the grid: extend `--learning_rates` that way), else None.
     A tie with the neighbour says the optimum is flat there, not beyond the grid."""
     grid = sorted((float(rate), score) for rate, score in row.get("rate_grid", {}).items() if score is not None)
