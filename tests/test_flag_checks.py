@@ -80,8 +80,9 @@ FINETUNE_MODEL = ["--model_name_or_path", "some/model", "--task", "embedded"]
 
 def test_a_warmup_ratio_given_beside_warmup_steps_is_refused_by_flag_or_config(tmp_path):
     message = r"--warmup_ratio 0.2 is ignored beside --warmup_steps 10 \(the steps win\): give one of them"
-    with pytest.raises(ValueError, match=message):
-        training_args("--warmup_steps", "10", "--warmup_ratio", "0.2")
+    for flags in (["--warmup_ratio", "0.2"], ["--warmup_rat", "0.2"]):  # argparse's abbreviation is the same flag
+        with pytest.raises(ValueError, match=message):
+            training_args("--warmup_steps", "10", *flags)
     with pytest.raises(ValueError, match=message):  # fine-tuning's loop too, and `--flag=value`
         parse_args([*FINETUNE_MODEL, "--warmup_steps", "10", "--warmup_ratio=0.2"], FINETUNE_ARGUMENT_CLASSES,
                    FINETUNE_DEFAULTS)  # fmt: skip

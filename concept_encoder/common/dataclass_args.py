@@ -119,7 +119,7 @@ def parse_dataclasses(argv: list[str] | None, classes, defaults: dict | None = N
     parsed = tuple(
         cls(**{f.name: typed_value(cls, f.name, values[f.name]) for f in fields(cls) if f.init}) for cls in classes
     )
-    given = flag_names(rest) | set(config)
+    given = flag_names(parser, rest) | set(config)
     for instance in parsed:
         instance.__dict__["_given"] = given & {f.name for f in fields(instance)}
     if getattr(classes, "rule", None) is not None:
@@ -127,10 +127,14 @@ def parse_dataclasses(argv: list[str] | None, classes, defaults: dict | None = N
     return parsed
 
 
-def flag_names(argv: list[str]) -> set[str]:
-    """The field names `argv`'s flags set: `--name value`, `--name=value`, and `--no_name` (a boolean's off)."""
-    names = {token[2:].split("=", 1)[0] for token in argv if token.startswith("--")}
-    return names | {name[3:] for name in names if name.startswith("no_")}
+def flag_names(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The field names `argv`'s flags set, as `parser` reads them (`--name value`, `--name=value`, an abbreviation,
+    `--no_name`): parsed over a namespace whose every field holds a sentinel, which argparse leaves where no flag
+    wrote (it fills only the fields a namespace lacks with their defaults)."""
+    unset = object()
+    namespace = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != argparse.SUPPRESS})
+    parsed, _ = parser.parse_known_args(argv, namespace=namespace)
+    return {name for name, value in vars(parsed).items() if value is not unset}
 
 
 def given_fields(instance) -> set[str]:
