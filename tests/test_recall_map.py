@@ -74,6 +74,9 @@ def test_goals_name_where_the_map_falls_short():
     assert "BERT solves (>= 95%): K=8; not solved: K=16 20.00% at lr 0.001" in goals[2]
     assert "- C=64, mixer conv: holds 95% up to K=8 (0.12 pairs per concept), below it from K=16" in goals
     assert "- C=16, mixer conv: below 95% from the smallest K measured (K=8)" in goals
+    held = recall.goal_lines([row(4, 64, "conv", 0.99), row(16, 64, "conv", 1.0)])  # K=32 not run: not met yet
+    assert held[0].endswith("up to K=32: not yet decided (held at K=4, 16; K=32 not measured)")
+    assert recall.goal_lines([row(16, 64, "conv", 1.0), row(32, 64, "conv", 0.96)])[0].endswith("up to K=32: met")
 
 
 def test_a_cells_wall_clock_counts_the_grids_other_rates():
