@@ -126,8 +126,8 @@ def model_folder(folder: Path, cell: Cell, preset: str, positions: int, tokenize
 def cell_row(point: dict, cell: Cell, line: float) -> dict:
     """One report row from a cell's point: test accuracy at the dev-chosen and last step, the rate chosen, and the
     cell's wall-clock (every run it took: the seeds, and the grid's other rates where the point kept their time)."""
-    row, _ = chosen_runs(point)
-    runs = [r for r in point.get("runs", []) if r.get("method") == "fine-tune"]
+    row, runs = chosen_runs(point)
+    grid_runs = len(row["rate_grid"]) - 1 if "grid_seconds" in row else 0  # the grid's other rates, when timed
     return {"key": cell.key, "label": cell.label, "pairs": cell.pairs, "keys": cell.keys,
             "architecture": cell.architecture, "concept_num": cell.concept_num, "mixer": cell.mixer,
             "main": cell.main, "seeds": row["seeds"], "accuracy": row["accuracy_mean"],
@@ -135,7 +135,7 @@ def cell_row(point: dict, cell: Cell, line: float) -> dict:
             "learning_rate": row["learning_rate"], "rate_edge": grid_edge(row), "best_steps": row["best_steps"],
             "still_improving": row.get("still_improving"), "no_binding_line": line,
             "cell_seconds": row["seconds"] + row.get("grid_seconds", 0),
-            "runs": len(runs) + len(runs[0].get("rate_grid_seconds", {}))}  # fmt: skip
+            "runs": len(runs) + grid_runs}  # fmt: skip
 
 
 def holds(rows: list[dict], concepts: int, mixer: str, up_to: int) -> tuple[bool, list[int]]:
