@@ -177,6 +177,8 @@ def flatten_bucket(tensors):  # the bucket flattened for its reduction
 zero.setup_buckets, zero.flatten = setup, flatten_bucket
 engine.backward(engine(torch.randn(2, 64, dtype=torch.bfloat16)).float().pow(2).sum())
 print(json.dumps({"buffers": buffers, "flattened": max(flattened), "params": sum(p.numel() for p in model.parameters())}))
+del engine, zero  # then the group, before the interpreter shuts down (else SIGABRT at exit: runtime.finish_distributed)
+torch.distributed.destroy_process_group()
 """
 
 
