@@ -236,6 +236,7 @@ def fine_tune(
         gates = GateMonitor(args.gates)  # on the dev metrics, at every dev evaluation
         if resume is not None:
             progress = load_checkpoint(accelerator, resume, shared=shared)
+            started -= progress.seconds  # the run's wall-clock counts its earlier invocations too
             gates.load_state_dict({"outcomes": progress.gates})
             logger.info("resumed from %s at step %d", resume, progress.step)
         metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
@@ -279,6 +280,7 @@ def fine_tune(
                 progress.gates = gates.summary()
             [preempted] = any_rank(accelerator, preemption.raised)
             if preempted or gate_stopped or reached or (args.save_steps and step % args.save_steps == 0):
+                progress.seconds = round(time.perf_counter() - started, 1)
                 save_checkpoint(accelerator, run_dir, progress, args.save_total_limit, None, settings, shared)
             if preempted:
                 logger.warning("stopped by signal at step %d; resume with --resume_from_checkpoint auto", step)

@@ -238,6 +238,7 @@ def save_final(
         summary = {
             "steps": progress.step,
             "tokens_seen": progress.tokens_seen,
+            "train_seconds": progress.seconds,  # the training loop's wall-clock, over every invocation of the run
             "mixed_precision": accelerator.mixed_precision,  # what ran (flag, launch config or default)
             "preempted": preempted,
             "export_max_abs_diff": None if check is None else check["max_abs_diff"],
@@ -419,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         progress_state = load_checkpoint(accelerator, resume, per_rank, shared, run_dir)
         gates.load_state_dict({"outcomes": progress_state.gates})
         logger.info("resumed from %s at step %d", resume, progress_state.step)
+    run_clock = time.perf_counter() - progress_state.seconds  # the run's wall-clock counts earlier invocations
 
     metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
     if metrics:
@@ -538,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         out_of_time = out_of_time and progress_state.step < args.max_steps
         periodic = save_steps and progress_state.step % save_steps == 0
         if preempted or gate_stopped or out_of_time or periodic or progress_state.step in kept_checkpoints:
+            progress_state.seconds = round(time.perf_counter() - run_clock, 1)
             save_checkpoint(accelerator, run_dir, progress_state, args.save_total_limit, per_rank, settings, shared,
                             kept_checkpoints)  # fmt: skip
         if gate_stopped:
@@ -553,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             break
     profiler.stop(progress_state.step)
     bar.close()
+    progress_state.seconds = round(time.perf_counter() - run_clock, 1)
 
     # 13. final save + W&B finish (main process)
     probe_ids = torch.as_tensor(first_validation_example["input_ids"], dtype=torch.long)[None]  # [1,N]

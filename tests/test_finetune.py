@@ -21,6 +21,7 @@ from token_encoders import POSITIONS, save_token_encoder, tiny_config
 
 import loops.finetune as finetune
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset
+from concept_encoder.checkpoints.checkpoint import write_manifest
 from concept_encoder.data import DataSourceError, load_tokenizer
 from concept_encoder.tasks import TaskArguments, load_task
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS
@@ -572,12 +573,18 @@ def test_sigterm_checkpoints_and_auto_resume_continues_exactly(workdir, concept_
     [interrupted] = Path("Cache/finetune").glob("split-*-seed43")
     assert not (interrupted / "summary.json").exists()
     assert sorted(p.name for p in (interrupted / "checkpoints").iterdir()) == ["step_0000020", "step_0000025"]
+    cut = interrupted / "checkpoints" / "step_0000025"  # its wall-clock so far, as if it had taken 10,000 s
+    state = json.loads((cut / "train_state.json").read_text())
+    assert state["seconds"] > 0
+    (cut / "train_state.json").write_text(json.dumps({**state, "seconds": 10000.0}))
+    write_manifest(cut)
     monkeypatch.setattr(finetune, "train_step", real_step)
     AcceleratorState._reset_state(reset_partial_state=True)
     assert finetune.main([*argv, "--run_name", "split", "--resume_from_checkpoint", "auto"]) == 0
     resumed = json.loads(sorted(Path("Cache/reports").glob("finetune_*.json"))[-1].read_text())
     for key in ("best_step", "dev", "validation"):
         assert [run[key] for run in resumed["runs"]] == [run[key] for run in whole["runs"]], key
+    assert [10000 < run["seconds"] < 10600 for run in resumed["runs"]] == [False, True]  # the cut run: both parts
 
     def train_losses(folder):
         return [

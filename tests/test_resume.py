@@ -3,6 +3,7 @@ later history aside, the run's own tokenizer kept, the checkpoint `auto` picks (
 and resumes that cannot continue refused before anything is written."""
 
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -42,6 +43,24 @@ def test_resuming_another_runs_checkpoint_continues_in_the_new_run_and_leaves_it
     assert train_losses("b") == train_losses("a")[4:]  # exact continuation
     assert (Path("runs/b/final/model.safetensors")).exists()
     assert [p.name for p in Path("runs/b/checkpoints").iterdir()] == ["step_0000006"]
+
+
+def test_a_resumed_runs_wall_clock_counts_its_earlier_invocations(finished_run, tmp_path):
+    """A checkpoint keeps the run's wall-clock so far (`seconds`) and a resume adds its own time to it: the summary's
+    `train_seconds` is the whole run's, not the last invocation's."""
+    from concept_encoder.checkpoints.checkpoint import write_manifest
+
+    source = finished_run / "checkpoints/step_0000004"
+    state = json.loads((source / "train_state.json").read_text())
+    assert state["seconds"] > 0
+    earlier = tmp_path / "earlier" / "checkpoints" / "step_0000004"  # as if the first 4 steps had taken 10,000 s
+    shutil.copytree(source, earlier)
+    (earlier / "train_state.json").write_text(json.dumps({**state, "seconds": 10000.0}))
+    write_manifest(earlier)
+    run("--run_name", "later", "--max_steps", "6", "--resume_from_checkpoint", str(earlier))
+    summary = json.loads(Path("runs/later/summary.json").read_text())
+    assert 10000 < summary["train_seconds"] < 10000 + 600
+    assert json.loads(Path("runs/a/summary.json").read_text())["train_seconds"] < 600
 
 
 def test_a_rollback_sets_the_later_history_aside_and_the_run_keeps_one_history(workdir, capsys):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ class TrainState:
     tokens_seen: int = 0  # global input tokens
     bad_steps: int = 0  # consecutive non-finite losses
     gates: list = field(default_factory=list)  # decision gates' outcomes so far (`gates.GateMonitor`)
+    seconds: float = 0.0  # the run's wall-clock up to this position, over every invocation (a resume adds its own)
 
 
 def step_of(checkpoint: Path) -> int:
@@ -95,15 +97,16 @@ def json_or_none(path: Path):
 
 
 def train_state_problem(checkpoint: Path) -> str | None:
-    """Why `<checkpoint>/train_state.json` is not a loop position (`TrainState`: whole numbers >= 0 and a list of
-    gate outcomes), else None: checked before anything compares or resumes from its values."""
+    """Why `<checkpoint>/train_state.json` is not a loop position (`TrainState`: whole numbers >= 0, finite seconds
+    >= 0 and a list of gate outcomes), else None: checked before anything compares or resumes from its values."""
     state = json_or_none(checkpoint / TRAIN_STATE)
-    kinds = {name: (list if name == "gates" else int) for name in TrainState.__dataclass_fields__}
+    special = {"gates": (list,), "seconds": (int, float)}
+    kinds = {name: special.get(name, (int,)) for name in TrainState.__dataclass_fields__}
     if not isinstance(state, dict):
         return f"{TRAIN_STATE} is not a JSON object"
     wrong = sorted(key for key, value in state.items() if key not in kinds or not isinstance(value, kinds[key])
-                   or isinstance(value, bool) or kinds[key] is int and value < 0
-                   or kinds[key] is list and not all(isinstance(g, dict) and "passed" in g for g in value))  # fmt: skip
+                   or isinstance(value, bool) or kinds[key] != (list,) and not 0 <= value < math.inf
+                   or kinds[key] == (list,) and not all(isinstance(g, dict) and "passed" in g for g in value))  # fmt: skip
     if wrong:
         return f"{TRAIN_STATE} holds values a loop does not write ({', '.join(wrong)})"
     return None
