@@ -40,6 +40,15 @@ def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, ca
     capsys.readouterr()
     assert recall.main(TINY) == 0  # every cell measured: reused, nothing launched
     assert len(in_process) == launched and capsys.readouterr().out.count("finished earlier, reused") == 6
+    runs = set(Path("Cache/finetune").iterdir())
+    seeds = TINY.index("--seeds") + 1
+    assert recall.main([*TINY[:seeds], "3", *TINY[seeds + 1 :]]) == 0  # more seeds: the main cells' new seed only
+    out = capsys.readouterr().out
+    assert out.count("finished earlier, reused") == 3 and out.count("(cell.seeds: then 2, now 3; ") == 3
+    assert len(in_process) == launched + 3
+    assert sorted(p.name[-6:] for p in set(Path("Cache/finetune").iterdir()) - runs) == ["seed44"] * 3
+    [report] = sorted(Path("Cache/reports").glob("recall_*.json"), key=lambda p: p.stat().st_mtime_ns)[-1:]
+    assert [len(r["seeds"]) for r in json.loads(report.read_text())["rows"]] == [3, 3, 3, 1, 1, 1]
 
 
 def test_bad_plans_are_refused_before_any_run(in_process, capsys):

@@ -464,17 +464,24 @@ class PointFolder:
             raise RuntimeError(f"fine-tuning {model} for point {key} failed (exit code {code}); fix it and rerun: "
                                "finished points are reused")  # fmt: skip
         report = json.loads(found[-1].read_text())
-        point = {"key": key, "model": model, **info, "rows": report["rows"], "baselines": report["baselines"],
-                 "runs": report["runs"]}  # fmt: skip
+        point = {"key": key, "model": model, **info, "extra": extra, "rows": report["rows"],
+                 "baselines": report["baselines"], "runs": report["runs"]}  # fmt: skip
         self.point_file(key).write_text(json_io.dumps(point, indent=2))
         return point
 
     def reused_or_measured(self, key: str, model: str, extra: list[str], info: dict, what: str) -> dict:
-        """The point `key`: read when measured before, else measured (`measure`); one line says which."""
+        """The point `key`: read when measured before under the same point settings (its fine-tuning arguments
+        `extra` and `info`: e.g. a cell's seeds), else measured (`measure`: the fine-tuning runs that match are
+        reused, so more seeds run only the new ones); one line says which."""
         if self.done(key):
-            print(f"{key}: finished earlier, reused", flush=True)
-            return json.loads(self.point_file(key).read_text())
-        print(f"{key}: {what}", flush=True)
+            point = json.loads(self.point_file(key).read_text())
+            if not (changed := point_changes(point, extra, info)):
+                print(f"{key}: finished earlier, reused", flush=True)
+                return point
+            print(f"{key}: measured earlier under other settings ({'; '.join(changed)}): measuring it again (its "
+                  "fine-tuning runs that match are reused)", flush=True)  # fmt: skip
+        else:
+            print(f"{key}: {what}", flush=True)
         return self.measure(key, model, extra, info)
 
     def points(self) -> list[dict]:
@@ -482,6 +489,25 @@ class PointFolder:
         return [
             json.loads(p.read_text()) for p in sorted((self.folder / "points").glob("*.json")) if not point_problem(p)
         ]
+
+
+def point_changes(point: dict, extra: list[str], info: dict) -> list[str]:
+    """What differs between a point's saved settings and this request's: its fine-tuning arguments (points written
+    before they were saved: not compared) and each `info` entry, a dict's entries one by one (`cell.seeds: ...`)."""
+
+    def flat(values: dict) -> dict:
+        return {f"{name}.{sub}" if isinstance(value, dict) else name: inner
+                for name, value in values.items()
+                for sub, inner in (value.items() if isinstance(value, dict) else [(None, value)])}  # fmt: skip
+
+    current = json.loads(json_io.dumps(info))  # as saved: tuples as lists
+    saved = {name: point.get(name) for name in current}
+    changed = differences(flat(saved), flat(current), "then", "now")
+    if "extra" in point and point["extra"] != extra:
+        changed += differences(
+            {"fine-tuning arguments": point["extra"]}, {"fine-tuning arguments": extra}, "then", "now"
+        )
+    return changed
 
 
 def point_problem(path: Path) -> str | None:
