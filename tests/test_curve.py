@@ -284,6 +284,22 @@ def test_a_reference_folder_that_now_holds_other_weights_is_not_reused(tmp_path,
         experiments.check_reuse(folder, curve.curve_request(args, PRETRAIN, []), plans)
 
 
+def test_a_request_file_that_is_not_a_request_is_refused_and_retired_keys_are_not_compared(tmp_path):
+    folder = tmp_path / "point"
+    request = {"task": "recall:4", "preset": "micro"}
+    experiments.check_reuse(folder, request, [])  # records the request
+    (folder / "request.json").write_text(json.dumps({**request, "cells": ["C16-none"]}))  # an older driver's record
+    with pytest.raises(ValueError, match="was measured under other settings \\(cells: the curve's \\['C16-none'\\]"):
+        experiments.check_reuse(folder, request, [])
+    experiments.check_reuse(folder, request, [], retired=("cells",))  # no longer decides: dropped from the record
+    assert json.loads((folder / "request.json").read_text()) == request
+    for damaged in ("[1, 2]", "{not json"):
+        (folder / "request.json").write_text(damaged)
+        with pytest.raises(ValueError, match="request.json does not hold a request \\(a JSON object\\): the folder"):
+            experiments.check_reuse(folder, request, [])
+        assert (folder / "request.json").read_text() == damaged  # nothing rewritten
+
+
 @pytest.mark.loop
 def test_a_run_of_the_curves_name_made_otherwise_is_not_taken_for_the_curves(launches, capsys):
     assert mlm.main([*PRETRAIN, "--run_name", "other-concept", "--max_steps", "2", "--snapshot_steps", "2",

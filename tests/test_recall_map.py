@@ -49,6 +49,13 @@ def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, ca
     assert sorted(p.name[-6:] for p in set(Path("Cache/finetune").iterdir()) - runs) == ["seed44"] * 3
     [report] = sorted(Path("Cache/reports").glob("recall_*.json"), key=lambda p: p.stat().st_mtime_ns)[-1:]
     assert [len(r["seeds"]) for r in json.loads(report.read_text())["rows"]] == [3, 3, 3, 1, 1, 1]
+    request = Path("Cache/recall/recall-K2/request.json")  # as the driver recorded it before points checked seeds
+    request.write_text(json.dumps({**json.loads(request.read_text()), "cells": ["C4-none", "C4-conv", "bert"]}))
+    wider = [*TINY[:seeds], "3", *TINY[seeds + 1 :]]
+    wider[wider.index("--concepts") + 1] = "4,5"  # the map grows by a width under its name: only its cells run
+    assert recall.main(wider) == 0
+    assert capsys.readouterr().out.count("finished earlier, reused") == 6 and len(in_process) == launched + 3 + 4
+    assert "cells" not in json.loads(request.read_text())
 
 
 def test_bad_plans_are_refused_before_any_run(in_process, capsys):

@@ -297,11 +297,14 @@ FOLDER_ENTRIES = {REQUEST, ".lock", "points", "reports", "finetune", "tasks", "m
                  "curve.json"}  # fmt: skip
 
 
-def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan, Path]]) -> None:
+def check_reuse(
+    folder: Path, request: dict, plans: list[tuple[ArchitecturePlan, Path]], retired: tuple[str, ...] = ()
+) -> None:
     """ValueError when the point folder `folder` (a curve's, or another driver's) was measured under another
     request (its points and runs would be reused as this one's), or when a budget needs more steps than a finished
     pretraining run took and the run cannot be extended as if planned that long (`extension_problem`); records the
-    request for the next invocation."""
+    request for the next invocation. `retired`: keys an older request recorded that no longer decide reuse (not
+    compared, and dropped from the record)."""
     path = folder / REQUEST
     if problem := folder_problem(folder, "--curves_dir/--name"):  # a file in the way, read-only: before any run
         raise ValueError(problem)
@@ -311,7 +314,14 @@ def check_reuse(folder: Path, request: dict, plans: list[tuple[ArchitecturePlan,
         raise ValueError(f"{folder} holds files a curve does not write ({', '.join(foreign[:5])}): it is not a curve "
                          "folder; choose another --name or --curves_dir")  # fmt: skip
     if path.is_file():
-        saved = json.loads(path.read_text())
+        try:
+            saved = json.loads(path.read_text())
+        except ValueError:
+            saved = None
+        if not isinstance(saved, dict):
+            raise ValueError(f"{path} does not hold a request (a JSON object): the folder is damaged or not a "
+                             "driver's; choose another --name")  # fmt: skip
+        saved = {key: value for key, value in saved.items() if key not in retired}
         if changed := differences(saved, request, "the curve's", "this invocation's"):
             raise ValueError(
                 f"curve {folder.name} ({folder}) was measured under other settings ({'; '.join(changed)}): its "

@@ -344,9 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         tasks = {pairs: task_name(pairs, args) for pairs in args.pair_list}
         for pairs, task in tasks.items():
             check_finetune_argv(finetune_argv, task)  # generates the task's splits into the cache
-            request = {"task": task, "cells": [c.key for c in plan if c.pairs == pairs], "preset": args.preset,
-                       "finetune_args": finetune_argv, "num_processes": args.num_processes}  # fmt: skip
-            check_reuse(root / f"{args.name}-K{pairs}", request, [])
+            # what every cell of the K shares; which cells and how many seeds each point checks itself, so a map
+            # grows by widths, mixers or seeds under its name (`PointFolder.reused_or_measured`)
+            request = {"task": task, "preset": args.preset, "finetune_args": finetune_argv,
+                       "num_processes": args.num_processes}  # fmt: skip
+            check_reuse(root / f"{args.name}-K{pairs}", request, [], retired=("cells",))
         check_report_dir(args.report_dir)
     points = {}
     for pairs, task in tasks.items():
