@@ -124,11 +124,12 @@ def model_tag(path: str, from_scratch: bool) -> str:
 
 
 def make_loaders(splits, tokenizer, model, args, seed: int, shuffle_train: bool = True,
-                 bucket_by_length: bool = False) -> dict[str, DataLoader]:  # fmt: skip
-    """split → DataLoader, padded per batch, with only the keys `model.forward` accepts (the row `id` stays out);
-    `bucket_by_length`: the training batches hold examples of similar length (`LengthBucketedBatches`)."""
+                 bucket_by_length: bool = False, pad_to_multiple_of: int | None = None) -> dict[str, DataLoader]:  # fmt: skip
+    """split → DataLoader, padded per batch (its length rounded up to `pad_to_multiple_of`), with only the keys
+    `model.forward` accepts (the row `id` stays out); `bucket_by_length`: the training batches hold examples of
+    similar length (`LengthBucketedBatches`)."""
     accepted = set(inspect.signature(model.forward).parameters)
-    pad = DataCollatorWithPadding(tokenizer)
+    pad = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
 
     def collate(examples):
         return {k: v for k, v in unpadded_or_marked(pad(examples)).items() if k in accepted}
@@ -166,7 +167,8 @@ def fine_tune(
     # what decides this run's result: a finished run or a checkpoint is reused only under the same settings
     settings = {"model": model_path, "model_sha256": model_digest(model_path, weights=not fargs.from_scratch),
                 "from_scratch": fargs.from_scratch, "extend_positions": fargs.extend_positions,
-                "chunk_length": fargs.chunk_length, "bucket_by_length": fargs.bucket_by_length, "task": task.name,
+                "chunk_length": fargs.chunk_length, "bucket_by_length": fargs.bucket_by_length,
+                "pad_to_multiple_of": fargs.pad_to_multiple_of, "task": task.name,
                 "task_sha256": task_digest(task), "seed": seed, "learning_rate": rate, "pooling": fargs.pooling,
                 "max_steps": args.max_steps, "world_size": state.num_processes,
                 "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -194,7 +196,7 @@ def fine_tune(
     logger.info("model %s (seed %d, lr %g): %s", model_path, seed, rate, note)
     counts = log_model_info(model, {"task": task.name, "seed": seed, "learning_rate": rate})
     loaders = make_loaders({k: splits[k] for k in ("train", "dev")}, tokenizer, model, args, seed,
-                           bucket_by_length=fargs.bucket_by_length)  # not validation  # fmt: skip
+                           fargs.bucket_by_length, fargs.pad_to_multiple_of)  # not validation  # fmt: skip
     # 8. attention-kernel probe (main process, attention calls of the model's shape)
     probe_attention_kernels(model.config, next(iter(loaders["dev"])), state, compute_dtype(args.mixed_precision),
                             decoder=False)  # fmt: skip
@@ -374,7 +376,8 @@ def predict_saved(accelerator, folder: Path, task, splits, tokenizer, fargs, arg
     """The saved classifier in `folder` on the validation split: (metrics, predictions, labels), in its order."""
     model = AutoModelForSequenceClassification.from_pretrained(folder)
     apply_reading(model, fargs.chunk_length, fargs.pooling)  # a reading mode, not weights: applied again
-    loader = make_loaders({"validation": splits["validation"]}, tokenizer, model, args, seed)["validation"]
+    loader = make_loaders({"validation": splits["validation"]}, tokenizer, model, args, seed,
+                          pad_to_multiple_of=fargs.pad_to_multiple_of)["validation"]  # fmt: skip
     model, loader = model.to(accelerator.device), accelerator.prepare_data_loader(loader)
     logits, labels = predict(accelerator, model, loader)
     predictions = predictions_from_logits(task.task_type, logits)
@@ -432,7 +435,9 @@ def probe_model(state, model_path: str, task, splits, tokenizer, fargs, task_arg
             set_seed(seed)
             model, _ = classifier(model_path, task, fargs, task_args)
             model.to(state.device)
-            loaders = make_loaders(splits, tokenizer, model, args, seed, shuffle_train=False)
+            loaders = make_loaders(
+                splits, tokenizer, model, args, seed, False, pad_to_multiple_of=fargs.pad_to_multiple_of
+            )
             for features, fit in linear_probe(model, loaders, splits, task, state.device).items():
                 results.append({"model": model_tag(model_path, fargs.from_scratch), "method": f"probe: {features}",
                                 "task": task.name, "seed": seed, "pooling": features, "dev": fit["dev"],

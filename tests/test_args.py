@@ -59,6 +59,18 @@ def test_position_table_grows_to_the_sequence_length_and_overrides_apply():
     assert kept["max_position_embeddings"] == PRESETS["small"]["max_position_embeddings"]
 
 
+def test_a_fresh_models_position_table_covers_its_longest_padded_batch():
+    from concept_encoder.data.tokenizer import load_tokenizer
+    from concept_encoder.training.model import build_model
+
+    model_args, data_args, _ = parse_args(
+        ["--preset", "micro", "--max_seq_length", "520", "--pad_to_multiple_of", "64"]
+    )
+    assert PRESETS["micro"]["max_position_embeddings"] < 520
+    model = build_model(model_args, data_args, load_tokenizer("listops"))
+    assert model.config.max_position_embeddings == 576  # 520 rounded up to 64: a batch of the longest inputs
+
+
 def test_deepspeed_batch_values_and_launch_command():
     model, data, train = parse_args(["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "3"])
     assert deepspeed_batch_values(train, world_size=2) == {

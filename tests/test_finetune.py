@@ -395,6 +395,39 @@ def test_a_token_encoder_is_refused_past_the_positions_its_table_reads(kind, tmp
                 model(input_ids=torch.full((1, POSITIONS + 1), 5))
 
 
+def test_pad_to_multiple_of_rounds_every_batch_and_is_refused_past_the_positions(concept_model, tmp_path):
+    from datasets import Dataset
+
+    from concept_encoder.training.preflight import preflight
+
+    tokenizer = finetune.AutoTokenizer.from_pretrained(concept_model)
+    split = Dataset.from_dict({"input_ids": [[2, *[5] * n, 3] for n in (3, 9, 14, 6, 1)], "labels": [0, 1, 0, 1, 1]})
+
+    class Reader(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, labels=None):  # [B,N], [B,N], [B]
+            return input_ids
+
+    args = SimpleNamespace(dataloader_num_workers=0, per_device_train_batch_size=2, per_device_eval_batch_size=2)
+
+    def lengths(multiple):
+        loaders = finetune.make_loaders({"train": split, "dev": split}, tokenizer, Reader(), args, 0,
+                                        pad_to_multiple_of=multiple)  # fmt: skip
+        return {batch["input_ids"].shape[1] for loader in loaders.values() for batch in loader}
+
+    assert any(n % 8 for n in lengths(None)) and lengths(8) == {8, 16}  # 5 to 16 tokens, each batch rounded up
+    config = tiny_config("bert", vocab_size=100)
+    config.save_pretrained(tmp_path)
+    argv = ["--model_name_or_path", str(tmp_path), "--from_scratch", "--max_seq_length", str(POSITIONS)]
+    parsed = finetune.parse_args([*argv, "--pad_to_multiple_of", "32"], classes=FINETUNE_ARGUMENT_CLASSES,
+                                 defaults=FINETUNE_DEFAULTS)  # fmt: skip
+    preflight(*parsed, cuda=False)  # 128 is a multiple of 32: every batch within the table
+    parsed = finetune.parse_args([*argv, "--pad_to_multiple_of", "48"], classes=FINETUNE_ARGUMENT_CLASSES,
+                                 defaults=FINETUNE_DEFAULTS)  # fmt: skip
+    with pytest.raises(ValueError, match=f"--pad_to_multiple_of 48 pads a batch of max_seq_length={POSITIONS} tokens "
+                                         f"to 144, past the model's {POSITIONS} positions; give --max_seq_length 96"):  # fmt: skip
+        preflight(*parsed, cuda=False)
+
+
 def test_labels_keep_their_identity_and_bad_labels_are_named(tmp_path, caplog):
     folder = tmp_path / "labels"
     folder.mkdir()

@@ -15,7 +15,7 @@ from ..model.heads import ConceptEncoderForMaskedLM
 from ..model.positions import extend_position_tables
 from ..model.summary import parameter_counts
 from .plan import fresh_model_fields
-from .preflight import beyond_positions
+from .preflight import beyond_positions, padded_length
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,8 @@ def build_model(model_args, data_args, tokenizer, objective: str = "mlm", seed: 
     and the objective; activation checkpointing on request."""
     bert = model_args.architecture == "bert"
     model_class = BertForSparseMaskedLM if bert else ConceptEncoderForMaskedLM
+    # a fresh model's position table covers the longest batch, padded (--pad_to_multiple_of)
+    longest = padded_length(data_args.max_seq_length, getattr(data_args, "pad_to_multiple_of", None))
     if model_args.model_name_or_path:
         model = from_pretrained(model_class, model_args.model_name_or_path, zero3_config)
         if model_args.extend_positions == "copy" and data_args.max_seq_length > model.config.max_position_embeddings:
@@ -49,13 +51,13 @@ def build_model(model_args, data_args, tokenizer, objective: str = "mlm", seed: 
             logger.info("position tables grown from %d to %d rows (copies of the trained rows)", trained,
                         data_args.max_seq_length)  # fmt: skip
     elif bert:
-        fields = fresh_model_fields(model_args, data_args.max_seq_length, len(tokenizer))
+        fields = fresh_model_fields(model_args, longest, len(tokenizer))
         config = bert_config(fields, len(tokenizer), pad_token_id=tokenizer.pad_token_id)
         model = construct(BertForSparseMaskedLM, config, seed, zero3_config)
     else:
         fields = fresh_model_fields(
             model_args,
-            data_args.max_seq_length,
+            longest,
             vocab_size=len(tokenizer),
             pad_token_id=tokenizer.pad_token_id,
             mask_token_id=tokenizer.mask_token_id,

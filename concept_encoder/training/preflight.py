@@ -91,9 +91,13 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
         config = json.loads((Path(model_args.model_name_or_path) / "config.json").read_text())
         positions = readable_positions(config)  # roberta-base's 514 rows read 512 tokens
         whole = not getattr(model_args, "chunk_length", None)  # chunks: checked against the table by chunk_problem
-        if whole and positions is not None and data_args.max_seq_length > positions:
-            if getattr(model_args, "extend_positions", "no") == "no":
-                raise ValueError(beyond_positions(data_args.max_seq_length, positions, config))
+        extend = getattr(model_args, "extend_positions", "no") != "no"
+        if whole and positions is not None and data_args.max_seq_length > positions and not extend:
+            raise ValueError(beyond_positions(data_args.max_seq_length, positions, config))
+        multiple = getattr(data_args, "pad_to_multiple_of", None) or getattr(model_args, "pad_to_multiple_of", None)
+        readable = max(positions, data_args.max_seq_length) if extend and positions is not None else positions
+        if whole and readable is not None and padded_length(data_args.max_seq_length, multiple) > readable:
+            raise ValueError(padded_beyond_positions(data_args.max_seq_length, multiple, readable))
         weights = not getattr(model_args, "from_scratch", False)  # a random twin needs the config only
         if weights and (problem := model_folder_problem(model_args.model_name_or_path)):
             raise ValueError(f"--model_name_or_path: {problem}")
@@ -182,6 +186,21 @@ def check_maskable(data, examples: int = 100) -> None:
         sample = [data.validation[i]["input_ids"] for i in range(min(examples, len(data.validation)))]
     if problem := maskable_problem(data.tokenizer, sample):
         raise ValueError(problem)
+
+
+def padded_length(max_seq_length: int, multiple: int | None) -> int:
+    """The longest batch a loop makes: `max_seq_length` rounded up to `--pad_to_multiple_of` (when given)."""
+    return -(-max_seq_length // multiple) * multiple if multiple else max_seq_length
+
+
+def padded_beyond_positions(max_seq_length: int, multiple: int, positions: int) -> str:
+    """The refusal of a padding multiple that would pad the longest batch past the model's position table."""
+    return (
+        f"--pad_to_multiple_of {multiple} pads a batch of max_seq_length={max_seq_length} tokens to "
+        f"{padded_length(max_seq_length, multiple)}, past the model's {positions} positions; give --max_seq_length "
+        f"{positions // multiple * multiple} (a multiple of {multiple} within them), or a multiple that rounds "
+        f"{max_seq_length} up to at most {positions}"
+    )
 
 
 def beyond_positions(max_seq_length: int, positions: int, config: dict | None = None) -> str:
