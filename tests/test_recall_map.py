@@ -44,7 +44,9 @@ def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, ca
     seeds = TINY.index("--seeds") + 1
     assert recall.main([*TINY[:seeds], "3", *TINY[seeds + 1 :]]) == 0  # more seeds: the main cells' new seed only
     out = capsys.readouterr().out
-    assert out.count("finished earlier, reused") == 3 and out.count("(cell.seeds: then 2, now 3; ") == 3
+    assert (
+        out.count("finished earlier, reused") == 3 and out.count("(fine-tuning arguments: then ['--seeds', '2',") == 3
+    )
     assert len(in_process) == launched + 3
     assert sorted(p.name[-6:] for p in set(Path("Cache/finetune").iterdir()) - runs) == ["seed44"] * 3
     [report] = sorted(Path("Cache/reports").glob("recall_*.json"), key=lambda p: p.stat().st_mtime_ns)[-1:]

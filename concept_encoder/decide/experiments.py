@@ -480,12 +480,12 @@ class PointFolder:
         return point
 
     def reused_or_measured(self, key: str, model: str, extra: list[str], info: dict, what: str) -> dict:
-        """The point `key`: read when measured before under the same point settings (its fine-tuning arguments
-        `extra` and `info`: e.g. a cell's seeds), else measured (`measure`: the fine-tuning runs that match are
-        reused, so more seeds run only the new ones); one line says which."""
+        """The point `key`: read when measured before with the same fine-tuning arguments `extra` (e.g. a cell's
+        `--seeds`), else measured (`measure`: the fine-tuning runs that match are reused, so more seeds run only the
+        new ones); one line says which."""
         if self.done(key):
             point = json.loads(self.point_file(key).read_text())
-            if not (changed := point_changes(point, extra, info)):
+            if not (changed := point_changes(point, extra)):
                 print(f"{key}: finished earlier, reused", flush=True)
                 return point
             print(f"{key}: measured earlier under other settings ({'; '.join(changed)}): measuring it again (its "
@@ -501,23 +501,13 @@ class PointFolder:
         ]
 
 
-def point_changes(point: dict, extra: list[str], info: dict) -> list[str]:
-    """What differs between a point's saved settings and this request's: its fine-tuning arguments (points written
-    before they were saved: not compared) and each `info` entry, a dict's entries one by one (`cell.seeds: ...`)."""
-
-    def flat(values: dict) -> dict:
-        return {f"{name}.{sub}" if isinstance(value, dict) else name: inner
-                for name, value in values.items()
-                for sub, inner in (value.items() if isinstance(value, dict) else [(None, value)])}  # fmt: skip
-
-    current = json.loads(json_io.dumps(info))  # as saved: tuples as lists
-    saved = {name: point.get(name) for name in current}
-    changed = differences(flat(saved), flat(current), "then", "now")
-    if "extra" in point and point["extra"] != extra:
-        changed += differences(
-            {"fine-tuning arguments": point["extra"]}, {"fine-tuning arguments": extra}, "then", "now"
-        )
-    return changed
+def point_changes(point: dict, extra: list[str]) -> list[str]:
+    """What differs between the fine-tuning arguments a point was measured with and this request's (`extra`: a
+    cell's `--seeds`, a twin's `--from_scratch`); a point written before they were saved is not compared. Its
+    `info` is description, not settings: points shared by several arms (a recipe's twin) carry the first one's."""
+    if "extra" not in point or point["extra"] == extra:
+        return []
+    return differences({"fine-tuning arguments": point["extra"]}, {"fine-tuning arguments": extra}, "then", "now")
 
 
 def point_problem(path: Path) -> str | None:
