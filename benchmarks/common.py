@@ -149,6 +149,14 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def print_and_save(title: str, rows: list[dict], args) -> None:
+    """A benchmark's result: its title line and rows as a markdown table on the terminal, and with `--json PATH`
+    the machine, the arguments and the rows."""
+    print(f"{title}\n")
+    print(markdown_table(rows, list(rows[0])))
+    write_json(args.json, {"machine": machine(), "args": vars(args), "rows": rows})
+
+
 def write_json(path: str | None, payload: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -31,9 +31,8 @@ from benchmarks.common import (  # noqa: E402
     in_subprocess,
     interleaved_medians,
     machine,
-    markdown_table,
     peak_memory_of,
-    write_json,
+    print_and_save,
 )
 from concept_encoder import ConceptEncoderForMaskedLM, config_from_preset  # noqa: E402
 from concept_encoder.model.constants import IGNORE_INDEX  # noqa: E402
@@ -123,10 +122,8 @@ def main(argv=None) -> int:
                 "speedup": times["dense"] / times["sparse"],
             }
         )
-    print(f"Sparse vs dense MLM decoding · {machine()} · preset {args.preset} · batch {args.batch_size} × "
-          f"seq {args.seq_len} · {MASK_RATE:.0%} masked · forward + backward\n")  # fmt: skip
-    print(markdown_table(rows, list(rows[0])))
-    write_json(args.json, {"machine": machine(), "args": vars(args), "rows": rows})
+    print_and_save(f"Sparse vs dense MLM decoding · {machine()} · preset {args.preset} · batch {args.batch_size} × "
+                   f"seq {args.seq_len} · {MASK_RATE:.0%} masked · forward + backward", rows, args)  # fmt: skip
     return 0
 
 

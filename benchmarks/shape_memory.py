@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import in_subprocess, machine, markdown_table, write_json  # noqa: E402
+from benchmarks.common import in_subprocess, machine, print_and_save  # noqa: E402
 from concept_encoder import ConceptEncoderForSequenceClassification, config_from_preset  # noqa: E402
 
 MIXERS = ("none", "conv")
@@ -91,10 +91,8 @@ def main(argv=None) -> int:
     multiples = [int(m) for m in args.multiples.split(",")]
     rows = [in_subprocess(Path(__file__), "--measure", mixer, str(m), *common)
             for m in multiples for mixer in MIXERS]  # fmt: skip
-    print(f"RSS grown by distinct batch shapes · {machine()} · {args.preset}, batch {args.batch_size}, "
-          f"{args.shapes} lengths in [{args.low}, {args.high}] · loops' CPU set-up\n")  # fmt: skip
-    print(markdown_table(rows, list(rows[0])))
-    write_json(args.json, {"machine": machine(), "args": vars(args), "rows": rows})
+    print_and_save(f"RSS grown by distinct batch shapes · {machine()} · {args.preset}, batch {args.batch_size}, "
+                   f"{args.shapes} lengths in [{args.low}, {args.high}] · loops' CPU set-up", rows, args)  # fmt: skip
     return 0
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks import decode_memory, scaling
+from benchmarks import decode_memory, scaling, shape_memory
 from concept_encoder.model.presets import PRESETS
 
 
@@ -59,6 +59,19 @@ def test_decode_memory_smoke(tmp_path):
     [row] = json.loads(out.read_text())["rows"]
     assert row["vocab"] == 2000 and row["masked_positions"] > 0
     assert row["sparse_peak_gb"] >= 0 and row["dense_peak_gb"] > 0
+
+
+def test_shape_memory_smoke(tmp_path, capsys):
+    out = tmp_path / "shapes.json"
+    argv = ["--batch_size", "2", "--shapes", "5", "--low", "9", "--high", "30", "--multiples", "0,16"]
+    assert shape_memory.main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mixer"], r["pad_to_multiple_of"]) for r in rows] == [("none", None), ("conv", None), ("none", 16),
+                                                                       ("conv", 16)]  # fmt: skip
+    rounded = len(set(shape_memory.lengths_of(5, 9, 30, 16)))  # 9 to 30 tokens: 16 or 32
+    assert [r["shapes"] for r in rows] == [5, 5, rounded, rounded] and rounded <= 2
+    assert all(r["max_gb"] >= r["after_all_gb"] for r in rows)
+    assert "| mixer | pad_to_multiple_of |" in capsys.readouterr().out
 
 
 def test_bounds_table_lists_every_preset_with_its_flop_ratio(capsys):
