@@ -424,8 +424,9 @@ def test_pad_to_multiple_of_rounds_every_batch_and_is_refused_past_the_positions
     parsed = finetune.parse_args([*argv, "--pad_to_multiple_of", "48"], classes=FINETUNE_ARGUMENT_CLASSES,
                                  defaults=FINETUNE_DEFAULTS)  # fmt: skip
     with pytest.raises(ValueError, match=f"--pad_to_multiple_of 48 pads a batch of max_seq_length={POSITIONS} tokens "
-                                         f"to 144, past the model's {POSITIONS} positions; give --max_seq_length 96"):  # fmt: skip
+                                         f"to 144, past the model's {POSITIONS} positions; give --max_seq_length 96") as refused:  # fmt: skip
         preflight(*parsed, cuda=False)
+    assert str(refused.value).endswith(f"(divisors of {POSITIONS} near 48: 32, 64)")
 
 
 def test_labels_keep_their_identity_and_bad_labels_are_named(tmp_path, caplog):

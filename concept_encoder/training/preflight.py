@@ -195,11 +195,17 @@ def padded_length(max_seq_length: int, multiple: int | None) -> int:
 
 def padded_beyond_positions(max_seq_length: int, multiple: int, positions: int) -> str:
     """The refusal of a padding multiple that would pad the longest batch past the model's position table."""
+    near = [d for d in range(max(2, multiple // 2), 2 * multiple + 1) if positions % d == 0][:3]  # divisors
     return (
         f"--pad_to_multiple_of {multiple} pads a batch of max_seq_length={max_seq_length} tokens to "
         f"{padded_length(max_seq_length, multiple)}, past the model's {positions} positions; give --max_seq_length "
         f"{positions // multiple * multiple} (a multiple of {multiple} within them), or a multiple that rounds "
         f"{max_seq_length} up to at most {positions}"
+        + (
+            f" (divisors of {positions} near {multiple}: {', '.join(map(str, near))})"
+            if near and max_seq_length == positions
+            else ""
+        )
     )
 
 
