@@ -39,7 +39,7 @@ from concept_encoder.common.entry import interrupt_in_one_line, run_tool
 if __name__ == "__main__":  # Ctrl-C while the rest imports (transformers, torch: seconds): one line
     interrupt_in_one_line("loops/finetune.py")
 
-from concept_encoder.training.preflight import fail_fast, one_line_errors, preflight
+from concept_encoder.training.preflight import fail_fast, one_line_errors, padded_length, preflight
 
 if __name__ == "__main__":  # a bad argument fails in about a second, before torch and the models load
     from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS
@@ -386,8 +386,11 @@ def predict_saved(accelerator, folder: Path, task, splits, tokenizer, fargs, arg
 
 def classifier(model_path: str, task, fargs, task_args):
     """`build_classifier` for `model_path` as the arguments ask: position tables grown to the task's
-    --max_seq_length under `--extend_positions copy`, inputs read in chunks under `--chunk_length`."""
+    --max_seq_length under `--extend_positions copy` (a fresh one under `--from_scratch` to the longest batch
+    `--pad_to_multiple_of` pads), inputs read in chunks under `--chunk_length`."""
     extend_to = task_args.max_seq_length if fargs.extend_positions == "copy" else None
+    if fargs.from_scratch and fargs.pad_to_multiple_of:  # a fresh table covers the longest padded batch
+        extend_to = max(extend_to or 0, padded_length(task_args.max_seq_length, fargs.pad_to_multiple_of))
     model, note = build_classifier(model_path, task, fargs.from_scratch, fargs.pooling, extend_to)
     if reading := apply_reading(model, fargs.chunk_length, fargs.pooling):
         note += f"; {reading}"

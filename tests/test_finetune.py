@@ -417,16 +417,21 @@ def test_pad_to_multiple_of_rounds_every_batch_and_is_refused_past_the_positions
     assert any(n % 8 for n in lengths(None)) and lengths(8) == {8, 16}  # 5 to 16 tokens, each batch rounded up
     config = tiny_config("bert", vocab_size=100)
     config.save_pretrained(tmp_path)
-    argv = ["--model_name_or_path", str(tmp_path), "--from_scratch", "--max_seq_length", str(POSITIONS)]
-    parsed = finetune.parse_args([*argv, "--pad_to_multiple_of", "32"], classes=FINETUNE_ARGUMENT_CLASSES,
-                                 defaults=FINETUNE_DEFAULTS)  # fmt: skip
-    preflight(*parsed, cuda=False)  # 128 is a multiple of 32: every batch within the table
-    parsed = finetune.parse_args([*argv, "--pad_to_multiple_of", "48"], classes=FINETUNE_ARGUMENT_CLASSES,
-                                 defaults=FINETUNE_DEFAULTS)  # fmt: skip
+    argv = ["--model_name_or_path", str(tmp_path), "--max_seq_length", str(POSITIONS)]
+
+    def parsed(*extra):
+        return finetune.parse_args([*argv, *extra], classes=FINETUNE_ARGUMENT_CLASSES, defaults=FINETUNE_DEFAULTS)
+
+    preflight(*parsed("--from_scratch", "--pad_to_multiple_of", "32"), cuda=False)  # 128 = 4 x 32: within the table
     with pytest.raises(ValueError, match=f"--pad_to_multiple_of 48 pads a batch of max_seq_length={POSITIONS} tokens "
                                          f"to 144, past the model's {POSITIONS} positions; give --max_seq_length 96") as refused:  # fmt: skip
-        preflight(*parsed, cuda=False)
+        preflight(*parsed("--pad_to_multiple_of", "48"), cuda=False)  # trained weights: the table cannot grow
     assert str(refused.value).endswith(f"(divisors of {POSITIONS} near 48: 32, 64)")
+    fargs, task_args, args = parsed("--from_scratch", "--pad_to_multiple_of", "48")
+    preflight(fargs, task_args, args, cuda=False)  # fresh weights: the twin's table is built to 144
+    task = SimpleNamespace(num_labels=2, task_type="single_label_classification", label_names=None)
+    twin, _ = finetune.classifier(str(tmp_path), task, fargs, task_args)
+    assert twin.config.max_position_embeddings == 144 and twin.bert.embeddings.position_embeddings.num_embeddings == 144
 
 
 def test_labels_keep_their_identity_and_bad_labels_are_named(tmp_path, caplog):

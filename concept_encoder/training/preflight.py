@@ -96,7 +96,13 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
             raise ValueError(beyond_positions(data_args.max_seq_length, positions, config))
         multiple = getattr(data_args, "pad_to_multiple_of", None) or getattr(model_args, "pad_to_multiple_of", None)
         readable = max(positions, data_args.max_seq_length) if extend and positions is not None else positions
-        if whole and readable is not None and padded_length(data_args.max_seq_length, multiple) > readable:
+        fresh = getattr(model_args, "from_scratch", False)  # a fresh twin's table is built to the padded length
+        if (
+            whole
+            and readable is not None
+            and not fresh
+            and padded_length(data_args.max_seq_length, multiple) > readable
+        ):
             raise ValueError(padded_beyond_positions(data_args.max_seq_length, multiple, readable))
         weights = not getattr(model_args, "from_scratch", False)  # a random twin needs the config only
         if weights and (problem := model_folder_problem(model_args.model_name_or_path)):
