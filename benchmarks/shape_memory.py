@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import in_subprocess, machine, print_and_save  # noqa: E402
 from concept_encoder import ConceptEncoderForSequenceClassification, config_from_preset  # noqa: E402
+from concept_encoder.common.padding import padded_length  # noqa: E402
 
 MIXERS = ("none", "conv")
 
@@ -39,7 +40,7 @@ def rss_gb() -> float:
 def lengths_of(shapes: int, low: int, high: int, multiple: int | None) -> list[int]:
     """`shapes` distinct lengths drawn from [low, high] (seed 0); rounded up to `multiple` when given."""
     drawn = random.Random(0).sample(range(low, high + 1), shapes)
-    return [-(-n // multiple) * multiple for n in drawn] if multiple else drawn
+    return [padded_length(n, multiple) for n in drawn]
 
 
 def measure(args) -> dict:

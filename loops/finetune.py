@@ -39,7 +39,8 @@ from concept_encoder.common.entry import interrupt_in_one_line, run_tool
 if __name__ == "__main__":  # Ctrl-C while the rest imports (transformers, torch: seconds): one line
     interrupt_in_one_line("loops/finetune.py")
 
-from concept_encoder.training.preflight import fail_fast, one_line_errors, padded_length, preflight
+from concept_encoder.common.padding import padded_length
+from concept_encoder.training.preflight import fail_fast, one_line_errors, preflight
 
 if __name__ == "__main__":  # a bad argument fails in about a second, before torch and the models load
     from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from concept_encoder.common.padding import padded_length
 from concept_encoder.tasks.generated import MAX_SYMBOLS, cached_splits, generation_problem, read_splits
 from concept_encoder.tasks.listops import (
     LONGEST_TREE,
@@ -390,3 +391,20 @@ def test_what_the_project_writes_is_json_without_nan_or_infinity():
     for writer in writers:
         text = (root / writer).read_text()
         assert "json_io.dumps(" in text and ".write_text(json.dumps(" not in text, writer
+
+
+# --- padding to a multiple: one round-up and one check for both loops ------------------------------------------
+
+
+@pytest.mark.parametrize(("length", "multiple", "padded"), [(30, None, 30), (30, 0, 30), (30, 8, 32), (32, 8, 32), (1, 64, 64)])  # fmt: skip
+def test_padded_length_rounds_up_to_the_multiple(length, multiple, padded):
+    assert padded_length(length, multiple) == padded
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_a_padding_multiple_below_one_is_refused_by_both_loops_alike(value):
+    message = rf"pad_to_multiple_of={value} must be >= 1 \(or unset\)"
+    with pytest.raises(ValueError, match=message):
+        training_args("--pad_to_multiple_of", value)
+    with pytest.raises(ValueError, match=message):
+        parse_args([*FINETUNE_MODEL, "--pad_to_multiple_of", value], FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..common.padding import check_pad_multiple, pad_multiple_field
 from ..constants import EMBEDDED_DATASET, MASKING_STRATEGIES
 from .mixture import TASK_SOURCE, is_mixture, parse_mixture
 
@@ -57,7 +58,7 @@ class DataArguments:
     mlm_probability: float = field(default=0.15, metadata={"help": "fraction of tokens to predict"})
     mean_span_length: float = field(default=3.0, metadata={"help": "span masking: mean of the geometric lengths"})
     max_span_length: int = field(default=10, metadata={"help": "span masking: longest span"})
-    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "pad batch length to a multiple of this"})
+    pad_to_multiple_of: int | None = pad_multiple_field("pad batch length to a multiple of this")
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "processes for tokenisation"})
 
     def __post_init__(self):
@@ -75,8 +76,7 @@ class DataArguments:
             raise ValueError(f"mlm_probability={self.mlm_probability} must be in (0, 1)")
         if not 0 < self.validation_split_percentage < 100:
             raise ValueError(f"validation_split_percentage={self.validation_split_percentage} must be in (0, 100)")
-        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
-            raise ValueError(f"pad_to_multiple_of={self.pad_to_multiple_of} must be >= 1 (or unset)")
+        check_pad_multiple(self.pad_to_multiple_of)
         if self.mean_span_length < 1 or self.max_span_length < 1:
             raise ValueError(
                 f"mean_span_length={self.mean_span_length} and max_span_length={self.max_span_length} must be >= 1"

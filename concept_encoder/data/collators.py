@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerBase
 
+from ..common.padding import padded_length
 from ..constants import MASKING_STRATEGIES
 from ..model.constants import IGNORE_INDEX
 from .recall_vocab import QUERY
@@ -106,9 +107,7 @@ class UnitMaskingCollator:
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """→ `input_ids`, `attention_mask`, `word_start`, each `[B,N]` (N rounded up to `pad_to_multiple_of`)."""
-        length = max(len(e["input_ids"]) for e in examples)
-        if self.pad_to_multiple_of:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        length = padded_length(max(len(e["input_ids"]) for e in examples), self.pad_to_multiple_of)
         ids = torch.full((len(examples), length), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         starts = torch.ones((len(examples), length), dtype=torch.bool)  # no word info: every token is a word

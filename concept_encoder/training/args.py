@@ -32,6 +32,7 @@ from ..common.dataclass_args import (
     read_yaml_mapping,
     resolve_default,
 )
+from ..common.padding import check_pad_multiple, pad_multiple_field
 from ..common.paths import cache_path
 from ..constants import (
     ARCHITECTURES,
@@ -605,12 +606,11 @@ class FinetuneArguments:
         metadata={"help": "training batches of similar lengths (seeded, resumable; training/batches.py): inputs of "
                   "mixed lengths are then barely padded"},
     )  # fmt: skip
-    pad_to_multiple_of: int | None = field(
-        default=None,
-        metadata={"help": "pad each batch's length up to a multiple of this (transformers' DataCollatorWithPadding): "
-                  "fewer distinct shapes for inputs of many lengths (CPU convolution buffers, GPU kernels, "
-                  "torch.compile); refused where it would pad past the model's positions"},
-    )  # fmt: skip
+    pad_to_multiple_of: int | None = pad_multiple_field(
+        "pad each batch's length up to a multiple of this (transformers' DataCollatorWithPadding): fewer distinct "
+        "shapes for inputs of many lengths (CPU convolution buffers, GPU kernels, torch.compile); refused where it "
+        "would pad past the model's positions"
+    )
     report_last_step: bool = field(
         default=False,
         metadata={"help": "also save each run's last step and report its validation metrics beside the dev-chosen "
@@ -634,8 +634,7 @@ class FinetuneArguments:
             raise ValueError(f"chunk_length={self.chunk_length} must be >= 2 (or unset to read inputs whole)")
         if self.seeds < 1:
             raise ValueError(f"seeds={self.seeds} must be >= 1")
-        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
-            raise ValueError(f"pad_to_multiple_of={self.pad_to_multiple_of} must be >= 1 (or unset)")
+        check_pad_multiple(self.pad_to_multiple_of)
         if self.stop_at_dev is not None and not math.isfinite(self.stop_at_dev):
             raise ValueError(f"stop_at_dev={self.stop_at_dev} must be a finite number (or unset to run every step)")
         if self.model_name_or_path is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from ..checkpoints.model_folder import check_model_folder, load_checked, note_upcast
+from ..common.padding import padded_length
 from ..data.tokenizer import check_tokenizer
 from ..finetuning.chunked import pooler_problem
 from ..model.bert_baseline import BertForSparseMaskedLM, bert_config
@@ -15,7 +16,7 @@ from ..model.heads import ConceptEncoderForMaskedLM
 from ..model.positions import extend_position_tables
 from ..model.summary import parameter_counts
 from .plan import fresh_model_fields
-from .preflight import beyond_positions, padded_length
+from .preflight import beyond_positions
 
 logger = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from ..accounting.memory import GIB, estimate_training_memory, zero_settings
 from ..checkpoints.checkpoint import resolve_resume
 from ..checkpoints.model_folder import model_folder_problem
 from ..common.faults import DiskFullError, RunFolderError
+from ..common.padding import padded_length
 from ..common.paths import cache_path, folder_problem
 from ..data.base import DataSourceError
 from ..data.mixture import TASK_SOURCE, is_mixture, parse_mixture
@@ -192,11 +193,6 @@ def check_maskable(data, examples: int = 100) -> None:
         sample = [data.validation[i]["input_ids"] for i in range(min(examples, len(data.validation)))]
     if problem := maskable_problem(data.tokenizer, sample):
         raise ValueError(problem)
-
-
-def padded_length(max_seq_length: int, multiple: int | None) -> int:
-    """The longest batch a loop makes: `max_seq_length` rounded up to `--pad_to_multiple_of` (when given)."""
-    return -(-max_seq_length // multiple) * multiple if multiple else max_seq_length
 
 
 def padded_beyond_positions(max_seq_length: int, multiple: int, positions: int) -> str:
