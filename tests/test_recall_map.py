@@ -16,6 +16,9 @@ TINY = ["--pairs", "2,3", "--concepts", "4", "--main_concepts", "4", "--main_pai
 
 @pytest.mark.loop
 def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, capsys):
+    assert recall.main([*TINY, "--report_only"]) == 1  # nothing finished: nothing to report, nothing run
+    assert "no cell of map 'recall'" in capsys.readouterr().err and in_process == []
+    assert not Path("Cache/recall/recall-K2").exists()
     assert recall.main(TINY) == 0
     [report] = Path("Cache/reports").glob("recall_*.json")
     assert {p.suffix for p in report.parent.glob(f"{report.stem}.*")} == {".md", ".json", ".png"}
@@ -38,6 +41,19 @@ def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, ca
     assert any("BERT solves" in g for g in data["goals"]) and any("C=4, mixer conv: " in g for g in data["goals"])
     launched = len(in_process)
     capsys.readouterr()
+    so_far = [*TINY, "--report_only"]
+    so_far[so_far.index("--pairs") + 1] = "2,3,4"
+    so_far[so_far.index("--seeds") + 1] = "3"  # K=2's main cells were measured with 2 seeds: not this request's
+    assert recall.main(so_far) == 0 and len(in_process) == launched  # the finished cells reported, nothing run
+    assert not Path("Cache/recall/recall-K4").exists()
+    [partial] = sorted(Path("Cache/reports").glob("recall_*.json"), key=lambda p: p.stat().st_mtime_ns)[-1:]
+    data = json.loads(partial.read_text())
+    assert [(r["pairs"], r["key"]) for r in data["rows"]] == [(3, c) for c in ("C4-none", "C4-conv", "bert")]
+    assert data["cells"] == 9 and data["not_measured"] == {"2": ["C=4, none", "C=4, conv", "BERT"],
+                                                           "4": ["C=4, none", "C=4, conv", "BERT"]}  # fmt: skip
+    markdown = partial.with_suffix(".md").read_text()
+    assert "| K=2 | K=3 | K=4 |" in markdown and "| C=4, none | - | " in markdown
+    assert "**The map so far: 3 of 9 cells.** Not measured yet: K=2: every cell; K=4: every cell." in markdown
     assert recall.main(TINY) == 0  # every cell measured: reused, nothing launched
     assert len(in_process) == launched and capsys.readouterr().out.count("finished earlier, reused") == 6
     runs = set(Path("Cache/finetune").iterdir())

@@ -298,13 +298,18 @@ FOLDER_ENTRIES = {REQUEST, ".lock", "points", "reports", "finetune", "tasks", "m
 
 
 def check_reuse(
-    folder: Path, request: dict, plans: list[tuple[ArchitecturePlan, Path]], retired: tuple[str, ...] = ()
+    folder: Path,
+    request: dict,
+    plans: list[tuple[ArchitecturePlan, Path]],
+    retired: tuple[str, ...] = (),
+    record: bool = True,
 ) -> None:
     """ValueError when the point folder `folder` (a curve's, or another driver's) was measured under another
     request (its points and runs would be reused as this one's), or when a budget needs more steps than a finished
     pretraining run took and the run cannot be extended as if planned that long (`extension_problem`); records the
-    request for the next invocation. `retired`: keys an older request recorded that no longer decide reuse (not
-    compared, and dropped from the record)."""
+    request for the next invocation (unless `record` is False: a report that reads the folder and runs nothing).
+    `retired`: keys an older request recorded that no longer decide reuse (not compared, and dropped from the
+    record)."""
     path = folder / REQUEST
     if problem := folder_problem(folder, "--curves_dir/--name"):  # a file in the way, read-only: before any run
         raise ValueError(problem)
@@ -355,8 +360,9 @@ def check_reuse(
             steps = finished_steps(run_dir)
             if plan.run_to > steps and (problem := extension_problem(plan, run_dir, steps)):
                 raise ValueError(problem)
-    folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json_io.dumps(request, indent=2))
+    if record:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(json_io.dumps(request, indent=2))
 
 
 def exclusive(folder: Path, what: str) -> FileLock | None:
@@ -440,7 +446,6 @@ class PointFolder:
         self.folder, self.task, self.finetune_argv, self.processes = folder, task, finetune_argv, processes
         self.probe = probe  # linear probes beside fine-tuning at every point
         self.named: set[str] = set()  # damaged points already named
-        (folder / "points").mkdir(parents=True, exist_ok=True)
 
     def point_file(self, key: str) -> Path:
         return self.folder / "points" / f"{key}.json"
@@ -476,6 +481,7 @@ class PointFolder:
         report = json.loads(found[-1].read_text())
         point = {"key": key, "model": model, **info, "extra": extra, "rows": report["rows"],
                  "baselines": report["baselines"], "runs": report["runs"]}  # fmt: skip
+        self.point_file(key).parent.mkdir(parents=True, exist_ok=True)
         self.point_file(key).write_text(json_io.dumps(point, indent=2))
         return point
 
@@ -493,6 +499,16 @@ class PointFolder:
         else:
             print(f"{key}: {what}", flush=True)
         return self.measure(key, model, extra, info)
+
+    def finished(self, key: str, extra: list[str]) -> dict | None:
+        """The point `key` when it was measured under these fine-tuning arguments `extra`, else None (missing,
+        damaged, being written, or measured under others): what a report of the points so far reads, running
+        nothing."""
+        path = self.point_file(key)
+        if not path.is_file() or point_problem(path):
+            return None
+        point = json.loads(path.read_text())
+        return None if point_changes(point, extra) else point
 
     def points(self) -> list[dict]:
         """The points measured (a damaged file is left out: `done` names it)."""

@@ -116,6 +116,21 @@ def task_name(pairs: int, args) -> str:
     return f"recall:{pairs}:{keys}:{args.values}:{train}"
 
 
+def cell_argv(cell: Cell) -> list[str]:
+    """The fine-tuning arguments a cell adds to the map's (`extra` of its point: a change re-measures it)."""
+    return ["--seeds", str(cell.seeds), "--pooling", "mean", "--from_scratch", "--report_last_step", "true"]
+
+
+def finished_points(plan: list[Cell], root: Path, args, finetune_argv: list[str]) -> dict:
+    """`(K, cell key) -> point` for the cells of `plan` finished under these arguments; runs nothing."""
+    points = {}
+    for cell in plan:
+        folder = PointFolder(root / f"{args.name}-K{cell.pairs}", "", finetune_argv, args.num_processes)
+        if point := folder.finished(cell.key, cell_argv(cell)):
+            points[(cell.pairs, cell.key)] = point
+    return points
+
+
 def model_folder(folder: Path, cell: Cell, preset: str, positions: int, tokenizer) -> Path:
     """`folder/models/<cell>`: the cell's config and the recall tokenizer (no weights: fine-tuning builds them
     from the seed, `--from_scratch`)."""
@@ -205,7 +220,7 @@ def row_name(row: dict) -> str:
 
 def format_markdown(report: dict) -> str:
     rows = report["rows"]
-    pairs = sorted({r["pairs"] for r in rows})
+    pairs = sorted(int(k) for k in report["lines"])  # every K planned, measured or not
     names = list(dict.fromkeys(row_name(r) for r in rows))
     by = {(row_name(r), r["pairs"]): r for r in rows}
 
@@ -231,8 +246,14 @@ def format_markdown(report: dict) -> str:
                      f"{rate} | {', '.join(map(str, r['best_steps']))} | {r['runs']} | "
                      f"{r['cell_seconds']:.0f} |")  # fmt: skip
     total = sum(r["cell_seconds"] for r in rows)
-    lines += ["", f"The map's wall-clock: {total / 60:.0f} min ({len(rows)} cells).", "", "## Goals", "",
-              *report["goals"]]  # fmt: skip
+    lines += ["", f"The map's wall-clock: {total / 60:.0f} min ({len(rows)} cells)."]
+    if missing := report.get("not_measured"):  # a report of the map so far (`--report_only`)
+        measured = {str(k): sum(1 for r in rows if r["pairs"] == k) for k in pairs}
+        text = "; ".join(f"K={k}: " + ("every cell" if not measured[k] else ", ".join(names))
+                         for k, names in missing.items())  # fmt: skip
+        lines += ["", f"**The map so far: {len(rows)} of {report['cells']} cells.** Not measured yet: {text}. The "
+                  "goals below read the finished cells only."]  # fmt: skip
+    lines += ["", "## Goals", "", *report["goals"]]
     return "\n".join(lines) + "\n"
 
 
@@ -245,7 +266,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["rows"]
-    pairs = sorted({r["pairs"] for r in rows})
+    pairs = sorted(int(k) for k in report["lines"])  # every K planned: a K not measured yet is an empty column
     panels = [m for m in LOCAL_MIXERS if any(r["mixer"] == m and r["architecture"] == "concept" for r in rows)]
     bert = [r for r in rows if r["architecture"] == "bert"]
     figure, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 4.5), squeeze=False)
@@ -281,7 +302,8 @@ def plot(report: dict, path: Path) -> None:
     curves.set_ylabel("test accuracy (%)")
     curves.set_ylim(0, 102)
     curves.legend(fontsize=7)
-    figure.suptitle(f"Associative recall: capacity map ({report['name']})")
+    so_far = f", {len(rows)} of {report['cells']} cells so far" if report.get("not_measured") else ""
+    figure.suptitle(f"Associative recall: capacity map ({report['name']}{so_far})")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -305,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keys", type=int, default=KEYS, help="key symbols (a K above it draws from K symbols)")
     parser.add_argument("--values", type=int, default=VALUES, help="value symbols (the classes)")
     parser.add_argument("--train", type=int, default=None, help="training examples (default: the task's 20,000)")
+    parser.add_argument("--report_only", action="store_true",
+                        help="write the report of the cells finished so far (the others shown as not measured yet) "
+                             "and run nothing: a map that takes hours, looked at while it runs")  # fmt: skip
     add_report_driver_arguments(parser, "recall", "Cache/recall")
     return parser
 
@@ -329,6 +354,34 @@ def check_arguments(args) -> None:
         parse_recall(task_name(pairs, args))
 
 
+def measure_map(plan: list[Cell], tasks: dict, root: Path, args, finetune_argv: list[str]) -> dict | None:
+    """`(K, cell key) -> point` for every cell of `plan`, finished ones reused, the others measured; None when
+    another process holds a K's folder or a run failed (finished cells stay: the same command continues)."""
+    points = {}
+    for pairs, task in tasks.items():
+        folder = root / f"{args.name}-K{pairs}"  # the name in the folder: fine-tuning runs are named after it
+        keys = max(args.keys, pairs)
+        tokenizer = load_tokenizer(f"recall:{keys}:{args.values}")
+        positions = 2 * pairs + 4  # [CLS] k v … [QUERY] k [SEP]
+        point_folder = PointFolder(folder, task, finetune_argv, args.num_processes, probe=False)
+        lock = exclusive(folder, f"recall {folder.name}")
+        if lock is None:
+            return None
+        with holding(lock) as outcome:
+            for cell in [c for c in plan if c.pairs == pairs]:
+                model = model_folder(folder, cell, args.preset, positions, tokenizer)
+                points[(pairs, cell.key)] = point_folder.reused_or_measured(
+                    cell.key,
+                    str(model),
+                    cell_argv(cell),
+                    {"cell": cell.__dict__},
+                    f"[{plan.index(cell) + 1}/{len(plan)}] K={pairs}, {cell.label}",
+                )
+        if outcome.failed:
+            return None
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, loop_argv, finetune_argv = parse_driver_argv(parser, argv)
@@ -348,36 +401,24 @@ def main(argv: list[str] | None = None) -> int:
             # grows by widths, mixers or seeds under its name (`PointFolder.reused_or_measured`)
             request = {"task": task, "preset": args.preset, "finetune_args": finetune_argv,
                        "num_processes": args.num_processes}  # fmt: skip
-            check_reuse(root / f"{args.name}-K{pairs}", request, [], retired=("cells",))
+            check_reuse(root / f"{args.name}-K{pairs}", request, [], retired=("cells",), record=not args.report_only)
         check_report_dir(args.report_dir)
-    points = {}
-    for pairs, task in tasks.items():
-        folder = root / f"{args.name}-K{pairs}"  # the name in the folder: fine-tuning runs are named after it
-        keys = max(args.keys, pairs)
-        tokenizer = load_tokenizer(f"recall:{keys}:{args.values}")
-        positions = 2 * pairs + 4  # [CLS] k v … [QUERY] k [SEP]
-        point_folder = PointFolder(folder, task, finetune_argv, args.num_processes, probe=False)
-        lock = exclusive(folder, f"recall {folder.name}")
-        if lock is None:
+    if args.report_only:
+        points = finished_points(plan, root, args, finetune_argv)
+        if not points:
+            print(f"error: no cell of map {args.name!r} ({root}) is finished yet: nothing to report; run the map "
+                  "without --report_only", file=sys.stderr)  # fmt: skip
             return 1
-        with holding(lock) as outcome:
-            for cell in [c for c in plan if c.pairs == pairs]:
-                model = model_folder(folder, cell, args.preset, positions, tokenizer)
-                extra = ["--seeds", str(cell.seeds), "--pooling", "mean", "--from_scratch", "--report_last_step",
-                         "true"]  # fmt: skip
-                index = plan.index(cell) + 1
-                points[(pairs, cell.key)] = point_folder.reused_or_measured(
-                    cell.key,
-                    str(model),
-                    extra,
-                    {"cell": cell.__dict__},
-                    f"[{index}/{len(plan)}] K={pairs}, {cell.label}",
-                )
-        if outcome.failed:  # a run failed: finished cells stay, the same command continues
-            return 1
+    elif (points := measure_map(plan, tasks, root, args, finetune_argv)) is None:
+        return 1
     lines = {str(k): no_binding_line(recall_splits(task))["test"] for k, task in tasks.items()}
-    rows = [cell_row(points[(c.pairs, c.key)], c, lines[str(c.pairs)]) for c in plan]
+    rows = [cell_row(points[(c.pairs, c.key)], c, lines[str(c.pairs)]) for c in plan if (c.pairs, c.key) in points]
+    missing = {}  # K -> the cells not finished there
+    for c in plan:
+        if (c.pairs, c.key) not in points:
+            missing.setdefault(str(c.pairs), []).append(row_name(c.__dict__))
     report = {"name": args.name, "rows": rows, "lines": lines, "chance": 1 / args.values, "goals": goal_lines(rows),
+              "cells": len(plan), "not_measured": missing,
               "settings_line": f"Preset {args.preset}, fine-tuned from scratch, mean pooling: "
                                f"{' '.join(finetune_argv)}; {args.values} values, keys max({args.keys}, K); "
                                "the test split read once per seed at the step chosen on dev."}  # fmt: skip
