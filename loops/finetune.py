@@ -108,7 +108,7 @@ from concept_encoder.training.runtime import (
     setup_distributed,
 )
 from concept_encoder.training.steps import finetuning_step as train_step  # the loop's step (tests patch it here)
-from concept_encoder.training.tracking import PreemptionFlag, any_rank, memory_stats
+from concept_encoder.training.tracking import PreemptionFlag, any_rank, memory_stats, peak_memory_over_ranks
 
 logger = logging.getLogger("concept_encoder")
 
@@ -264,8 +264,11 @@ def fine_tune(
             progress.step += 1
             step = progress.step
             bar.update(1)
-            if metrics and (step % args.logging_steps == 0):
-                metrics.write({"kind": "train", "step": step, "loss": loss, "lr": scheduler.get_last_lr()[0]})
+            if step % args.logging_steps == 0:
+                memory = peak_memory_over_ranks(accelerator)  # every rank: a gather; host memory over the run
+                if metrics:
+                    metrics.write({"kind": "train", "step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
+                                   **memory})  # fmt: skip
             if step % (args.eval_steps or args.max_steps) == 0 or step == args.max_steps:
                 logits, labels = predict(accelerator, model, dev_loader)
                 dev = compute_metrics(task.metric_names, predictions_from_logits(task.task_type, logits), labels)

@@ -129,24 +129,12 @@ from concept_encoder.training.tracking import (
     PreemptionFlag,
     TimeBudget,
     any_rank,
-    memory_stats,
+    peak_memory_over_ranks,
     plot_loss_curve,
 )
 
 logger = logging.getLogger("concept_encoder")
 STREAM_SHUFFLE_BUFFER = 10_000  # examples held by a streamed dataset's shuffle buffer (`--streaming`)
-
-
-def peak_memory_over_ranks(accelerator) -> dict:
-    """Memory readings (`memory_stats`) as the max over ranks, plus each rank's RSS."""
-    local = memory_stats(accelerator.device)
-    if accelerator.num_processes == 1:
-        return local
-    keys = sorted(local)
-    values = accelerator.gather(torch.tensor([[local[k] for k in keys]], device=accelerator.device))  # [world, K]
-    merged = {k: round(float(values[:, i].max()), 3) for i, k in enumerate(keys)}
-    merged["rss_gb_ranks"] = [round(float(v), 3) for v in values[:, keys.index("rss_gb")]]
-    return merged
 
 
 def throughput(interval: dict, flops_per_token: float, world_size: int, peak_tflops: float | None) -> dict:

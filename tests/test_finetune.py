@@ -118,9 +118,12 @@ def test_each_task_type_trains_and_reports_every_seed(workdir, concept_model, ki
     assert set(baselines) == {"majority", "tfidf", "task_sha256"} and metric in baselines["tfidf"]["validation"]
     assert row["rate_grid"] == {"0.003": report["runs"][0]["dev"][metric]} and row["learning_rate"] == 3e-3
     for run in report["runs"]:
-        losses = [r["loss"] for r in map(json.loads, Path(run["run_dir"], "metrics.jsonl").read_text().splitlines())
-                  if r["kind"] == "train"]  # fmt: skip
+        train = [r for r in map(json.loads, Path(run["run_dir"], "metrics.jsonl").read_text().splitlines())
+                 if r["kind"] == "train"]  # fmt: skip
+        losses = [r["loss"] for r in train]
         assert sum(losses[-3:]) < sum(losses[:3]), losses  # logged losses are single batches: compare three
+        assert [r["step"] for r in train] == list(range(5, 61, 5))  # host memory logged with each: RSS over the run
+        assert all(0 < r["rss_gb"] <= r["peak_rss_gb"] for r in train)
         assert Path(run["run_dir"], "final", "config.json").exists()
 
 
@@ -549,6 +552,8 @@ def test_two_processes_agree_on_every_metric(workdir, concept_model):
     assert ranks[0] == ranks[1] and ranks[0]["best_step"] > 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["validation"] == ranks[0]["validation"]
+    train = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    assert train and all(len(r["rss_gb_ranks"]) == 2 and r["rss_gb"] == max(r["rss_gb_ranks"]) for r in train)
 
 
 def test_pretraining_flags_and_an_unnamed_resume_are_refused(concept_model):

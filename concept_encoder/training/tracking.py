@@ -47,13 +47,28 @@ def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
 
 def memory_stats(device: torch.device) -> dict:
     """Peak CUDA allocated/reserved (GB) where present, process RSS and its peak so far (GB; `ru_maxrss` is KiB
-    on Linux) always."""
-    stats = {"rss_gb": round(psutil.Process().memory_info().rss / 2**30, 3),
-             "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}  # fmt: skip
+    on Linux) always. The kernel's `ru_maxrss` can trail the RSS read a moment later by a few pages, so the peak
+    is at least the RSS read now."""
+    rss = psutil.Process().memory_info().rss / 2**30
+    peak = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    stats = {"rss_gb": round(rss, 3), "peak_rss_gb": round(peak, 3)}
     if device.type == "cuda":
         stats["cuda_peak_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
         stats["cuda_peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 3)
     return stats
+
+
+def peak_memory_over_ranks(accelerator) -> dict:
+    """Memory readings (`memory_stats`) as the max over ranks, plus each rank's RSS; a collective: every rank
+    calls it at the same step (the loops' train-log steps)."""
+    local = memory_stats(accelerator.device)
+    if accelerator.num_processes == 1:
+        return local
+    keys = sorted(local)
+    values = accelerator.gather(torch.tensor([[local[k] for k in keys]], device=accelerator.device))  # [world, K]
+    merged = {k: round(float(values[:, i].max()), 3) for i, k in enumerate(keys)}
+    merged["rss_gb_ranks"] = [round(float(v), 3) for v in values[:, keys.index("rss_gb")]]
+    return merged
 
 
 class DivergenceMonitor:
