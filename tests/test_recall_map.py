@@ -43,17 +43,27 @@ def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, ca
     capsys.readouterr()
     so_far = [*TINY, "--report_only"]
     so_far[so_far.index("--pairs") + 1] = "2,3,4"
+    so_far[so_far.index("--concepts") + 1] = "4,5"  # a width not run yet: its row shows, empty
     so_far[so_far.index("--seeds") + 1] = "3"  # K=2's main cells were measured with 2 seeds: not this request's
+    request = Path("Cache/recall/recall-K2/request.json").read_bytes()
     assert recall.main(so_far) == 0 and len(in_process) == launched  # the finished cells reported, nothing run
-    assert not Path("Cache/recall/recall-K4").exists()
+    assert (
+        not Path("Cache/recall/recall-K4").exists()
+        and Path("Cache/recall/recall-K2/request.json").read_bytes() == request
+    )
     [partial] = sorted(Path("Cache/reports").glob("recall_*.json"), key=lambda p: p.stat().st_mtime_ns)[-1:]
     data = json.loads(partial.read_text())
     assert [(r["pairs"], r["key"]) for r in data["rows"]] == [(3, c) for c in ("C4-none", "C4-conv", "bert")]
-    assert data["cells"] == 9 and data["not_measured"] == {"2": ["C=4, none", "C=4, conv", "BERT"],
-                                                           "4": ["C=4, none", "C=4, conv", "BERT"]}  # fmt: skip
+    every = ["C=4, none", "C=4, conv", "C=5, none", "C=5, conv", "BERT"]
+    assert data["cells"] == 15 and data["not_measured"] == {"2": every, "3": ["C=5, none", "C=5, conv"], "4": every}
     markdown = partial.with_suffix(".md").read_text()
-    assert "| K=2 | K=3 | K=4 |" in markdown and "| C=4, none | - | " in markdown
-    assert "**The map so far: 3 of 9 cells.** Not measured yet: K=2: every cell; K=4: every cell." in markdown
+    assert (
+        "| K=2 | K=3 | K=4 |" in markdown
+        and "| C=4, none | - | " in markdown
+        and "| C=5, conv | - | - | - |" in markdown
+    )
+    assert ("**The map so far: 3 of 15 cells.** Not measured yet: K=2: every cell; K=3: C=5, none, C=5, conv; "
+            "K=4: every cell.") in markdown  # fmt: skip
     assert recall.main(TINY) == 0  # every cell measured: reused, nothing launched
     assert len(in_process) == launched and capsys.readouterr().out.count("finished earlier, reused") == 6
     runs = set(Path("Cache/finetune").iterdir())
@@ -111,6 +121,12 @@ def test_goals_name_where_the_map_falls_short():
     held = recall.goal_lines([row(4, 64, "conv", 0.99), row(16, 64, "conv", 1.0)])  # K=32 not run: not met yet
     assert held[0].endswith("up to K=32: not yet decided (held at K=4, 16; K=32 not measured)")
     assert recall.goal_lines([row(16, 64, "conv", 1.0), row(32, 64, "conv", 0.96)])[0].endswith("up to K=32: met")
+    # a report of the map so far: a K missing between measured ones leaves the goal and the capacity open
+    so_far = recall.goal_lines([row(4, 64, "conv", 0.99), row(32, 64, "conv", 0.96), row(8, 16, "conv", 0.99)],
+                               {"8": ["C=64, conv"], "4": ["C=16, conv"]})  # fmt: skip
+    assert so_far[0].endswith("up to K=32: not yet decided (held at K=4, 32; K=8 not measured)")
+    assert "- C=64, mixer conv: holds 95% up to K=4 (0.06 pairs per concept), K=8 not measured yet" in so_far
+    assert "- C=16, mixer conv: K=4, its smallest K, not measured yet" in so_far
 
 
 def test_a_cells_wall_clock_counts_the_grids_other_rates():

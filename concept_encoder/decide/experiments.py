@@ -311,7 +311,7 @@ def check_reuse(
     `retired`: keys an older request recorded that no longer decide reuse (not compared, and dropped from the
     record)."""
     path = folder / REQUEST
-    if problem := folder_problem(folder, "--curves_dir/--name"):  # a file in the way, read-only: before any run
+    if record and (problem := folder_problem(folder, "--curves_dir/--name")):  # a file in the way, read-only
         raise ValueError(problem)
     if folder.is_symlink() or folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is a link or a file, not a curve folder; choose another --name")
@@ -507,8 +507,11 @@ class PointFolder:
         path = self.point_file(key)
         if not path.is_file() or point_problem(path):
             return None
-        point = json.loads(path.read_text())
-        return None if point_changes(point, extra) else point
+        try:  # read once more: a point may be rewritten in between (re-measured under other arguments)
+            point = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return None if not isinstance(point, dict) or point_changes(point, extra) else point
 
     def points(self) -> list[dict]:
         """The points measured (a damaged file is left out: `done` names it)."""

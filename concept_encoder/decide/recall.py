@@ -2,6 +2,7 @@
 Encoder at several widths C, without and with the local token mixer, beside BERT of the same shape.
 
     python -m concept_encoder recall                         (the map: K 4..128, C 16..128, both mixers, BERT)
+    python -m concept_encoder recall --report_only           (the report of the cells finished so far)
     make recall RECALL_ARGS="--pairs 4,8 --concepts 16"      (a smaller map)
 
 Each cell is one model fine-tuned from scratch by `loops/finetune.py` on `recall:<K>` under the fair protocol (its
@@ -123,10 +124,12 @@ def cell_argv(cell: Cell) -> list[str]:
 
 def finished_points(plan: list[Cell], root: Path, args, finetune_argv: list[str]) -> dict:
     """`(K, cell key) -> point` for the cells of `plan` finished under these arguments; runs nothing."""
+    folders = {
+        k: PointFolder(root / f"{args.name}-K{k}", "", finetune_argv, args.num_processes) for k in args.pair_list
+    }
     points = {}
     for cell in plan:
-        folder = PointFolder(root / f"{args.name}-K{cell.pairs}", "", finetune_argv, args.num_processes)
-        if point := folder.finished(cell.key, cell_argv(cell)):
+        if point := folders[cell.pairs].finished(cell.key, cell_argv(cell)):
             points[(cell.pairs, cell.key)] = point
     return points
 
@@ -161,32 +164,45 @@ def holds(rows: list[dict], concepts: int, mixer: str, up_to: int) -> tuple[bool
     return bool(measured) and all(a >= GOAL_ACCURACY for _, a in measured), [k for k, _ in measured]
 
 
-def capacity_lines(rows: list[dict]) -> list[str]:
-    """Per width and mixer: the largest K held at `GOAL_ACCURACY` before the first K that is not, and that K over C
-    (pairs held per concept): the capacity law, where accuracy falls with K."""
+def capacity_lines(rows: list[dict], pending: dict[str, list[str]]) -> list[str]:
+    """Per width and mixer: the largest K held at `GOAL_ACCURACY` before the first K that is not (or is not
+    measured yet: `pending`, K -> the models missing there), and that K over C (pairs held per concept): the
+    capacity law, where accuracy falls with K."""
     lines = []
     for concepts, mixer in sorted({(r["concept_num"], r["mixer"]) for r in rows if r["architecture"] == "concept"}):
-        measured = sorted((r["pairs"], r["accuracy"]) for r in rows if r["architecture"] == "concept"
-                          and r["concept_num"] == concepts and r["mixer"] == mixer)  # fmt: skip
-        held = 0
-        for pairs, accuracy in measured:
-            if accuracy < GOAL_ACCURACY:
+        model = f"C={concepts}, {mixer}"
+        sequence = sorted([(r["pairs"], r["accuracy"]) for r in rows if row_name(r) == model]
+                          + [(int(k), None) for k, models in pending.items() if model in models])  # fmt: skip
+        held, stop = 0, None
+        for pairs, accuracy in sequence:
+            if accuracy is None or accuracy < GOAL_ACCURACY:
+                stop = (pairs, accuracy)
                 break
             held = pairs
-        falls = next((k for k, a in measured if a < GOAL_ACCURACY), None)
         name = f"- C={concepts}, mixer {mixer}: "
-        if not held:
-            lines.append(name + f"below {GOAL_ACCURACY:.0%} from the smallest K measured (K={measured[0][0]})")
-        else:
+        after = (
+            ", at every K measured" if stop is None
+            else f", K={stop[0]} not measured yet" if stop[1] is None
+            else f", below it from K={stop[0]}"
+        )  # fmt: skip
+        if held:
             lines.append(name + f"holds {GOAL_ACCURACY:.0%} up to K={held} ({held / concepts:.2f} pairs per concept)"
-                         + (f", below it from K={falls}" if falls else ", at every K measured"))  # fmt: skip
+                         + after)  # fmt: skip
+        elif stop[1] is None:
+            lines.append(name + f"K={stop[0]}, its smallest K, not measured yet")
+        else:
+            lines.append(name + f"below {GOAL_ACCURACY:.0%} from the smallest K measured (K={stop[0]})")
     return lines
 
 
-def goal_lines(rows: list[dict]) -> list[str]:
-    """The issue's goals, each met or missed, with where a miss happens."""
+def goal_lines(rows: list[dict], pending: dict[str, list[str]] | None = None) -> list[str]:
+    """The issue's goals, each met or missed, with where a miss happens; `pending` (K -> the models not measured
+    there yet, a report of the map so far) turns a goal that rests on a missing cell into "not yet decided"."""
+    pending = pending or {}
+    goal_model = f"C={GOAL_CONCEPTS}, conv"
     lines = []
     met, measured = holds(rows, GOAL_CONCEPTS, "conv", GOAL_PAIRS)
+    missing = sorted(int(k) for k, models in pending.items() if goal_model in models and int(k) <= GOAL_PAIRS)
     misses = [f"K={r['pairs']} {percent(r['accuracy'])}%" for r in rows if r["architecture"] == "concept"
               and r["concept_num"] == GOAL_CONCEPTS and r["mixer"] == "conv" and r["pairs"] <= GOAL_PAIRS
               and r["accuracy"] < GOAL_ACCURACY]  # fmt: skip
@@ -194,8 +210,10 @@ def goal_lines(rows: list[dict]) -> list[str]:
         verdict = "not measured"
     elif not met:
         verdict = f"missed ({', '.join(misses)})"
-    elif GOAL_PAIRS not in measured:  # held wherever measured, but the goal's K not yet run: not met
-        verdict = f"not yet decided (held at K={', '.join(map(str, measured))}; K={GOAL_PAIRS} not measured)"
+    elif missing or GOAL_PAIRS not in measured:  # held wherever measured, but a K up to the goal's not yet run
+        missing = sorted(set(missing) | ({GOAL_PAIRS} - set(measured)))
+        verdict = (f"not yet decided (held at K={', '.join(map(str, measured))}; K={', '.join(map(str, missing))} "
+                   "not measured)")  # fmt: skip
     else:
         verdict = "met"
     lines.append(f"- the mixer at C={GOAL_CONCEPTS} holds >= {GOAL_ACCURACY:.0%} up to K={GOAL_PAIRS}: {verdict}")
@@ -211,7 +229,7 @@ def goal_lines(rows: list[dict]) -> list[str]:
     if bert:
         lines.append(f"- BERT solves (>= {GOAL_ACCURACY:.0%}): {', '.join(solved) or 'no K'}"
                      + (f"; not solved: {', '.join(unsolved)}" if unsolved else ""))  # fmt: skip
-    return lines + capacity_lines(rows)
+    return lines + capacity_lines(rows, pending)
 
 
 def row_name(row: dict) -> str:
@@ -221,7 +239,7 @@ def row_name(row: dict) -> str:
 def format_markdown(report: dict) -> str:
     rows = report["rows"]
     pairs = sorted(int(k) for k in report["lines"])  # every K planned, measured or not
-    names = list(dict.fromkeys(row_name(r) for r in rows))
+    names = list(dict.fromkeys(row_name(m) for m in report.get("models", rows)))  # every model planned, in order
     by = {(row_name(r), r["pairs"]): r for r in rows}
 
     def cell_text(row: dict | None) -> str:
@@ -249,8 +267,8 @@ def format_markdown(report: dict) -> str:
     lines += ["", f"The map's wall-clock: {total / 60:.0f} min ({len(rows)} cells)."]
     if missing := report.get("not_measured"):  # a report of the map so far (`--report_only`)
         measured = {str(k): sum(1 for r in rows if r["pairs"] == k) for k in pairs}
-        text = "; ".join(f"K={k}: " + ("every cell" if not measured[k] else ", ".join(names))
-                         for k, names in missing.items())  # fmt: skip
+        text = "; ".join(f"K={k}: " + ("every cell" if not measured[k] else ", ".join(models))
+                         for k, models in missing.items())  # fmt: skip
         lines += ["", f"**The map so far: {len(rows)} of {report['cells']} cells.** Not measured yet: {text}. The "
                   "goals below read the finished cells only."]  # fmt: skip
     lines += ["", "## Goals", "", *report["goals"]]
@@ -266,17 +284,19 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["rows"]
+    models = report.get("models", rows)  # every model planned: one not measured yet is an empty row
     pairs = sorted(int(k) for k in report["lines"])  # every K planned: a K not measured yet is an empty column
-    panels = [m for m in LOCAL_MIXERS if any(r["mixer"] == m and r["architecture"] == "concept" for r in rows)]
+    panels = [m for m in LOCAL_MIXERS if any(r["mixer"] == m and r["architecture"] == "concept" for r in models)]
     bert = [r for r in rows if r["architecture"] == "bert"]
+    bert_planned = any(m["architecture"] == "bert" for m in models)
     figure, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 4.5), squeeze=False)
     for axis, mixer in zip(axes[0], panels, strict=False):
-        widths = sorted({r["concept_num"] for r in rows if r["architecture"] == "concept" and r["mixer"] == mixer})
+        widths = sorted({m["concept_num"] for m in models if m["architecture"] == "concept" and m["mixer"] == mixer})
         found = {(r["concept_num"], r["pairs"]): r["accuracy"] for r in rows if r["mixer"] == mixer
                  and r["architecture"] == "concept"}  # fmt: skip
-        labels = [f"C={c}" for c in widths] + (["BERT"] if bert else [])
+        labels = [f"C={c}" for c in widths] + (["BERT"] if bert_planned else [])
         grid = [[found.get((c, k), float("nan")) for k in pairs] for c in widths]
-        grid += [[next((100 * r["accuracy"] for r in bert if r["pairs"] == k), float("nan")) / 100 for k in pairs]] if bert else []  # fmt: skip
+        grid += [[next((100 * r["accuracy"] for r in bert if r["pairs"] == k), float("nan")) / 100 for k in pairs]] if bert_planned else []  # fmt: skip
         image = axis.imshow([[100 * v for v in line] for line in grid], vmin=0, vmax=100, cmap="viridis",
                             aspect="auto")  # fmt: skip
         for i, line in enumerate(grid):
@@ -413,12 +433,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     lines = {str(k): no_binding_line(recall_splits(task))["test"] for k, task in tasks.items()}
     rows = [cell_row(points[(c.pairs, c.key)], c, lines[str(c.pairs)]) for c in plan if (c.pairs, c.key) in points]
-    missing = {}  # K -> the cells not finished there
+    missing = {}  # K -> the models not finished there
     for c in plan:
         if (c.pairs, c.key) not in points:
             missing.setdefault(str(c.pairs), []).append(row_name(c.__dict__))
-    report = {"name": args.name, "rows": rows, "lines": lines, "chance": 1 / args.values, "goals": goal_lines(rows),
-              "cells": len(plan), "not_measured": missing,
+    report = {"name": args.name, "rows": rows, "lines": lines, "chance": 1 / args.values,
+              "goals": goal_lines(rows, missing), "cells": len(plan), "not_measured": missing,
+              "models": [{"architecture": c.architecture, "concept_num": c.concept_num, "mixer": c.mixer}
+                         for c in {row_name(c.__dict__): c for c in plan}.values()],
               "settings_line": f"Preset {args.preset}, fine-tuned from scratch, mean pooling: "
                                f"{' '.join(finetune_argv)}; {args.values} values, keys max({args.keys}, K); "
                                "the test split read once per seed at the step chosen on dev."}  # fmt: skip
