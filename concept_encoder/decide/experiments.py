@@ -482,7 +482,8 @@ class PointFolder:
         point = {"key": key, "model": model, **info, "extra": extra, "rows": report["rows"],
                  "baselines": report["baselines"], "runs": report["runs"]}  # fmt: skip
         self.point_file(key).parent.mkdir(parents=True, exist_ok=True)
-        self.point_file(key).write_text(json_io.dumps(point, indent=2))
+        with written_aside(self.point_file(key)) as partial:  # a reader (`--report_only`) never sees half of it
+            partial.write_text(json_io.dumps(point, indent=2))
         return point
 
     def reused_or_measured(self, key: str, model: str, extra: list[str], info: dict, what: str) -> dict:
@@ -507,11 +508,8 @@ class PointFolder:
         path = self.point_file(key)
         if not path.is_file() or point_problem(path):
             return None
-        try:  # read once more: a point may be rewritten in between (re-measured under other arguments)
-            point = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        return None if not isinstance(point, dict) or point_changes(point, extra) else point
+        point = json.loads(path.read_text())  # whole: points are moved into place once written
+        return None if point_changes(point, extra) else point
 
     def points(self) -> list[dict]:
         """The points measured (a damaged file is left out: `done` names it)."""
