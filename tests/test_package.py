@@ -312,13 +312,24 @@ def test_every_program_ends_a_ctrl_c_in_one_line_however_it_is_started():
     assert early == [], f"Ctrl-C while these loops import torch prints a traceback: {early}"
 
 
+def as_from_a_terminal() -> None:
+    """`Popen`'s `preexec_fn` for the Ctrl-C tests: SIGINT as a terminal's Ctrl-C finds it. A suite started in the
+    background without job control (`make test &` in a script, `nohup ... &`) runs with SIGINT ignored, which
+    every child inherits, and Python then installs no KeyboardInterrupt handler: the signal under test would be
+    dropped and the test fail for its environment, not for the code."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.alone
 def test_ctrl_c_while_a_module_path_imports_is_one_line():
     import signal
     import time
 
     process = subprocess.Popen([sys.executable, "-m", "concept_encoder.decide.check_health", "--help"], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=as_from_a_terminal)  # fmt: skip
     time.sleep(1.0)  # inside the imports: torch and transformers alone take seconds
     assert process.poll() is None, "the module imported in under a second: this test no longer reaches its imports"
     process.send_signal(signal.SIGINT)
@@ -364,7 +375,7 @@ def test_ctrl_c_in_a_tool_stops_the_launched_ranks_at_a_checkpoint_not_the_launc
             f"sys.exit(run_tool(lambda a: call_interrupting_ranks([sys.executable, {str(launch)!r}, 'launcher', "
             f"{when!r}]), 'tool'))")  # fmt: skip
     process = subprocess.Popen([sys.executable, "-c", tool], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+                               stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_terminal)  # fmt: skip
     assert process.stdout.readline().strip() == "rank: training"
     time.sleep(0.2)
     process.send_signal(signal.SIGINT)  # the terminal's Ctrl-C reaches the tool's process group only
