@@ -97,16 +97,12 @@ def preflight(model_args, data_args, training_args, cuda: bool) -> None:
             raise ValueError(beyond_positions(data_args.max_seq_length, positions, config))
         multiple = getattr(data_args, "pad_to_multiple_of", None) or getattr(model_args, "pad_to_multiple_of", None)
         readable = max(positions, data_args.max_seq_length) if extend and positions is not None else positions
-        fresh = getattr(model_args, "from_scratch", False)  # a fresh twin's table is built to the padded length
-        if (
-            whole
-            and readable is not None
-            and not fresh
-            and padded_length(data_args.max_seq_length, multiple) > readable
-        ):
+        # a random twin: its table is built to the padded length, and it needs the config only (no weights)
+        fresh = getattr(model_args, "from_scratch", False)
+        padded = padded_length(data_args.max_seq_length, multiple)
+        if whole and readable is not None and not fresh and padded > readable:
             raise ValueError(padded_beyond_positions(data_args.max_seq_length, multiple, readable))
-        weights = not getattr(model_args, "from_scratch", False)  # a random twin needs the config only
-        if weights and (problem := model_folder_problem(model_args.model_name_or_path)):
+        if not fresh and (problem := model_folder_problem(model_args.model_name_or_path)):
             raise ValueError(f"--model_name_or_path: {problem}")
     if not cuda and (problem := host_memory_problem(model_args, data_args, training_args, config)):
         raise ValueError(problem)
