@@ -163,3 +163,39 @@ def test_the_masked_form_pretrains_through_the_mlm_loop(workdir):
                      "--output_dir", "runs", "--run_name", "recall"]) == 0  # fmt: skip
     losses = [r["loss"] for r in read_metrics(Path("runs/recall/metrics.jsonl")) if r.get("kind") == "train"]
     assert len(losses) == 2 and all(loss > 0 for loss in losses)
+
+
+def test_a_recall_example_longer_than_max_seq_length_is_refused_not_cut(tmp_path, monkeypatch):
+    from concept_encoder.data.tokenizer import load_tokenizer
+    from concept_encoder.tasks.loading import encode_splits, load_task
+
+    monkeypatch.chdir(tmp_path)
+    task = load_task(TaskArguments(task="recall:8:64:16:100"))  # 2 * 8 + 4 = 20 tokens an example
+    tokenizer = load_tokenizer("recall:64:16")
+    with pytest.raises(ValueError, match="recall:8:64:16:100' has examples of up to 20 tokens, longer than "
+                                         "--max_seq_length 19: .* pass --max_seq_length 20 or more"):  # fmt: skip
+        encode_splits(task, tokenizer, 19)
+    encoded = encode_splits(task, tokenizer, 20)
+    assert {len(ids) for split in encoded.values() for ids in split["input_ids"]} == {20}  # whole: the query kept
+    assert tokenizer.convert_ids_to_tokens(encoded["train"][0]["input_ids"])[-3] == "[QUERY]"
+
+
+def test_a_point_is_never_read_from_a_report_an_earlier_attempt_left(tmp_path, monkeypatch):
+    from concept_encoder.decide import experiments
+
+    folder = experiments.PointFolder(tmp_path / "map", "recall:4", [], 1, probe=False)
+    reports = tmp_path / "map" / "reports" / "C4-conv"
+    reports.mkdir(parents=True)
+    old = {"rows": [{"seeds": [42]}], "baselines": {}, "runs": []}  # a one-seed attempt's report
+    (reports / "finetune_20261201-000000.json").write_text(json.dumps(old))
+    monkeypatch.setattr(experiments, "run_command", lambda command: 0)  # stopped by a signal: exit 0, no report
+    with pytest.raises(RuntimeError, match="it ended without a report: stopped by a signal\\?"):
+        folder.measure("C4-conv", "model", ["--seeds", "3"], {})
+    assert not folder.point_file("C4-conv").exists()  # no point holding the old attempt's seeds
+
+    def reported(command):  # a run that ends writes its report (the old one is left beside it)
+        (reports / "finetune_20261201-000001.json").write_text(json.dumps({**old, "rows": [{"seeds": [42, 43, 44]}]}))
+        return 0
+
+    monkeypatch.setattr(experiments, "run_command", reported)
+    assert folder.measure("C4-conv", "model", ["--seeds", "3"], {})["rows"] == [{"seeds": [42, 43, 44]}]

@@ -95,13 +95,45 @@ def test_bad_plans_are_refused_before_any_run(in_process, capsys):
         (["--preset", "huge"], "unknown"),
         (["--finetune_args", "--seeds 2"], "set by the recall driver"),
         (["--pairs", "8", "--values", "1"], "values"),
-        (["--pairs", "8", "--train", "10"], "at least 100"),
+        (["--pairs", "8", "--train", "10"], "--train: 10 is below 100"),
+        (["--pairs", "8", "--keys", "0"], "--keys: 0 is below 1"),
         (["--pairs", "8", "--", "--preset", "tiny"], "the recall driver pretrains nothing"),
+        (["--pairs", "8", "--finetune_args", "--max_seq_length 20"], "['--max_seq_length'] are set by the recall"),
+        (["--pairs", "8", "--finetune_args", "--max_steps '3"], '--finetune_args "--max_steps \'3": No closing'),
+        (["--concepts", "16,64", "--main_concepts", "61"], "--main_concepts: [61] not in --concepts 16,64"),
+        (["--pairs", "4,8", "--main_pairs", "8,16"], "--main_pairs: [16] not in --pairs 4,8"),
     ):
         with pytest.raises(SystemExit):
             recall.main(extra)
         assert message in capsys.readouterr().err
     assert in_process == []  # nothing launched
+
+
+def test_a_refused_k_leaves_no_request_recorded_for_the_others(in_process, capsys):
+    earlier = Path("Cache/recall/recall-K3")
+    earlier.mkdir(parents=True)
+    (earlier / "request.json").write_text(json.dumps({"task": "recall:3:64:16:200", "preset": "tiny"}))
+    with pytest.raises(SystemExit):
+        recall.main(TINY)  # K=3 was measured under another preset: refused
+    err = capsys.readouterr().err
+    assert "map recall-K3 (" in err and "preset: the map's 'tiny', this invocation's 'micro'" in err
+    assert not Path("Cache/recall/recall-K2").exists() and in_process == []  # K=2 checked first, recorded nothing
+
+
+def test_the_main_cells_default_to_those_the_map_plans_and_long_examples_size_the_runs():
+    args = recall.build_parser().parse_args(["--pairs", "2,8,64", "--concepts", "16,32"])
+    recall.check_arguments(args)
+    assert (args.main_pair_list, args.main_concept_list) == ([8], [16])  # the defaults this map plans
+    assert [(c.pairs, c.concept_num, c.seeds) for c in recall.cells(args) if c.mixer == "conv"] == [
+        (2, 16, 1), (2, 32, 1), (8, 16, 3), (8, 32, 1), (64, 16, 1), (64, 32, 1)]  # fmt: skip
+    assert recall.sized_argv(["--max_steps", "9"], 62) == ["--max_steps", "9"]  # 128 tokens: the default holds it
+    assert recall.sized_argv(["--max_steps", "9"], 63) == ["--max_steps", "9", "--max_seq_length", "130"]
+    # the default training size, named or not, is one task (one request, one set of points)
+    args = recall.build_parser().parse_args(["--train", "20000"])
+    assert (
+        recall.task_name(4, args) == "recall:4"
+        and recall.task_name(4, recall.build_parser().parse_args([])) == "recall:4"
+    )
 
 
 def test_goals_name_where_the_map_falls_short():
@@ -125,8 +157,28 @@ def test_goals_name_where_the_map_falls_short():
     so_far = recall.goal_lines([row(4, 64, "conv", 0.99), row(32, 64, "conv", 0.96), row(8, 16, "conv", 0.99)],
                                {"8": ["C=64, conv"], "4": ["C=16, conv"]})  # fmt: skip
     assert so_far[0].endswith("up to K=32: not yet decided (held at K=4, 32; K=8 not measured)")
-    assert "- C=64, mixer conv: holds 95% up to K=4 (0.06 pairs per concept), K=8 not measured yet" in so_far
-    assert "- C=16, mixer conv: K=4, its smallest K, not measured yet" in so_far
+    assert (
+        "- C=64, mixer conv: holds 95% up to K=4 (0.06 pairs per concept), K=8 not measured yet (held at K=32)"
+        in so_far
+    )
+    assert "- C=16, mixer conv: K=4, its smallest K, not measured yet (held at K=8)" in so_far
+    # a dip past the break is named; a model with no cell finished yet has its line; BERT and the plain models
+    # name the Ks still missing, and a map without them has no such line
+    dip = recall.goal_lines([row(4, 16, "conv", 0.99), row(8, 16, "conv", 0.84), row(16, 16, "conv", 0.97)],
+                            {"4": ["C=32, conv", "BERT", "C=16, none"], "8": ["BERT"]})  # fmt: skip
+    assert (
+        "- C=16, mixer conv: holds 95% up to K=4 (0.25 pairs per concept), below it from K=8 (held again at K=16)"
+        in dip
+    )
+    assert "- C=32, mixer conv: K=4, its smallest K, not measured yet" in dip
+    assert "- BERT solves (>= 95%): not measured yet (K=4, 8)" in dip
+    assert "- without the mixer, above the no-binding line by more than 2 points: not measured yet (K=4)" in dip
+    partly = recall.goal_lines(
+        [row(4, None, "none", 0.5, "bert"), row(4, 16, "none", 0.3)], {"8": ["C=16, none", "BERT"]}
+    )
+    assert partly[1].endswith("2 points: C=16 K=4; K=8 not measured yet")
+    assert partly[2] == "- BERT solves (>= 95%): no K; not solved: K=4 50.00% at lr 0.001; K=8 not measured yet"
+    assert not any("without the mixer" in g or "BERT" in g for g in recall.goal_lines([row(4, 16, "conv", 0.99)]))
 
 
 def test_a_cells_wall_clock_counts_the_grids_other_rates():

@@ -303,21 +303,23 @@ def check_reuse(
     plans: list[tuple[ArchitecturePlan, Path]],
     retired: tuple[str, ...] = (),
     record: bool = True,
+    noun: str = "curve",
+    folder_flag: str = "--curves_dir",
 ) -> None:
     """ValueError when the point folder `folder` (a curve's, or another driver's) was measured under another
     request (its points and runs would be reused as this one's), or when a budget needs more steps than a finished
     pretraining run took and the run cannot be extended as if planned that long (`extension_problem`); records the
     request for the next invocation (unless `record` is False: a report that reads the folder and runs nothing).
     `retired`: keys an older request recorded that no longer decide reuse (not compared, and dropped from the
-    record)."""
+    record). `noun` and `folder_flag` name the folder and its flag in messages (a recall map's: "map", `--runs_dir`)."""
     path = folder / REQUEST
-    if record and (problem := folder_problem(folder, "--curves_dir/--name")):  # a file in the way, read-only
+    if record and (problem := folder_problem(folder, f"{folder_flag}/--name")):  # a file in the way, read-only
         raise ValueError(problem)
     if folder.is_symlink() or folder.exists() and not folder.is_dir():
-        raise ValueError(f"{folder} is a link or a file, not a curve folder; choose another --name")
+        raise ValueError(f"{folder} is a link or a file, not a {noun} folder; choose another --name")
     if folder.is_dir() and (foreign := sorted({p.name for p in folder.iterdir()} - FOLDER_ENTRIES)):
-        raise ValueError(f"{folder} holds files a curve does not write ({', '.join(foreign[:5])}): it is not a curve "
-                         "folder; choose another --name or --curves_dir")  # fmt: skip
+        raise ValueError(f"{folder} holds files a {noun} does not write ({', '.join(foreign[:5])}): it is not a "
+                         f"{noun} folder; choose another --name or {folder_flag}")  # fmt: skip
     if path.is_file():
         try:
             saved = json.loads(path.read_text())
@@ -327,10 +329,10 @@ def check_reuse(
             raise ValueError(f"{path} does not hold a request (a JSON object): the folder is damaged or not a "
                              "driver's; choose another --name")  # fmt: skip
         saved = {key: value for key, value in saved.items() if key not in retired}
-        if changed := differences(saved, request, "the curve's", "this invocation's"):
+        if changed := differences(saved, request, f"the {noun}'s", "this invocation's"):
             raise ValueError(
-                f"curve {folder.name} ({folder}) was measured under other settings ({'; '.join(changed)}): its "
-                "points and pretraining runs are not this request's; choose another --name"
+                f"{noun} {folder.name} ({folder}) was measured under other settings ({'; '.join(changed)}): its "
+                "points and runs are not this request's; choose another --name"
             )
     for plan, run_dir in plans:
         if (run_dir / "config.json").is_file():  # a run of that name exists: this curve's only if run as it plans
@@ -470,14 +472,17 @@ class PointFolder:
         argv = [*self.finetune_argv, "--model_name_or_path", model, "--task", self.task,
                 *(["--probe"] if self.probe else []), "--run_name", f"{self.folder.name}-{key}",
                 "--report_dir", str(reports), *extra]  # fmt: skip
+        earlier = report_stamps(reports)  # a report left by an earlier attempt is not this one's
         # auto: a fresh start the first time; after an interruption, finished seeds reused, the cut one resumed
         code = run_command(
             [*local_launcher(FINETUNE_SCRIPT, self.processes), *argv, "--resume_from_checkpoint", "auto"]
         )
-        found = sorted(reports.glob("finetune_*.json"), key=lambda p: p.stat().st_mtime_ns)  # the newest last
+        found = sorted((p for p, stamp in report_stamps(reports).items() if earlier.get(p) != stamp),
+                       key=lambda p: p.stat().st_mtime_ns)  # written by this run, the newest last  # fmt: skip
         if code != 0 or not found:
-            raise RuntimeError(f"fine-tuning {model} for point {key} failed (exit code {code}); fix it and rerun: "
-                               "finished points are reused")  # fmt: skip
+            why = f"exit code {code}" if code else "it ended without a report: stopped by a signal?"
+            raise RuntimeError(f"fine-tuning {model} for point {key} failed ({why}); fix it and rerun: finished "
+                               "points are reused, an interrupted run resumes")  # fmt: skip
         report = json.loads(found[-1].read_text())
         point = {"key": key, "model": model, **info, "extra": extra, "rows": report["rows"],
                  "baselines": report["baselines"], "runs": report["runs"]}  # fmt: skip
@@ -516,6 +521,12 @@ class PointFolder:
         return [
             json.loads(p.read_text()) for p in sorted((self.folder / "points").glob("*.json")) if not point_problem(p)
         ]
+
+
+def report_stamps(folder: Path) -> dict[Path, int]:
+    """Each fine-tuning report in `folder` → its modification time (ns): what tells a new or rewritten report
+    from one an earlier attempt left."""
+    return {p: p.stat().st_mtime_ns for p in folder.glob("finetune_*.json")}
 
 
 def point_changes(point: dict, extra: list[str]) -> list[str]:
@@ -608,7 +619,10 @@ def parse_driver_argv(parser: argparse.ArgumentParser, argv: list[str] | None) -
     argv = list(sys.argv[1:] if argv is None else argv)
     own, loop_argv = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = parser.parse_args(own)
-    return args, loop_argv, shlex.split(args.finetune_args)
+    try:
+        return args, loop_argv, shlex.split(args.finetune_args)
+    except ValueError as error:  # an unbalanced quote: a usage line, not a traceback
+        parser.error(f"--finetune_args {args.finetune_args!r}: {error}; quote it as a shell would")
 
 
 def parse_list(text: str, what: str, convert=str) -> list:

@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         request = {"task": args.task, "arms": [a.key for a in arms], "seeds": args.seeds,
                    "sweep_seeds": args.sweep_seeds, "pretrain_tokens": args.pretrain_budget,
                    "finetune_args": finetune_argv, "pretrain_args": loop_argv, "num_processes": args.num_processes}  # fmt: skip
-        check_reuse(folder, request, [])
+        check_reuse(folder, request, [], noun="point folder", folder_flag="--runs_dir")
         check_report_dir(args.report_dir)
     tokenizer = load_tokenizer("listops")
     point_folder = PointFolder(folder, args.task, finetune_argv, args.num_processes, probe=False)

@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         request = {"lengths": lengths, "tokens": budget, "task": args.task, "window": args.window,
                    "words_per_token": args.words_per_token, "finetune_args": finetune_argv, "pretrain_args": base,
                    "num_processes": args.num_processes, "rows": sorted(chosen)}  # fmt: skip
-        check_reuse(folder, request, runs)
+        check_reuse(folder, request, runs, noun="point folder", folder_flag="--runs_dir")
         check_report_dir(args.report_dir)
     lock = exclusive(folder, f"long-context {args.name}")
     if lock is None:

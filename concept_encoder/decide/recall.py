@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..common.cli_types import at_least
 from ..common.paths import cache_path
 from ..common.report_files import check_report_dir
 from ..data.recall_vocab import KEYS, VALUES
@@ -34,6 +35,7 @@ from ..data.tokenizer import load_tokenizer
 from ..finetuning.report import grid_edge
 from ..model.constants import LOCAL_MIXERS
 from ..model.presets import PRESETS
+from ..tasks.arguments import TaskArguments
 from ..tasks.recall import RecallSettings, no_binding_line, parse_recall, recall_splits
 from .experiments import (
     PointFolder,
@@ -57,7 +59,10 @@ from .experiments import (
 
 GOAL_ACCURACY = 0.95  # the mixer at C = 64 holds this up to K = 32 (issue 54)
 GOAL_CONCEPTS, GOAL_PAIRS = 64, 32
-DRIVER_FINETUNE_FLAGS = ("--seeds", "--pooling", "--from_scratch", "--report_last_step")
+MAIN_CONCEPTS, MAIN_PAIRS = "16,64", "4,8,16,32"  # 3 seeds (--seeds) on these, one elsewhere (issue 54)
+NOUN = ("map", "--runs_dir")  # what check_reuse's messages call a K's folder, and its flag
+DEFAULT_MAX_SEQ_LENGTH = TaskArguments.__dataclass_fields__["max_seq_length"].default  # fine-tuning's
+DRIVER_FINETUNE_FLAGS = ("--seeds", "--pooling", "--from_scratch", "--report_last_step", "--max_seq_length")
 # 18,000 steps of 64, ended early once dev accuracy reaches 99.5%: binding arrives as a sudden jump whose timing
 # follows the schedule (a longer schedule keeps the rate high for longer): C = 64 with the mixer at K = 8 was at
 # 44.7% when a 6,000-step schedule ended and jumped at step 5,500 of an 18,000-step one (docs/results.md). A run
@@ -107,13 +112,26 @@ def cells(args) -> list[Cell]:
     return out
 
 
+def example_tokens(pairs: int) -> int:
+    """An example's tokens at K pairs: `[CLS] k1 v1 … kK vK [QUERY] kq [SEP]`."""
+    return 2 * pairs + 4
+
+
+def sized_argv(finetune_argv: list[str], pairs: int) -> list[str]:
+    """The fine-tuning arguments of K's cells: `--max_seq_length` added where an example is longer than
+    fine-tuning's default (K of 63 and more), so no example is cut (the loop refuses a recall task it would cut).
+    Named only there: the maps measured before it keep their requests."""
+    tokens = example_tokens(pairs)
+    return [*finetune_argv, "--max_seq_length", str(tokens)] if tokens > DEFAULT_MAX_SEQ_LENGTH else finetune_argv
+
+
 def task_name(pairs: int, args) -> str:
     """`recall:<K>` for the published set-up, else the long form naming keys (K at least), values and the training
     size."""
     keys = max(args.keys, pairs)
-    if keys == KEYS and args.values == VALUES and args.train is None:
-        return f"recall:{pairs}"
     train = args.train if args.train is not None else RecallSettings(pairs).train
+    if keys == KEYS and args.values == VALUES and train == RecallSettings(pairs).train:  # the defaults, named or not
+        return f"recall:{pairs}"
     return f"recall:{pairs}:{keys}:{args.values}:{train}"
 
 
@@ -122,11 +140,10 @@ def cell_argv(cell: Cell) -> list[str]:
     return ["--seeds", str(cell.seeds), "--pooling", "mean", "--from_scratch", "--report_last_step", "true"]
 
 
-def finished_points(plan: list[Cell], root: Path, args, finetune_argv: list[str]) -> dict:
-    """`(K, cell key) -> point` for the cells of `plan` finished under these arguments; runs nothing."""
-    folders = {
-        k: PointFolder(root / f"{args.name}-K{k}", "", finetune_argv, args.num_processes) for k in args.pair_list
-    }
+def finished_points(plan: list[Cell], root: Path, args, argvs: dict[int, list[str]]) -> dict:
+    """`(K, cell key) -> point` for the cells of `plan` finished under these arguments (`argvs`: K's fine-tuning
+    arguments); runs nothing."""
+    folders = {k: PointFolder(root / f"{args.name}-K{k}", "", argvs[k], args.num_processes) for k in args.pair_list}
     points = {}
     for cell in plan:
         if point := folders[cell.pairs].finished(cell.key, cell_argv(cell)):
@@ -167,32 +184,44 @@ def holds(rows: list[dict], concepts: int, mixer: str, up_to: int) -> tuple[bool
 def capacity_lines(rows: list[dict], pending: dict[str, list[str]]) -> list[str]:
     """Per width and mixer: the largest K held at `GOAL_ACCURACY` before the first K that is not (or is not
     measured yet: `pending`, K -> the models missing there), and that K over C (pairs held per concept): the
-    capacity law, where accuracy falls with K."""
+    capacity law, where accuracy falls with K. A K held again past the break is named (a one-seed cell can dip)."""
     lines = []
-    for concepts, mixer in sorted({(r["concept_num"], r["mixer"]) for r in rows if r["architecture"] == "concept"}):
-        model = f"C={concepts}, {mixer}"
+    names = {row_name(r) for r in rows} | {name for names in pending.values() for name in names}
+    widths = {name: int(name.split(",")[0].removeprefix("C=")) for name in names - {"BERT"}}
+    for model in sorted(widths, key=lambda name: (widths[name], name)):
+        concepts, mixer = widths[model], model.split(", ")[1]
         sequence = sorted([(r["pairs"], r["accuracy"]) for r in rows if row_name(r) == model]
                           + [(int(k), None) for k, models in pending.items() if model in models])  # fmt: skip
-        held, stop = 0, None
-        for pairs, accuracy in sequence:
+        held, stop = 0, len(sequence)
+        for index, (pairs, accuracy) in enumerate(sequence):
             if accuracy is None or accuracy < GOAL_ACCURACY:
-                stop = (pairs, accuracy)
+                stop = index
                 break
             held = pairs
+        again = [k for k, a in sequence[stop + 1 :] if a is not None and a >= GOAL_ACCURACY]
         name = f"- C={concepts}, mixer {mixer}: "
-        after = (
-            ", at every K measured" if stop is None
-            else f", K={stop[0]} not measured yet" if stop[1] is None
-            else f", below it from K={stop[0]}"
-        )  # fmt: skip
+        if stop == len(sequence):
+            lines.append(name + f"holds {GOAL_ACCURACY:.0%} up to K={held} ({held / concepts:.2f} pairs per concept), "
+                         "at every K measured")  # fmt: skip
+            continue
+        (first, accuracy), past = sequence[stop], ""
+        if again:  # past a K not measured yet, or a dip (a one-seed cell)
+            past = f" ({'held at' if accuracy is None else 'held again at'} K={', '.join(map(str, again))})"
         if held:
-            lines.append(name + f"holds {GOAL_ACCURACY:.0%} up to K={held} ({held / concepts:.2f} pairs per concept)"
-                         + after)  # fmt: skip
-        elif stop[1] is None:
-            lines.append(name + f"K={stop[0]}, its smallest K, not measured yet")
+            after = f"K={first} not measured yet" if accuracy is None else f"below it from K={first}"
+            lines.append(name + f"holds {GOAL_ACCURACY:.0%} up to K={held} ({held / concepts:.2f} pairs per concept), "
+                         + after + past)  # fmt: skip
+        elif accuracy is None:
+            lines.append(name + f"K={first}, its smallest K, not measured yet" + past)
         else:
-            lines.append(name + f"below {GOAL_ACCURACY:.0%} from the smallest K measured (K={stop[0]})")
+            lines.append(name + f"below {GOAL_ACCURACY:.0%} from the smallest K measured (K={first})" + past)
     return lines
+
+
+def pending_ks(pending: dict[str, list[str]], model: str) -> str:
+    """`K=4, 8` for the Ks where `model` (a row name, or `, none`: every width without the mixer) is still missing,
+    else ''."""
+    return ", ".join(str(k) for k in sorted(int(k) for k, ms in pending.items() if any(m.endswith(model) for m in ms)))
 
 
 def goal_lines(rows: list[dict], pending: dict[str, list[str]] | None = None) -> list[str]:
@@ -219,16 +248,22 @@ def goal_lines(rows: list[dict], pending: dict[str, list[str]] | None = None) ->
     lines.append(f"- the mixer at C={GOAL_CONCEPTS} holds >= {GOAL_ACCURACY:.0%} up to K={GOAL_PAIRS}: {verdict}")
     plain = [r for r in rows if r["architecture"] == "concept" and r["mixer"] == "none"]
     crossed = [f"C={r['concept_num']} K={r['pairs']}" for r in plain if r["accuracy"] > r["no_binding_line"] + 0.02]
-    lines.append("- without the mixer, above the no-binding line by more than 2 points: "
-                 + (", ".join(crossed) or "none"))  # fmt: skip
+    later = pending_ks(pending, ", none")
+    if plain or later:  # a map without any model of that kind has no such line
+        lines.append("- without the mixer, above the no-binding line by more than 2 points: "
+                     + (", ".join(crossed) or "none" if plain else f"not measured yet (K={later})")
+                     + (f"; K={later} not measured yet" if plain and later else ""))  # fmt: skip
     bert = [r for r in rows if r["architecture"] == "bert"]
     solved = [f"K={r['pairs']}" for r in bert if r["accuracy"] >= GOAL_ACCURACY]
     unsolved = [f"K={r['pairs']} {percent(r['accuracy'])}% at lr {r['learning_rate']}"
                 + (" (still improving: a longer schedule may solve it)" if r.get("still_improving") else "")
                 for r in bert if r["accuracy"] < GOAL_ACCURACY]  # fmt: skip
-    if bert:
-        lines.append(f"- BERT solves (>= {GOAL_ACCURACY:.0%}): {', '.join(solved) or 'no K'}"
-                     + (f"; not solved: {', '.join(unsolved)}" if unsolved else ""))  # fmt: skip
+    later = pending_ks(pending, "BERT")
+    if bert or later:
+        lines.append(f"- BERT solves (>= {GOAL_ACCURACY:.0%}): "
+                     + (", ".join(solved) or "no K" if bert else f"not measured yet (K={later})")
+                     + (f"; not solved: {', '.join(unsolved)}" if unsolved else "")
+                     + (f"; K={later} not measured yet" if bert and later else ""))  # fmt: skip
     return lines + capacity_lines(rows, pending)
 
 
@@ -340,13 +375,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixers", default="none,conv", help=f"local mixers, from {LOCAL_MIXERS}")
     parser.add_argument("--architectures", default="concept,bert", help="concept and/or bert")
     parser.add_argument("--preset", default="micro", help="the model shape (one preset)")
-    parser.add_argument("--main_concepts", default="16,64", help="widths of the main cells (--seeds seeds)")
-    parser.add_argument("--main_pairs", default="4,8,16,32", help="Ks of the main cells (--seeds seeds)")
+    parser.add_argument(
+        "--main_concepts",
+        default=None,
+        help=f"widths of the main cells (--seeds seeds), from --concepts (default: those of {MAIN_CONCEPTS})",
+    )
+    parser.add_argument(
+        "--main_pairs",
+        default=None,
+        help=f"Ks of the main cells (--seeds seeds), from --pairs (default: those of {MAIN_PAIRS})",
+    )
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the main cells")
     parser.add_argument("--sweep_seeds", type=int, default=1, help="seeds of the other cells")
-    parser.add_argument("--keys", type=int, default=KEYS, help="key symbols (a K above it draws from K symbols)")
-    parser.add_argument("--values", type=int, default=VALUES, help="value symbols (the classes)")
-    parser.add_argument("--train", type=int, default=None, help="training examples (default: the task's 20,000)")
+    parser.add_argument(
+        "--keys", type=at_least(1), default=KEYS, help="key symbols (a K above it draws from K symbols)"
+    )
+    parser.add_argument("--values", type=at_least(2), default=VALUES, help="value symbols (the classes)")
+    parser.add_argument(
+        "--train", type=at_least(100), default=None, help="training examples (default: the task's 20,000)"
+    )
     parser.add_argument("--report_only", action="store_true",
                         help="write the report of the cells finished so far (the others shown as not measured yet) "
                              "and run nothing: a map that takes hours, looked at while it runs")  # fmt: skip
@@ -354,12 +401,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def main_values(text: str | None, flag: str, default: str, planned: list[int], planned_flag: str) -> list[int]:
+    """The main cells' Ks or widths: those given, each one the map plans (a typo would quietly make every cell a
+    one-seed sweep cell), else the defaults the map plans."""
+    if text is None:
+        return [v for v in parse_list(default, flag, int) if v in planned]
+    values = parse_list(text, flag, int)
+    if stray := [v for v in values if v not in planned]:
+        raise ValueError(f"{flag}: {stray} not in {planned_flag} {','.join(map(str, planned))}; main cells are cells "
+                         f"of the map: choose from {planned_flag}")  # fmt: skip
+    return values
+
+
 def check_arguments(args) -> None:
     """Every argument checked before anything runs (ValueError naming it)."""
     args.pair_list = parse_list(args.pairs, "--pairs", int)
     args.concept_list = parse_list(args.concepts, "--concepts", int)
-    args.main_pair_list = parse_list(args.main_pairs, "--main_pairs", int)
-    args.main_concept_list = parse_list(args.main_concepts, "--main_concepts", int)
+    args.main_pair_list = main_values(args.main_pairs, "--main_pairs", MAIN_PAIRS, args.pair_list, "--pairs")
+    args.main_concept_list = main_values(args.main_concepts, "--main_concepts", MAIN_CONCEPTS, args.concept_list,
+                                         "--concepts")  # fmt: skip
     if any(v < 1 for v in [*args.pair_list, *args.concept_list]):
         raise ValueError("--pairs and --concepts are whole numbers >= 1")
     args.mixer_list = parse_mixers(args.mixers)
@@ -374,7 +434,7 @@ def check_arguments(args) -> None:
         parse_recall(task_name(pairs, args))
 
 
-def measure_map(plan: list[Cell], tasks: dict, root: Path, args, finetune_argv: list[str]) -> dict | None:
+def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int, list[str]]) -> dict | None:
     """`(K, cell key) -> point` for every cell of `plan`, finished ones reused, the others measured; None when
     another process holds a K's folder or a run failed (finished cells stay: the same command continues)."""
     points = {}
@@ -382,8 +442,8 @@ def measure_map(plan: list[Cell], tasks: dict, root: Path, args, finetune_argv: 
         folder = root / f"{args.name}-K{pairs}"  # the name in the folder: fine-tuning runs are named after it
         keys = max(args.keys, pairs)
         tokenizer = load_tokenizer(f"recall:{keys}:{args.values}")
-        positions = 2 * pairs + 4  # [CLS] k v … [QUERY] k [SEP]
-        point_folder = PointFolder(folder, task, finetune_argv, args.num_processes, probe=False)
+        positions = example_tokens(pairs)
+        point_folder = PointFolder(folder, task, argvs[pairs], args.num_processes, probe=False)
         lock = exclusive(folder, f"recall {folder.name}")
         if lock is None:
             return None
@@ -415,21 +475,24 @@ def main(argv: list[str] | None = None) -> int:
         finetune_argv = given_or_default(finetune_argv, FINETUNE_DEFAULTS)
         plan = cells(args)
         tasks = {pairs: task_name(pairs, args) for pairs in args.pair_list}
-        for pairs, task in tasks.items():
-            check_finetune_argv(finetune_argv, task)  # generates the task's splits into the cache
-            # what every cell of the K shares; which cells and how many seeds each point checks itself, so a map
-            # grows by widths, mixers or seeds under its name (`PointFolder.reused_or_measured`)
-            request = {"task": task, "preset": args.preset, "finetune_args": finetune_argv,
-                       "num_processes": args.num_processes}  # fmt: skip
-            check_reuse(root / f"{args.name}-K{pairs}", request, [], retired=("cells",), record=not args.report_only)
+        argvs = {pairs: sized_argv(finetune_argv, pairs) for pairs in args.pair_list}
+        # what every cell of a K shares; which cells and how many seeds each point checks itself, so a map grows by
+        # widths, mixers or seeds under its name (`PointFolder.reused_or_measured`)
+        requests = {pairs: {"task": task, "preset": args.preset, "finetune_args": argvs[pairs],
+                            "num_processes": args.num_processes} for pairs, task in tasks.items()}  # fmt: skip
+        for pairs, task in tasks.items():  # every K checked before any K's request is recorded
+            check_finetune_argv(argvs[pairs], task)  # generates the task's splits into the cache
+            check_reuse(root / f"{args.name}-K{pairs}", requests[pairs], [], ("cells",), False, *NOUN)
         check_report_dir(args.report_dir)
+        for pairs in [] if args.report_only else tasks:  # the same checks again, the folder's writability too
+            check_reuse(root / f"{args.name}-K{pairs}", requests[pairs], [], ("cells",), True, *NOUN)
     if args.report_only:
-        points = finished_points(plan, root, args, finetune_argv)
+        points = finished_points(plan, root, args, argvs)
         if not points:
             print(f"error: no cell of map {args.name!r} ({root}) is finished yet: nothing to report; run the map "
                   "without --report_only", file=sys.stderr)  # fmt: skip
             return 1
-    elif (points := measure_map(plan, tasks, root, args, finetune_argv)) is None:
+    elif (points := measure_map(plan, tasks, root, args, argvs)) is None:
         return 1
     lines = {str(k): no_binding_line(recall_splits(task))["test"] for k, task in tasks.items()}
     rows = [cell_row(points[(c.pairs, c.key)], c, lines[str(c.pairs)]) for c in plan if (c.pairs, c.key) in points]
@@ -437,12 +500,14 @@ def main(argv: list[str] | None = None) -> int:
     for c in plan:
         if (c.pairs, c.key) not in points:
             missing.setdefault(str(c.pairs), []).append(row_name(c.__dict__))
-    report = {"name": args.name, "rows": rows, "lines": lines, "chance": 1 / args.values,
+    report = {"name": args.name, "rows": rows, "lines": lines, "chance": 1 / args.values, "tasks": {str(k): t for k, t in tasks.items()},
               "goals": goal_lines(rows, missing), "cells": len(plan), "not_measured": missing,
               "models": [{"architecture": c.architecture, "concept_num": c.concept_num, "mixer": c.mixer}
                          for c in {row_name(c.__dict__): c for c in plan}.values()],
               "settings_line": f"Preset {args.preset}, fine-tuned from scratch, mean pooling: "
-                               f"{' '.join(finetune_argv)}; {args.values} values, keys max({args.keys}, K); "
+                               f"{' '.join(finetune_argv)}; tasks {', '.join(tasks.values())} (2K+4 tokens an "
+                               f"example, never cut: --max_seq_length past {DEFAULT_MAX_SEQ_LENGTH} where longer); "
+                               f"{args.values} values, keys max({args.keys}, K); "
                                "the test split read once per seed at the step chosen on dev."}  # fmt: skip
     print_report(write_report_files(report, args.report_dir, "recall", format_markdown, plot))
     return 0

@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         request = {"tokens": budget, "tasks": tasks, "arms": arms, "architectures": architectures,
                    "corpus": args.corpus, "task_weight": args.task_weight, "teacher": teacher,
                    "finetune_args": finetune_argv, "pretrain_args": loop_argv, "num_processes": args.num_processes}  # fmt: skip
-        check_reuse(folder, request, list(plans.values()))
+        check_reuse(folder, request, list(plans.values()), noun="point folder", folder_flag="--runs_dir")
         check_report_dir(args.report_dir)
     lock = exclusive(folder, f"recipes {args.name}")
     if lock is None:

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.compute as pc
 from datasets import Dataset, Sequence, Value, load_dataset
 
 from ..constants import check_table_covers
@@ -66,6 +67,7 @@ class TaskData:
     dev: Dataset
     validation: Dataset
     symbolic: bool = False  # every whitespace-separated token is a word (ListOps): TF-IDF counts single symbols
+    whole_input: bool = False  # the label needs every token (generated tasks): never truncated, refused instead
 
     @property
     def pair(self) -> bool:
@@ -158,7 +160,7 @@ def generated_task(name: str, splits: dict[str, list[dict]], labels: list[str], 
         tables[split] = Dataset.from_dict(columns)
     return TaskData(name, "single_label_classification", len(labels), labels,
                     DEFAULT_METRICS["single_label_classification"], tables["train"], tables["dev"], tables["test"],
-                    symbolic=True)  # fmt: skip
+                    symbolic=True, whole_input=True)  # fmt: skip
 
 
 def held_out_texts(task: TaskData) -> set[str]:
@@ -342,19 +344,36 @@ def finish(args, name, task_type, label_names, metrics, train: Dataset, validati
 
 def encode_splits(task: TaskData, tokenizer, max_seq_length: int) -> dict[str, Dataset]:
     """Tokenised splits with `input_ids`, `attention_mask` (and `token_type_ids` where the tokenizer makes
-    them), `labels` and the row `id`; a pair is encoded jointly, `[CLS] a [SEP] b [SEP]`, truncated to `max_seq_length`."""
+    them), `labels` and the row `id`; a pair is encoded jointly, `[CLS] a [SEP] b [SEP]`, truncated to
+    `max_seq_length`. A task whose label needs every token (`whole_input`: ListOps, recall) is never truncated: an
+    example longer than `max_seq_length` is a ValueError naming the length that fits (truncation would cut a
+    recall query or a ListOps tree's closing brackets, and the model would be scored on examples it cannot answer)."""
 
     def encode(batch):
         pair = (batch["text_a"], batch["text_b"]) if task.pair else (batch["text_a"],)
+        if task.whole_input:
+            return tokenizer(*pair, truncation=False)
         return tokenizer(*pair, truncation=True, max_length=max_seq_length)
 
     splits = {"train": task.train, "dev": task.dev, "validation": task.validation}
-    return {
+    encoded = {
         name: split.map(
             encode, batched=True, remove_columns=[c for c in split.column_names if c not in ("label", "id")]
         ).rename_column("label", "labels")
         for name, split in splits.items()
     }
+    if task.whole_input and (longest := longest_example(encoded)) > max_seq_length:
+        raise ValueError(
+            f"task {task.name!r} has examples of up to {longest} tokens, longer than --max_seq_length "
+            f"{max_seq_length}: its label needs the whole example, so it is not truncated; pass --max_seq_length "
+            f"{longest} or more"
+        )
+    return encoded
+
+
+def longest_example(splits: dict[str, Dataset]) -> int:
+    """The most tokens any example of `splits` holds (read from the Arrow column: no row is decoded)."""
+    return max(pc.max(pc.list_value_length(split.data.column("input_ids"))).as_py() or 0 for split in splits.values())
 
 
 __all__ = ["GLUE", "PACKAGES", "TaskData", "encode_splits", "held_out_texts", "load_task", "training_texts"]
