@@ -121,7 +121,7 @@ def test_a_refused_k_leaves_no_request_recorded_for_the_others(in_process, capsy
 
 
 def test_the_main_cells_default_to_those_the_map_plans_and_long_examples_size_the_runs():
-    args = recall.build_parser().parse_args(["--pairs", "2,8,64", "--concepts", "16,32"])
+    args = recall.build_parser().parse_args(["--pairs", "64,2,8", "--concepts", "16,32"])  # run K ascending
     recall.check_arguments(args)
     assert (args.main_pair_list, args.main_concept_list) == ([8], [16])  # the defaults this map plans
     assert [(c.pairs, c.concept_num, c.seeds) for c in recall.cells(args) if c.mixer == "conv"] == [

@@ -295,7 +295,8 @@ def format_markdown(report: dict) -> str:
     for r in rows:
         rate = f"{r['learning_rate']}" + (f" (grid's {r['rate_edge']})" if r.get("rate_edge") else "")
         lines.append(f"| {r['pairs']} | {r['keys']} | {r['label']} | {len(r['seeds'])} | "
-                     f"{percent(r['accuracy'], r['accuracy_std'])} | {percent(r['accuracy_last'])} | "
+                     f"{percent(r['accuracy'], r['accuracy_std'] if len(r['seeds']) > 1 else None)} | "
+                     f"{percent(r['accuracy_last'])} | "
                      f"{rate} | {', '.join(map(str, r['best_steps']))} | {r['runs']} | "
                      f"{r['cell_seconds']:.0f} |")  # fmt: skip
     total = sum(r["cell_seconds"] for r in rows)
@@ -415,7 +416,7 @@ def main_values(text: str | None, flag: str, default: str, planned: list[int], p
 
 def check_arguments(args) -> None:
     """Every argument checked before anything runs (ValueError naming it)."""
-    args.pair_list = parse_list(args.pairs, "--pairs", int)
+    args.pair_list = sorted(parse_list(args.pairs, "--pairs", int))  # the map runs K ascending
     args.concept_list = parse_list(args.concepts, "--concepts", int)
     args.main_pair_list = main_values(args.main_pairs, "--main_pairs", MAIN_PAIRS, args.pair_list, "--pairs")
     args.main_concept_list = main_values(args.main_concepts, "--main_concepts", MAIN_CONCEPTS, args.concept_list,
