@@ -239,6 +239,10 @@ def test_a_busy_curve_and_a_failed_run_end_in_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     [error] = errors(err)  # one line, beside the task loader's progress bars
     assert error.startswith("error: pretraining busy-concept failed (exit code 1)") and "Traceback" not in err
+    monkeypatch.setattr(experiments, "run_command", lambda command: 0)  # stopped by a signal: exit 0, no final model
+    assert curve.main(argv) == 1
+    [error] = errors(capsys.readouterr().err)  # no point measured on a run that has not ended
+    assert error.startswith("error: pretraining busy-concept stopped before its end (a signal?); rerun the same")
 
 
 def test_a_folder_that_is_not_a_curve_is_refused_before_anything_runs(launches, capsys):

@@ -256,6 +256,8 @@ def decayed_model(plan: ArchitecturePlan, run_dir: Path, step: int, processes: i
     code = run_command([*local_launcher(MLM_SCRIPT, processes), *plan.decay_command(step, resume)])
     if code != 0:
         raise RuntimeError(f"the decay {branch.name} failed (exit code {code}); fix it and rerun: it resumes")
+    if not ended_on_its_own(branch):  # a signal stops the loop at a checkpoint with exit code 0
+        raise RuntimeError(f"the decay {branch.name} stopped before its end (a signal?); rerun: it resumes")
     return branch / "final"
 
 
@@ -583,6 +585,9 @@ def pretrain(plan: ArchitecturePlan, run_dir: Path, processes: int) -> dict:
         code = run_command([*local_launcher(MLM_SCRIPT, processes), *plan.pretrain_argv])
         if code != 0 and not stopped_by_gate(run_dir):
             raise RuntimeError(f"pretraining {plan.run_name} failed (exit code {code}); fix it and rerun the same "
+                               "command: it resumes from the newest checkpoint")  # fmt: skip
+        if not ended_on_its_own(run_dir):  # a signal stops the loop at a checkpoint with exit code 0
+            raise RuntimeError(f"pretraining {plan.run_name} stopped before its end (a signal?); rerun the same "
                                "command: it resumes from the newest checkpoint")  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"stopped_by_gate": bool(summary.get("stopped_by_gate")), "steps": summary["steps"],
