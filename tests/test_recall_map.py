@@ -147,7 +147,10 @@ def test_goals_name_where_the_map_falls_short():
     goals = recall.goal_lines(rows)
     assert goals[0].endswith("missed (K=16 60.00%, K=32 40.00%)")
     assert goals[1].endswith("C=64 K=8")  # 30% is above the 25% line by more than 2 points
-    assert "BERT solves (>= 95%): K=8; not solved: K=16 20.00% at lr 0.001" in goals[2]
+    assert "BERT solves (>= 95%): K=8; not solved: K=16 20.00% at lr 0.001 (not rising, its rate inside" in goals[2]
+    edge = {"still_improving": True, "rate_edge": "highest"}
+    assert recall.why_unsolved(edge) == ("still improving: a longer schedule may solve it; its rate the grid's "
+                                         "highest: a rate beyond it may")  # fmt: skip
     assert "- C=64, mixer conv: holds 95% up to K=8 (0.12 pairs per concept), below it from K=16" in goals
     assert "- C=16, mixer conv: below 95% from the smallest K measured (K=8)" in goals
     held = recall.goal_lines([row(4, 64, "conv", 0.99), row(16, 64, "conv", 1.0)])  # K=32 not run: not met yet
@@ -177,7 +180,8 @@ def test_goals_name_where_the_map_falls_short():
         [row(4, None, "none", 0.5, "bert"), row(4, 16, "none", 0.3)], {"8": ["C=16, none", "BERT"]}
     )
     assert partly[1].endswith("2 points: C=16 K=4; K=8 not measured yet")
-    assert partly[2] == "- BERT solves (>= 95%): no K; not solved: K=4 50.00% at lr 0.001; K=8 not measured yet"
+    assert partly[2].endswith("; not solved: K=4 50.00% at lr 0.001 (not rising, its rate inside the grid: not "
+                              "learned at this shape and budget); K=8 not measured yet")  # fmt: skip
     assert not any("without the mixer" in g or "BERT" in g for g in recall.goal_lines([row(4, 16, "conv", 0.99)]))
 
 

@@ -224,6 +224,15 @@ def pending_ks(pending: dict[str, list[str]], model: str) -> str:
     return ", ".join(str(k) for k in sorted(int(k) for k, ms in pending.items() if any(m.endswith(model) for m in ms)))
 
 
+def why_unsolved(row: dict) -> str:
+    """Why a cell under the goal may not be the model's best (the issue: BERT solves the task, or the report says
+    why not): still improving at the schedule's end, or its rate an edge of the grid; else neither."""
+    reasons = ["still improving: a longer schedule may solve it"] if row.get("still_improving") else []
+    if row.get("rate_edge"):
+        reasons.append(f"its rate the grid's {row['rate_edge']}: a rate beyond it may")
+    return "; ".join(reasons) or "not rising, its rate inside the grid: not learned at this shape and budget"
+
+
 def goal_lines(rows: list[dict], pending: dict[str, list[str]] | None = None) -> list[str]:
     """The issue's goals, each met or missed, with where a miss happens; `pending` (K -> the models not measured
     there yet, a report of the map so far) turns a goal that rests on a missing cell into "not yet decided"."""
@@ -255,8 +264,7 @@ def goal_lines(rows: list[dict], pending: dict[str, list[str]] | None = None) ->
                      + (f"; K={later} not measured yet" if plain and later else ""))  # fmt: skip
     bert = [r for r in rows if r["architecture"] == "bert"]
     solved = [f"K={r['pairs']}" for r in bert if r["accuracy"] >= GOAL_ACCURACY]
-    unsolved = [f"K={r['pairs']} {percent(r['accuracy'])}% at lr {r['learning_rate']}"
-                + (" (still improving: a longer schedule may solve it)" if r.get("still_improving") else "")
+    unsolved = [f"K={r['pairs']} {percent(r['accuracy'])}% at lr {r['learning_rate']} ({why_unsolved(r)})"
                 for r in bert if r["accuracy"] < GOAL_ACCURACY]  # fmt: skip
     later = pending_ks(pending, "BERT")
     if bert or later:
