@@ -353,3 +353,18 @@ def test_a_wsd_curve_branches_one_decay_per_budget_from_one_stable_run(launches,
     assert refused.value.code == 2 and "budgets of steps [2] end before warm-up (1) plus --decay_steps (2)" in (
         capsys.readouterr().err
     )
+
+
+def test_arguments_in_another_order_are_the_same_request(tmp_path):
+    folder_request = {"task": "recall:4", "finetune_args": ["--max_steps", "9", "--learning_rates", "1e-3,3e-3"]}
+    assert experiments.argv_settings(["--a", "1", "--b=2", "--a", "3", "x", "y"]) == {
+        "--a": ["3", "x", "y"],
+        "--b": ["2"],
+    }
+    assert experiments.same_arguments(["--b", "2", "--a", "1"], ["--a", "1", "--b=2"])
+    assert not experiments.same_arguments(["--a", "1"], ["--a", "2"]) and not experiments.same_arguments("x", "x")
+    experiments.check_reuse(tmp_path / "map", folder_request, [])  # records it
+    reordered = {**folder_request, "finetune_args": ["--learning_rates", "1e-3,3e-3", "--max_steps", "9"]}
+    experiments.check_reuse(tmp_path / "map", reordered, [])  # the same settings: reused
+    with pytest.raises(ValueError, match="finetune_args: the curve's \\['--learning_rates'"):
+        experiments.check_reuse(tmp_path / "map", {**folder_request, "finetune_args": ["--max_steps", "10"]}, [])

@@ -174,6 +174,26 @@ def refuse_driver_flags(argv: list[str], flags: tuple[str, ...], where: str, by:
         raise ValueError(f"{where} {taken} are set {by}; leave them out")
 
 
+def argv_settings(argv: list[str]) -> dict[str | None, list[str]]:
+    """What a list of command-line arguments sets: `{flag: its values}`, the last `--flag` winning as argparse
+    reads it (`--flag=value` split), whatever order the flags come in; values before any flag under None."""
+    settings: dict[str | None, list[str]] = {}
+    flag = None
+    for arg in argv:
+        if arg.startswith("--"):
+            flag, equals, value = arg.partition("=")
+            settings[flag] = [value] if equals else []
+        else:
+            settings.setdefault(flag, []).append(arg)
+    return settings
+
+
+def same_arguments(a, b) -> bool:
+    """Whether `a` and `b` are lists of command-line arguments that set the same (`argv_settings`)."""
+    lists = [isinstance(x, list) and all(isinstance(arg, str) for arg in x) for x in (a, b)]
+    return all(lists) and argv_settings(a) == argv_settings(b)
+
+
 def given_or_default(argv: list[str], defaults: dict[str, str]) -> list[str]:
     """`argv` with `defaults` (flag → value) appended for each flag it does not give."""
     given = set(given_flags(argv, tuple(defaults)))
@@ -331,6 +351,8 @@ def check_reuse(
             raise ValueError(f"{path} does not hold a request (a JSON object): the folder is damaged or not a "
                              "driver's; choose another --name")  # fmt: skip
         saved = {key: value for key, value in saved.items() if key not in retired}
+        # command-line arguments in another order set the same: not a difference (`--finetune_args` written out)
+        saved.update({key: request[key] for key, value in saved.items() if same_arguments(value, request.get(key))})
         if changed := differences(saved, request, f"the {noun}'s", "this invocation's"):
             raise ValueError(
                 f"{noun} {folder.name} ({folder}) was measured under other settings ({'; '.join(changed)}): its "
