@@ -209,6 +209,10 @@ def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys,
     fresh = ["--vary", "learning_rate=1e-4,5e-3", "--decide", "eval_loss", "--name", "ctrlc", "--", *loop]
     assert ablate.main(fresh) == 130
     assert capsys.readouterr().err.strip().startswith("interrupted: rerun the same command to continue")
+    monkeypatch.setattr(ablate, "run_loop", lambda command: 0)  # stopped by a signal: exit 0, no final model
+    signalled = ["--vary", "learning_rate=1e-4,5e-3", "--decide", "eval_loss", "--name", "sig", "--", *loop]
+    assert ablate.main(signalled) == 1  # no comparison of a run that has not ended
+    assert "stopped before its end (a signal?); rerun the same command" in capsys.readouterr().err
 
 
 @pytest.mark.loop
@@ -294,6 +298,11 @@ def test_compare_shows_an_unfinished_run_and_a_cut_metrics_line_is_named_not_fat
     assert f"going (running / unfinished, step {last_step})" in result["text"]
     assert result["metrics"]["eval_loss"][1] == [json.loads(x) for x in lines[:-1] if '"eval"' in x][-1]["eval_loss"]
     assert warnings == [f"{going / 'metrics.jsonl'} line {len(lines)} is not a metrics record (cut short?): skipped"]
+    stopped = tmp_path / "stopped"  # a signal stopped it: the summary is written, marked preempted
+    shutil.copytree(finished_run, stopped)
+    summary = json.loads((stopped / "summary.json").read_text())
+    (stopped / "summary.json").write_text(json.dumps({**summary, "preempted": True, "steps": 3}))
+    assert "stopped (running / unfinished, step 3)" in compare([finished_run, stopped], report_dir=tmp_path)["text"]
     metrics_log.MetricsWriter(going / "metrics.jsonl").drop_after(3)  # what a resume does: the cut line goes too
     assert [r["step"] for r in metrics_log.read_metrics(going / "metrics.jsonl")] == [
         json.loads(x)["step"] for x in lines[:-1] if json.loads(x)["step"] <= 3

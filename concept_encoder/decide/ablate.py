@@ -240,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"{run_name} failed with exit code {code}; fix it and rerun the same command", file=sys.stderr
                     )
                     return code
+                if not ended_on_its_own(run_dir):  # a signal stops the loop at a checkpoint with exit code 0
+                    print(f"{run_name} stopped before its end (a signal?); rerun the same command: it resumes from "
+                          "its newest checkpoint", file=sys.stderr)  # fmt: skip
+                    return 1
             if args.heldout:
                 code = heldout_check(run_dir, args.heldout)
                 if code != 0:

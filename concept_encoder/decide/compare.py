@@ -42,7 +42,7 @@ class Run:
     config: dict
     summary: dict
     records: list[dict] = field(default_factory=list)
-    unfinished: bool = False  # no summary.json yet: running, or stopped before its end
+    unfinished: bool = False  # no summary.json yet (running, or crashed), or one a signal's stop wrote
 
     @property
     def name(self) -> str:
@@ -52,7 +52,7 @@ class Run:
     def label(self) -> str:
         """The run's column title: its name, marked when it has not finished (latest metrics shown)."""
         return (
-            f"{self.name} (running / unfinished, step {self.summary.get('step', '?')})"
+            f"{self.name} (running / unfinished, step {self.summary.get('step', self.summary.get('steps', '?'))})"
             if self.unfinished
             else self.name
         )
@@ -97,7 +97,8 @@ def load_run(path: str | Path) -> Run:
     records = read_metrics(path / "metrics.jsonl")  # a line cut short is named and skipped
     summary_path = path / "summary.json"
     summary = json_object(summary_path) if summary_path.is_file() else latest_metrics(records)
-    return Run(path, json_object(path / "config.json"), summary, records, not summary_path.is_file())
+    unfinished = not summary_path.is_file() or bool(summary.get("preempted"))  # a signal stopped it at a checkpoint
+    return Run(path, json_object(path / "config.json"), summary, records, unfinished)
 
 
 def json_object(path: Path) -> dict:
