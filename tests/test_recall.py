@@ -157,7 +157,8 @@ def test_the_masked_form_pretrains_through_the_mlm_loop(workdir):
     from concept_encoder.common.metrics_log import read_metrics
 
     assert mlm.main(["--preset", "micro", "--concept_num", "8", "--max_seq_length", "32", "--tokenizer", "recall",
-                     "--dataset", "task:recall:4:64:16:200", "--masking", "query_values", "--max_steps", "2",
+                     "--dataset", "task:recall:4:64:16:200", "--masking", "query_values", "--packing", "false",
+                     "--max_steps", "2",
                      "--per_device_train_batch_size", "8", "--logging_steps", "1", "--eval_steps", "0",
                      "--save_steps", "0", "--max_eval_batches", "1", "--report_to", "none", "--progress_bar", "false",
                      "--output_dir", "runs", "--run_name", "recall"]) == 0  # fmt: skip
@@ -199,3 +200,33 @@ def test_a_point_is_never_read_from_a_report_an_earlier_attempt_left(tmp_path, m
 
     monkeypatch.setattr(experiments, "run_command", reported)
     assert folder.measure("C4-conv", "model", ["--seeds", "3"], {})["rows"] == [{"seeds": [42, 43, 44]}]
+
+
+def test_pretraining_on_a_larger_recall_split_that_holds_the_tasks_test_examples_is_refused(tmp_path, monkeypatch):
+    from concept_encoder.tasks.leakage import planned_overlap
+    from concept_encoder.tasks.loading import load_task
+    from concept_encoder.tasks.recall import pretraining_texts, recall_pairs
+
+    monkeypatch.chdir(tmp_path)
+    task = load_task(TaskArguments(task="recall:8:64:16:200"))  # rows 200-299 of the stream: its dev and test
+    larger = parse_recall("recall:8:64:16:300")  # its training split is rows 0-299: the same examples
+    masked = set(pretraining_texts("recall:8:64:16:300"))
+    held = {text for split in (task.dev, task.validation) for text in split["text_a"]}
+    assert larger.train == 300 and not held & masked  # the masked form never equals a held-out text...
+    assert {recall_pairs(t) for t in held} <= {recall_pairs(t) for t in masked}  # ...but holds its pairs, answered
+    message = planned_overlap("task:recall:8:64:16:300", task)
+    assert message and "100 of them stand in the dev or" in message
+    assert planned_overlap("task:recall:8:64:16:200", task) is None  # its own training split: nothing held out read
+
+
+def test_the_masked_form_is_read_whole_or_refused():
+    from concept_encoder.data.arguments import DataArguments
+
+    masked = {"dataset": "task:recall:64,docstrings", "masking": "query_values"}
+    with pytest.raises(ValueError, match="packing would cut them at block ends .* pass --packing false"):
+        DataArguments(**masked)  # packing is the default
+    with pytest.raises(ValueError, match="max_seq_length=128 cuts the masked recall examples of --dataset "
+                                         "task:recall:64,docstrings \\(142 tokens each\\): pass --max_seq_length 142"):  # fmt: skip
+        DataArguments(**masked, packing=False)  # 1 + 64 pairs + 4 queries of 3 symbols + 1
+    assert DataArguments(**masked, packing=False, max_seq_length=142).max_seq_length == 142
+    assert DataArguments(dataset="task:recall:64", max_seq_length=16).packing  # other maskings: documents packed

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ..common.padding import check_pad_multiple, pad_multiple_field
 from ..constants import EMBEDDED_DATASET, MASKING_STRATEGIES
 from .mixture import TASK_SOURCE, is_mixture, parse_mixture
+from .recall_vocab import masked_example_tokens
 
 
 @dataclass
@@ -81,8 +82,24 @@ class DataArguments:
             raise ValueError(
                 f"mean_span_length={self.mean_span_length} and max_span_length={self.max_span_length} must be >= 1"
             )
+        if self.masking == "query_values":
+            self.check_recall_examples()
         if self.document_blocks and not self.packing:
             raise ValueError("document_blocks=True cuts documents into blocks: it needs packing=True (without "
                              "packing each document is one example already, truncated to max_seq_length)")  # fmt: skip
         if self.preprocessing_num_workers is not None and self.preprocessing_num_workers < 1:
             raise ValueError(f"preprocessing_num_workers={self.preprocessing_num_workers} must be >= 1 (or unset)")
+
+    def check_recall_examples(self) -> None:
+        """`--masking query_values` trains on whole recall examples: packing would cut them at block ends and put
+        several in one block (each binding the same keys to other values), and an example longer than
+        `--max_seq_length` would lose its last queries."""
+        if self.packing:
+            raise ValueError("masking=query_values reads whole recall examples: packing would cut them at block ends "
+                             "and put several, each binding keys to other values, in one block; pass --packing false")  # fmt: skip
+        tasks = [p.task for p in parse_mixture(self.dataset)] if is_mixture(self.dataset) else []
+        longest = max([n for task in tasks if task and (n := masked_example_tokens(task))], default=0)
+        if longest > self.max_seq_length:
+            raise ValueError(f"max_seq_length={self.max_seq_length} cuts the masked recall examples of "
+                             f"--dataset {self.dataset} ({longest} tokens each): pass --max_seq_length {longest} "
+                             "or more")  # fmt: skip

@@ -8,6 +8,18 @@ KEYS = 64  # the published set-up (Zoology's multi-query recall, issue #54): 64 
 VALUES = 16
 PREFIX = "recall"
 VOCAB_VERSION = 1  # part of the tokenizer's cache folder name: a changed vocabulary is a new folder
+QUERIES = 4  # the masked form's answered queries an example (at most K)
+
+
+def masked_example_tokens(task: str) -> int | None:
+    """The tokens of one masked-form example of task `recall:<K>…` (`[CLS]`, K pairs, min(QUERIES, K) answered
+    queries `[QUERY] k v`, `[SEP]`: one token a symbol), else None (another task, or a malformed name: the task's
+    own parser names that)."""
+    parts = task.split(":")
+    if parts[0] != PREFIX or len(parts) < 2 or not parts[1].isdigit():
+        return None
+    pairs = int(parts[1])
+    return 2 * pairs + 3 * min(QUERIES, pairs) + 2
 
 
 def key(index: int) -> str:

@@ -16,6 +16,7 @@ import logging
 from ..data.mixture import is_mixture, parse_mixture
 from ..data.sources import TaskTexts, texts_digest
 from .loading import TaskData, held_out_texts, training_texts
+from .recall import is_recall, recall_pairs
 
 CONFIG_KEY = "pretraining_task_texts"
 logger = logging.getLogger("concept_encoder")
@@ -45,7 +46,10 @@ def shared_held_out(record: dict[str, str], task: TaskData, task_texts: TaskText
         if digest is not None and texts_digest(texts) != digest:
             logger.warning("the training texts of task %s differ from those pretraining read (digest %s, now %s): "
                            "the held-out check reads today's", name, digest, texts_digest(texts))  # fmt: skip
-        if shared := sorted(held.intersection(texts)):
+        # recall: an example is its pairs (pretraining reads them with other queries answered, `answered`)
+        same = recall_pairs if is_recall(task.name) or is_recall(name) else (lambda text: text)
+        read = {same(text) for text in texts}
+        if shared := sorted(text for text in held if same(text) in read):
             return name, shared
     return None
 

@@ -25,13 +25,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..data.recall_vocab import KEYS, PREFIX, QUERY, VALUES, check_vocabularies, key, value
+from ..data.recall_vocab import KEYS, PREFIX, QUERIES, QUERY, VALUES, check_vocabularies, key, value
 from .generated import cached_splits, consecutive_splits, generation_problem, rule_accuracies, settings_digest
 
 GENERATOR_VERSION = 1
 SEED = 0
 TRAIN, HELD = 20_000, 2_000
-QUERIES = 4  # the masked form's answered queries an example (at most K)
 FORMS = (
     "recall:<K>, recall:<K>:<keys>:<values> or recall:<K>:<keys>:<values>:<train> (e.g. recall:8, recall:8:64:16:2000)"
 )
@@ -139,10 +138,16 @@ def recall_splits(task: str, cache_dir: str | Path = "Cache") -> dict[str, list[
     return cached_splits(PREFIX, settings.key(), task, meta, lambda: generate_splits(settings), cache_dir)
 
 
+def recall_pairs(text: str) -> str:
+    """An example's pairs, `k3 v1 k7 v0`, whatever queries follow (the classification form's one, or the masked
+    form's answered ones): what two forms of one example share, and what leaks its answers."""
+    return text.split(f" {QUERY} ")[0]
+
+
 def answered(text: str, queries: int, rng: random.Random) -> str:
     """The masked form of one example: its pairs, then `queries` distinct keys of them (at most K), each followed
     by its value, `k3 v1 k7 v0 [QUERY] k7 v0 [QUERY] k3 v1`; `--masking query_values` masks those values."""
-    head = text.split(f" {QUERY} ")[0]
+    head = recall_pairs(text)
     symbols = head.split()
     pairs = list(zip(symbols[0::2], symbols[1::2], strict=True))
     asked = rng.sample(pairs, min(queries, len(pairs)))
@@ -160,4 +165,4 @@ def pretraining_texts(task: str, cache_dir: str | Path = "Cache") -> list[str]:
 
 
 __all__ = ["RecallSettings", "generate_splits", "is_recall", "no_binding_line", "parse_recall", "pretraining_texts",
-           "recall_splits"]  # fmt: skip
+           "recall_pairs", "recall_splits"]  # fmt: skip
