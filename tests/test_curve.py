@@ -368,3 +368,11 @@ def test_arguments_in_another_order_are_the_same_request(tmp_path):
     experiments.check_reuse(tmp_path / "map", reordered, [])  # the same settings: reused
     with pytest.raises(ValueError, match="finetune_args: the curve's \\['--learning_rates'"):
         experiments.check_reuse(tmp_path / "map", {**folder_request, "finetune_args": ["--max_steps", "10"]}, [])
+
+
+def test_a_generated_task_longer_than_max_seq_length_is_refused_before_any_pretraining(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="task recall:63:64:16:100 has examples of at least 130 tokens, longer "
+                                         "than --max_seq_length 128, and is never truncated; pass --max_seq_length 130"):  # fmt: skip
+        experiments.check_finetune_argv([], "recall:63:64:16:100")
+    experiments.check_finetune_argv(["--max_seq_length", "130"], "recall:63:64:16:100")  # whole: accepted

@@ -99,6 +99,7 @@ def test_bad_plans_are_refused_before_any_run(in_process, capsys):
         (["--pairs", "8", "--keys", "0"], "--keys: 0 is below 1"),
         (["--pairs", "8", "--", "--preset", "tiny"], "the recall driver pretrains nothing"),
         (["--pairs", "8", "--finetune_args", "--max_seq_length 20"], "['--max_seq_length'] are set by the recall"),
+        (["--pairs", "8", "--finetune_args", "--task recall:4"], "['--task'] are set by the recall driver"),
         (["--pairs", "8", "--finetune_args", "--max_steps '3"], '--finetune_args "--max_steps \'3": No closing'),
         (["--concepts", "16,64", "--main_concepts", "61"], "--main_concepts: [61] not in --concepts 16,64"),
         (["--pairs", "4,8", "--main_pairs", "8,16"], "--main_pairs: [16] not in --pairs 4,8"),

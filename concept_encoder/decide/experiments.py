@@ -362,10 +362,10 @@ def check_reuse(
         if (run_dir / "config.json").is_file():  # a run of that name exists: this curve's only if run as it plans
             current = argument_settings(*plan.loop_args)
             saved = run_config_arguments(run_dir, current)
-            if changed := differences(saved, current, "the run has", "this curve", keys=sorted(saved)):
+            if changed := differences(saved, current, "the run has", f"this {noun}", keys=sorted(saved)):
                 raise ValueError(
                     f"pretraining run {run_dir} was run under other settings ({'; '.join(changed[:4])}): it is not "
-                    "this curve's run; choose another --name (or move that run away)"
+                    f"this {noun}'s run; choose another --name (or move that run away)"
                 )
         reached = max([finished_steps(run_dir) if (run_dir / "summary.json").is_file() else 0,
                        *(step_of(c) for c in checkpoint_dirs(run_dir))])  # fmt: skip
@@ -625,16 +625,25 @@ def add_report_driver_arguments(parser: argparse.ArgumentParser, name: str, runs
     parser.add_argument("--num_processes", type=at_least(1), default=1, help="processes per run (accelerate launch)")
 
 
-def check_finetune_argv(finetune_argv: list[str], task: str, datasets: Iterable[str] = ()) -> None:
+def check_finetune_argv(
+    finetune_argv: list[str], task: str, datasets: Iterable[str] = (), driver: str = "curve"
+) -> None:
     """The fine-tuning arguments as the loop will see them (a placeholder model), before anything runs; and that
     no pretraining on `datasets` reads a text the task's dev or validation split holds (`task:` sources)."""
-    refuse_driver_flags(finetune_argv, FINETUNE_DRIVER_FLAGS, "--finetune_args:", "by the curve driver")
+    refuse_driver_flags(finetune_argv, FINETUNE_DRIVER_FLAGS, "--finetune_args:", f"by the {driver} driver")
     _, task_args, _ = parse_args(["--model_name_or_path", ".", "--task", task, *finetune_argv],
                                  classes=FINETUNE_ARGUMENT_CLASSES, defaults=FINETUNE_DEFAULTS)  # fmt: skip
     try:  # the task must load before hours of pretraining are spent on it
         data = load_task(task_args)
     except DataSourceError as error:
         raise ValueError(str(error)) from error
+    if data.whole_input:  # never cut (`encode_splits`): a symbol is a token at least, with [CLS] and [SEP]
+        splits = (data.train, data.dev, data.validation)
+        longest = max(len(text.split()) for split in splits for text in split["text_a"]) + 2
+        if longest > task_args.max_seq_length:
+            raise ValueError(f"--finetune_args: task {task} has examples of at least {longest} tokens, longer than "
+                             f"--max_seq_length {task_args.max_seq_length}, and is never truncated; pass "
+                             f"--max_seq_length {longest} (or more) in --finetune_args")  # fmt: skip
     for dataset in dict.fromkeys(datasets):
         if problem := planned_overlap(dataset, data):
             raise ValueError(problem)

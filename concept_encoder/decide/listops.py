@@ -348,13 +348,15 @@ def main(argv: list[str] | None = None) -> int:
         refuse_driver_flags(loop_argv, PRETRAIN_FLAGS, "pretraining arguments", "by the listops driver")
         finetune_argv = with_defaults(finetune_argv)
         max_seq_length = parse_listops(args.task).max_length + 2  # [CLS] … [SEP]
-        check_finetune_argv([*finetune_argv, "--max_seq_length", str(max_seq_length)], args.task)  # generates it
+        check_finetune_argv(
+            [*finetune_argv, "--max_seq_length", str(max_seq_length)], args.task, (), "listops"
+        )  # generates it
         arms = scratch_arms(args)
         request = {"task": args.task, "arms": [a.key for a in arms], "seeds": args.seeds,
                    "sweep_seeds": args.sweep_seeds, "pretrain_tokens": args.pretrain_budget,
                    "finetune_args": finetune_argv, "pretrain_args": loop_argv, "num_processes": args.num_processes}  # fmt: skip
+        check_report_dir(args.report_dir)  # before the request is recorded: a refusal leaves nothing behind
         check_reuse(folder, request, [], noun="point folder", folder_flag="--runs_dir")
-        check_report_dir(args.report_dir)
     tokenizer = load_tokenizer("listops")
     point_folder = PointFolder(folder, args.task, finetune_argv, args.num_processes, probe=False)
     lock = exclusive(folder, f"listops {args.name}")

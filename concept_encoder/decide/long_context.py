@@ -381,12 +381,14 @@ def main(argv: list[str] | None = None) -> int:
                 if "full" in chosen and length <= args.full_attention_max}  # fmt: skip
         runs = [*([window_bert] if window_bert else []), *concept.values(), *full.values()]
         for task in dict.fromkeys(tasks.values()):  # loads it (hours of pretraining need a task that loads), and
-            check_finetune_argv(finetune_argv, task, [p.loop_args[1].dataset for p, _ in runs])  # no held-out text read
+            check_finetune_argv(
+                finetune_argv, task, [p.loop_args[1].dataset for p, _ in runs], "long-context"
+            )  # no held-out text read
         request = {"lengths": lengths, "tokens": budget, "task": args.task, "window": args.window,
                    "words_per_token": args.words_per_token, "finetune_args": finetune_argv, "pretrain_args": base,
                    "num_processes": args.num_processes, "rows": sorted(chosen)}  # fmt: skip
+        check_report_dir(args.report_dir)  # before the request is recorded: a refusal leaves nothing behind
         check_reuse(folder, request, runs, noun="point folder", folder_flag="--runs_dir")
-        check_report_dir(args.report_dir)
     lock = exclusive(folder, f"long-context {args.name}")
     if lock is None:
         return 1

@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         requests = {pairs: {"task": task, "preset": args.preset, "finetune_args": argvs[pairs],
                             "num_processes": args.num_processes} for pairs, task in tasks.items()}  # fmt: skip
         for pairs, task in tasks.items():  # every K checked before any K's request is recorded
-            check_finetune_argv(argvs[pairs], task)  # generates the task's splits into the cache
+            check_finetune_argv(argvs[pairs], task, (), "recall")  # generates the task's splits into the cache
             check_reuse(root / f"{args.name}-K{pairs}", requests[pairs], [], ("cells",), False, *NOUN)
         check_report_dir(args.report_dir)
         for pairs in [] if args.report_only else tasks:  # the same checks again, the folder's writability too

@@ -259,12 +259,12 @@ def main(argv: list[str] | None = None) -> int:
                     )
         for task in tasks:  # the task must load, and no arm read its held-out texts, before hours of pretraining
             datasets = [plan.loop_args[1].dataset for (_, _, own), (plan, _) in plans.items() if own in (None, task)]
-            check_finetune_argv(finetune_argv, task, datasets)
+            check_finetune_argv(finetune_argv, task, datasets, "recipes")
         request = {"tokens": budget, "tasks": tasks, "arms": arms, "architectures": architectures,
                    "corpus": args.corpus, "task_weight": args.task_weight, "teacher": teacher,
                    "finetune_args": finetune_argv, "pretrain_args": loop_argv, "num_processes": args.num_processes}  # fmt: skip
+        check_report_dir(args.report_dir)  # before the request is recorded: a refusal leaves nothing behind
         check_reuse(folder, request, list(plans.values()), noun="point folder", folder_flag="--runs_dir")
-        check_report_dir(args.report_dir)
     lock = exclusive(folder, f"recipes {args.name}")
     if lock is None:
         return 1
