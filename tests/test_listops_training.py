@@ -191,7 +191,17 @@ def test_bad_driver_plans_are_refused_before_any_run(in_process, capsys):
     with pytest.raises(SystemExit):
         listops.main(["--task", "listops:100:200", "--", "--dataset", "docstrings"])
     assert "set by the listops driver" in capsys.readouterr().err
-    assert in_process == []  # nothing launched
+    small = ["--task", "listops:100:200", "--presets", "micro"]
+    for extra, message in (
+        (["--pretrain_tokens", "1M,2M"], "--pretrain_tokens '1M,2M': give one budget"),
+        (["--pretrain_tokens", "0k"], "--pretrain_tokens '0k': '0k' is not a positive token count"),
+        (["--architectures", "concept", "--refinement", "off", "--poolings", "cls"], "no arm to measure"),
+        (["--", "--bogus", "1"], "--bogus"),  # the self-pretraining's arguments: checked before the first arm runs
+    ):
+        with pytest.raises(SystemExit):
+            listops.main([*small, *extra])
+        assert message in capsys.readouterr().err
+    assert in_process == [] and not Path("Cache/listops/listops").exists()  # nothing launched, nothing recorded
 
 
 def test_the_mixer_arms_build_models_with_the_mixer_and_keep_the_plain_arms_keys(tmp_path):

@@ -71,25 +71,25 @@ FINETUNE_DRIVER_FLAGS = ("--model_name_or_path", "--task", "--run_name", "--repo
                          "--compare_to", "--resume_from_checkpoint", "--probe", "--finetune")  # fmt: skip
 
 
-def parse_budgets(text: str) -> list[int]:
+def parse_budgets(text: str, flag: str = "--tokens") -> list[int]:
     """`"0.5M,2M,8M"` → [500000, 2000000, 8000000] (suffixes k, M, G/B; plain numbers too), ascending;
-    ValueError naming the bad entry."""
+    ValueError naming `flag` and the bad entry."""
     budgets = []
     for item in (part.strip() for part in text.split(",")):
         match = re.fullmatch(r"(\d+\.?\d*(?:[eE][-+]?\d+)?)\s*([kKmMgGbB]?)", item)
         if not match:
-            raise ValueError(f"--tokens {text!r}: {item!r} is not a token count such as 500k, 2M or 8000000")
+            raise ValueError(f"{flag} {text!r}: {item!r} is not a token count such as 500k, 2M or 8000000")
         tokens = round(float(match[1]) * SUFFIXES[match[2].lower()])
         if tokens < 1:
-            raise ValueError(f"--tokens {text!r}: {item!r} is not a positive token count")
+            raise ValueError(f"{flag} {text!r}: {item!r} is not a positive token count")
         if tokens > MAX_TOKENS:
             raise ValueError(
-                f"--tokens {text!r}: {item!r} is beyond {MAX_TOKENS:.0e} tokens, a run that "
+                f"{flag} {text!r}: {item!r} is beyond {MAX_TOKENS:.0e} tokens, a run that "
                 "cannot finish (the largest pretraining runs read about 15T); give a budget that can"
             )
         budgets.append(tokens)
     if len(set(budgets)) != len(budgets):
-        raise ValueError(f"--tokens {text!r}: a budget is given twice")
+        raise ValueError(f"{flag} {text!r}: a budget is given twice")
     return sorted(budgets)
 
 
@@ -200,7 +200,9 @@ def given_or_default(argv: list[str], defaults: dict[str, str]) -> list[str]:
     return [*argv, *(x for flag, value in defaults.items() if flag not in given for x in (flag, value))]
 
 
-def plan_architecture(architecture: str, budgets: list[int], loop_argv: list[str], name: str, processes: int):
+def plan_architecture(
+    architecture: str, budgets: list[int], loop_argv: list[str], name: str, processes: int, flag: str = "--tokens"
+):
     """The pretraining command for `architecture` (checked by the loop's own parser) and a step per budget;
     ValueError when two budgets round to the same step or a budget is under one step."""
     run_name = f"{name}-{architecture}"
@@ -211,7 +213,7 @@ def plan_architecture(architecture: str, budgets: list[int], loop_argv: list[str
     steps = [max(1, round(tokens / per_step)) for tokens in budgets]
     if len(set(steps)) != len(steps) or any(tokens < per_step / 2 for tokens in budgets):
         raise ValueError(
-            f"--tokens {','.join(map(token_label, budgets))}: one optimizer step is {per_step:,} tokens here, so the "
+            f"{flag} {','.join(map(token_label, budgets))}: one optimizer step is {per_step:,} tokens here, so the "
             f"budgets give steps {steps}; choose budgets at least one step apart (or a smaller batch)"
         )
     if train_args.lr_scheduler_type == "wsd":
@@ -692,11 +694,11 @@ def parse_mixers(text: str) -> list[str]:
     return mixers
 
 
-def one_budget(text: str, why: str) -> int:
-    """`--tokens` of a driver whose runs all take one budget: that budget; ValueError saying `why` for several."""
-    budgets = parse_budgets(text)
+def one_budget(text: str, why: str, flag: str = "--tokens") -> int:
+    """`flag` of a driver whose runs all take one budget: that budget; ValueError saying `why` for several."""
+    budgets = parse_budgets(text, flag)
     if len(budgets) != 1:
-        raise ValueError(f"--tokens {text!r}: give one budget ({why})")
+        raise ValueError(f"{flag} {text!r}: give one budget ({why})")
     return budgets[0]
 
 

@@ -50,7 +50,7 @@ from .experiments import (
     given_flags,
     given_or_default,
     holding,
-    parse_budgets,
+    one_budget,
     parse_driver_argv,
     parse_list,
     parse_mixers,
@@ -152,6 +152,19 @@ def with_defaults(finetune_argv: list[str]) -> list[str]:
     return argv
 
 
+def twin_candidates(arms: list[Arm], args) -> tuple[list[Arm], list[Arm]]:
+    """The from-scratch arms a self-pretrained twin may copy: the first preset's main Concept Encoder arms (the
+    twin is the one best on dev) and its first BERT arm."""
+    first = [a for a in arms if a.preset == args.preset_list[0] and a.kind != "sweep"]
+    return [a for a in first if a.architecture == "concept"], [a for a in first if a.architecture == "bert"][:1]
+
+
+def selfpre_arm(twin: Arm, args) -> Arm:
+    """The self-pretrained twin of from-scratch arm `twin`: the same model, pretrained on the task's inputs."""
+    return Arm(f"{twin.key}-selfpre", f"{twin.label}, self-pretrained", twin.preset, twin.architecture,
+               twin.concept_num, twin.refine, twin.pooling, args.seeds, "pretrained", twin.mixer)  # fmt: skip
+
+
 def pretraining_plan(arm: Arm, args, loop_argv: list[str], max_seq_length: int, budget: int):
     """The self-pretraining run of `arm`'s model: MLM on the task's training inputs at 10% masking."""
     argv = [*loop_argv, "--dataset", f"task:{args.task}", "--tokenizer", "listops", "--packing", "false",
@@ -161,7 +174,8 @@ def pretraining_plan(arm: Arm, args, loop_argv: list[str], max_seq_length: int, 
     if arm.architecture == "concept":
         argv += ["--concept_num", str(arm.concept_num), "--token_refinement", str(arm.refine).lower(),
                  "--local_mixer", arm.mixer]  # fmt: skip
-    return plan_architecture(arm.architecture, [budget], argv, f"{args.name}-selfpre-{arm.key}", args.num_processes)
+    return plan_architecture(arm.architecture, [budget], argv, f"{args.name}-selfpre-{arm.key}", args.num_processes,
+                             "--pretrain_tokens")  # fmt: skip
 
 
 def arm_row(point: dict, arm: Arm, tokens: float) -> dict:
@@ -335,7 +349,10 @@ def check_arguments(args) -> None:
         raise ValueError(f"--poolings: {bad} unknown; choose mean and/or cls")
     if args.seeds < 1 or args.sweep_seeds < 1:
         raise ValueError("--seeds and --sweep_seeds must be >= 1")
-    args.pretrain_budget = 0 if args.pretrain_tokens.strip() in ("0", "") else parse_budgets(args.pretrain_tokens)[0]
+    args.pretrain_budget = (
+        0 if args.pretrain_tokens.strip() in ("0", "")
+        else one_budget(args.pretrain_tokens, "each self-pretrained twin reads it", "--pretrain_tokens")
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
             [*finetune_argv, "--max_seq_length", str(max_seq_length)], args.task, (), "listops"
         )  # generates it
         arms = scratch_arms(args)
+        if not arms:
+            raise ValueError(f"--architectures {args.architectures} --refinement {args.refinement} --poolings "
+                             f"{args.poolings}: no arm to measure (a Concept Encoder pools cls only when it refines)")  # fmt: skip
+        candidates = [arm for group in twin_candidates(arms, args) for arm in group] if args.pretrain_budget else []
+        for twin in candidates:  # each twin's pretraining plan checked now, not after hours of fine-tuning
+            pretraining_plan(selfpre_arm(twin, args), args, loop_argv, max_seq_length, args.pretrain_budget)
         request = {"task": args.task, "arms": [a.key for a in arms], "seeds": args.seeds,
                    "sweep_seeds": args.sweep_seeds, "pretrain_tokens": args.pretrain_budget,
                    "finetune_args": finetune_argv, "pretrain_args": loop_argv, "num_processes": args.num_processes}  # fmt: skip
@@ -370,13 +393,10 @@ def main(argv: list[str] | None = None) -> int:
                 arm.key, str(model), finetune_extra(arm, max_seq_length), {"arm": arm.__dict__},
                 f"[{index}/{len(arms)}] {arm.label}")  # fmt: skip
         if args.pretrain_budget:
-            first = [a for a in arms if a.preset == args.preset_list[0] and a.kind != "sweep"]
-            concept = [a for a in first if a.architecture == "concept"]
+            concept, bert = twin_candidates(arms, args)
             twins = [max(concept, key=lambda a: dev_accuracy(points[a.key]))] if concept else []  # chosen on dev
-            twins += [a for a in first if a.architecture == "bert"][:1]
-            for twin in twins:
-                arm = Arm(f"{twin.key}-selfpre", f"{twin.label}, self-pretrained", twin.preset, twin.architecture,
-                          twin.concept_num, twin.refine, twin.pooling, args.seeds, "pretrained", twin.mixer)  # fmt: skip
+            for twin in twins + bert:
+                arm = selfpre_arm(twin, args)
                 plan, run_dir = pretraining_plan(arm, args, loop_argv, max_seq_length, args.pretrain_budget)
                 print(f"self-pretraining {plan.run_name}: {plan.tokens(plan.steps[-1]):,} tokens", flush=True)
                 pretrain(plan, run_dir, args.num_processes)
