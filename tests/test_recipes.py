@@ -88,3 +88,20 @@ def test_bad_plans_are_refused_before_any_run(tmp_path, monkeypatch, capsys, ext
     with pytest.raises(SystemExit) as ended:
         recipes.main([*argv(tmp_path, *extra), *loop_extra])
     assert ended.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_goal_read_before_every_planned_task_is_measured_is_not_yet_decided():
+    def row(task, gain, se, arm="mlm"):
+        return {"task": task, "architecture": "concept", "arm": arm, "gain": gain, "gain_se": se, "probes": {},
+                "accuracy_mean": 0.9, "tfidf": 0.8}  # fmt: skip
+
+    planned = ["embedded", "embedded_pairs"]
+    assert recipes.goal_lines([row("embedded", 0.05, 3.0)], planned)[0].endswith(
+        "goal (+2 points, > 2 SE on every task) not yet decided (embedded_pairs not measured yet)"
+    )
+    assert recipes.goal_lines([row("embedded", 0.01, 3.0)], planned)[0].endswith("missed")  # missed where measured
+    both = [row("embedded", 0.05, 3.0), row("embedded_pairs", 0.03, 2.5)]
+    assert recipes.goal_lines(both, planned)[0].endswith("met")
+    distilled = [row("embedded", 0.05, 3.0, "distill")]
+    assert any("against the goal 0.828" in g for g in recipes.goal_lines(distilled, planned))
+    assert not any("0.828" in g for g in recipes.goal_lines(distilled, planned, default_teacher=False))
