@@ -73,6 +73,13 @@ def test_the_driver_writes_every_row_and_reuses_them(site, capsys):
     assert (trunc["max_seq_length"], chunks["max_seq_length"], chunks["chunk_length"]) == (32, 64, 32)
     assert chunks["flops_per_example"] == pytest.approx(2 * trunc["flops_per_example"])  # two windows of 32
     concept = by_key[("concept-L64", True)]
+    for key in ("concept-L48", "bert-trunc-L48", "concept-L64", "bert-trunc-L64"):  # the share each reads cut
+        assert 0 <= by_key[(key, True)]["validation_cut"] <= 1
+    assert trunc["validation_cut"] >= concept["validation_cut"]  # 32 tokens of the same examples: more cut
+    assert (
+        trunc["validation_cut"] > 0
+        and f"| 32 ({trunc['validation_cut']:.0%} cut) |" in report.with_suffix(".md").read_text()
+    )  # BERT on its window is named as cut, wherever the reading is shorter than the example
     equal = [c for c in commands if str(experiments.MLM_SCRIPT) in c and "-clock-" not in str(c)]
     for command in equal:  # equal budgets
         steps, length = (int(command[command.index(flag) + 1]) for flag in ("--max_steps", "--max_seq_length"))

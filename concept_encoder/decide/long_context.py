@@ -164,15 +164,25 @@ def first_tokens(task, tokenizer, window: int):
                     task.metric_names, cut(task.train), cut(task.dev), cut(task.validation))  # fmt: skip
 
 
+def named_task(task_name: str, finetune_argv: list[str]) -> TaskData:
+    """The task as fine-tuning loads it under these arguments."""
+    _, task_args, _ = parse_args(["--model_name_or_path", ".", "--task", task_name, *finetune_argv],
+                                 classes=FINETUNE_ARGUMENT_CLASSES, defaults=FINETUNE_DEFAULTS)  # fmt: skip
+    return load_task(task_args)
+
+
+def validation_tokens(task: TaskData, tokenizer) -> list[int]:
+    """Each validation example's tokens, uncut (special tokens included): what a reading of L tokens cuts."""
+    return [len(ids) for ids in tokenizer(list(task.validation["text_a"]), truncation=False)["input_ids"]]
+
+
 def tfidf_rows(
     task_name: str, whole: dict, finetune_argv: list[str], tokenizer_folder: Path, window: int
 ) -> list[dict]:
     """TF-IDF on the whole text (the points' own baseline) and on the first `window` tokens (fitted here, cached)."""
     from transformers import AutoTokenizer
 
-    _, task_args, _ = parse_args(["--model_name_or_path", ".", "--task", task_name, *finetune_argv],
-                                 classes=FINETUNE_ARGUMENT_CLASSES, defaults=FINETUNE_DEFAULTS)  # fmt: skip
-    task = load_task(task_args)
+    task = named_task(task_name, finetune_argv)
     cut = task_baselines(first_tokens(task, AutoTokenizer.from_pretrained(tokenizer_folder), window),
                          cache_dir=cache_path("Cache"))  # fmt: skip
     rows = []
@@ -192,10 +202,18 @@ def positions_of(buckets: dict | None) -> dict | None:
 
 
 def assemble(measured: list[dict], tasks: dict, finetune_argv: list[str], args, tokenizer_folder: Path) -> dict:
-    """The report: one row per model and reading (pretrained and twin), TF-IDF rows per task, and the goal lines."""
+    """The report: one row per model and reading (pretrained and twin), TF-IDF rows per task, and the goal lines.
+    Each model row says the share of validation examples longer than it reads (`validation_cut`): a "whole input"
+    row reads the first L tokens of those."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    lengths = {task: validation_tokens(named_task(task, finetune_argv), tokenizer)
+               for task in dict.fromkeys(found["row"].task for found in measured)}  # fmt: skip
     rows, by_task = [], {}
     for found in measured:
         row = found["row"]
+        cut = sum(n > row.length for n in lengths[row.task]) / max(len(lengths[row.task]), 1)
         cost = pretraining_cost(row.run[1])
         for kind in ("pretrained", "twin"):
             if kind not in found:
@@ -209,7 +227,7 @@ def assemble(measured: list[dict], tasks: dict, finetune_argv: list[str], args, 
             rows.append({
                 "model": row.label if kind == "pretrained" else f"{row.label}, from scratch", "key": row.key,
                 "task": row.task, "input_length": row.input_length, "max_seq_length": row.length,
-                "chunk_length": row.chunk, "pretrained": kind == "pretrained",
+                "chunk_length": row.chunk, "pretrained": kind == "pretrained", "validation_cut": cut,
                 "accuracy_mean": tuned["accuracy_mean"], "accuracy_std": tuned["accuracy_std"],
                 "accuracy_seeds": tuned["accuracy_seeds"], "accuracy_by_position": tuned.get("accuracy_by_position"),
                 "probe": probe and {"features": probe["method"], "accuracy_mean": probe["accuracy_mean"],
@@ -241,6 +259,8 @@ def goal_lines(rows: list[dict], args) -> list[str]:
         if concept is None:
             continue
         line = f"`{task}`: Concept Encoder {concept['accuracy_mean']:.3f} ± {concept['accuracy_std']:.3f}"
+        if cut := concept.get("validation_cut"):  # longer than it reads: not the whole input there
+            line += f" (reading the first {concept['max_seq_length']} tokens of the {cut:.0%} of examples longer)"
         if trunc:
             gain = 100 * (concept["accuracy_mean"] - trunc["accuracy_mean"])
             line += (f"; BERT on the first {args.window} tokens {trunc['accuracy_mean']:.3f}: {gain:+.1f} points "
@@ -275,7 +295,8 @@ def format_markdown(report: dict) -> str:
            "|---|---|---|---|---|" + "---|" * len(buckets) + "---|---|---|---|---|---|"]  # fmt: skip
     for r in report["rows"]:
         reads = "" if r["max_seq_length"] is None else f"{r['max_seq_length']}" + (
-            f" in {r['chunk_length']}s" if r.get("chunk_length") else "")  # fmt: skip
+            f" in {r['chunk_length']}s" if r.get("chunk_length") else "") + (
+            f" ({r['validation_cut']:.0%} cut)" if r.get("validation_cut") else "")  # fmt: skip
         probe = f"{r['probe']['accuracy_mean']:.3f} ({r['probe']['features']})" if r.get("probe") else ""
         position = r.get("accuracy_by_position") or {}
         cells = [f"{position[b]:.2f}" if b in position else "" for b in buckets]
