@@ -108,6 +108,8 @@ def test_bad_plans_are_refused_before_any_run(site, capsys):
         (["--tokens", "1k,2k"], "give one budget"),
         (["--words_per_token", "2"], "must be in \\(0, 1\\]"),
         (["--rows", "concept,bert"], "--rows 'concept,bert': \\['bert'\\] unknown; choose from"),
+        (["--wall_clock", "off"], "--wall_clock: 'off' is not true or false"),
+        (["--full_attention_max", "-1"], "--full_attention_max: -1 is below 0"),
     ):
         with pytest.raises(SystemExit):
             long_context.main([*argv(root)[: argv(root).index("--")], *extra, "--", *PRETRAIN])

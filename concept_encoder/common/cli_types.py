@@ -20,3 +20,14 @@ def at_least(minimum: int):
 
     parse.__name__ = f"int >= {minimum}"
     return parse
+
+
+def yes_no(text: str) -> bool:
+    """argparse type: true/false (also yes/no, 1/0, any case); a usage error for any other word, which a plain
+    `text in ("true", ...)` would read as false."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")

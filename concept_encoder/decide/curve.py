@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ..checkpoints.model_folder import model_digest, model_folder_problem
 from ..common import json_io
-from ..common.cli_types import at_least
+from ..common.cli_types import at_least, yes_no
 from ..common.paths import cache_path
 from ..constants import ARCHITECTURES
 from ..data.sources import source_fingerprint
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--reference", help="a pretrained model folder drawn as a line (e.g. Cache/models/all-MiniLM-L6-v2)"
     )
     parser.add_argument("--finetune_args", default="", help='arguments for loops/finetune.py, e.g. "--seeds 3"')
-    parser.add_argument("--twins", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
+    parser.add_argument("--twins", type=yes_no, default=True,
                         help="also the from-scratch twin of each architecture (default true)")  # fmt: skip
     parser.add_argument("--num_processes", type=at_least(1), default=1, help="processes per run (accelerate launch)")
     return parser

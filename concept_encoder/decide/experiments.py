@@ -682,6 +682,8 @@ def parse_architectures(text: str) -> list[str]:
     architectures = [a.strip() for a in text.split(",") if a.strip()]
     if not architectures or any(a not in ARCHITECTURES for a in architectures):
         raise ValueError(f"--architectures {text!r}: choose from {ARCHITECTURES}")
+    if len(set(architectures)) != len(architectures):
+        raise ValueError(f"--architectures {text!r}: an architecture is named twice")
     return architectures
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..accounting.flops import mlm_forward_flops
-from ..common.cli_types import at_least
+from ..common.cli_types import at_least, yes_no
 from ..common.metrics_log import read_metrics
 from ..common.paths import cache_path
 from ..common.report_files import check_report_dir
@@ -364,9 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--window", type=at_least(8), default=512, help="what truncated/chunked BERT reads at once")
     parser.add_argument("--words_per_token", type=float, default=WORDS_PER_TOKEN,
                         help="needle haystack words per token of length (0.5 fills about L tokens)")  # fmt: skip
-    parser.add_argument("--full_attention_max", type=int, default=2048,
+    parser.add_argument("--full_attention_max", type=at_least(0), default=2048,
                         help="BERT with full attention only at lengths up to this (its cost grows as L²)")  # fmt: skip
-    parser.add_argument("--wall_clock", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
+    parser.add_argument("--wall_clock", type=yes_no, default=True,
                         help="also the Concept Encoder pretrained for bert-trunc's wall-clock (default true)")  # fmt: skip
     parser.add_argument("--rows", default=",".join(ROWS),
                         help=f"the readings to measure, comma-separated from {ROWS} (concept is always measured)")  # fmt: skip
