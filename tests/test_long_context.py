@@ -118,3 +118,24 @@ def test_bad_plans_are_refused_before_any_run(site, capsys):
         long_context.main([*argv(root), "--max_seq_length", "64"])
     assert "['--max_seq_length'] are set by the long-context driver" in capsys.readouterr().err
     assert commands == []
+
+
+def test_a_task_read_at_several_lengths_gets_a_goal_line_per_length():
+    from types import SimpleNamespace
+
+    def row(key, accuracy, pretrained=True):
+        return {"task": "modules_spliced", "key": key, "pretrained": pretrained, "accuracy_mean": accuracy,
+                "accuracy_std": 0.01, "train_seconds": 10.0, "max_seq_length": int(key.rsplit("L", 1)[1])}  # fmt: skip
+
+    rows = [row("concept-L2048", 0.60), row("concept-L2048", 0.50, False), row("bert-trunc-L2048", 0.55),
+            row("concept-L4096", 0.52), row("bert-trunc-L4096", 0.55)]  # fmt: skip
+    args = SimpleNamespace(task="modules_spliced", window=512, rows="concept,trunc", full_attention_max=2048)
+    lines = long_context.goal_lines(rows, args)
+    assert [line.split(":")[0] for line in lines] == [
+        "`modules_spliced` at 2048 tokens",
+        "`modules_spliced` at 4096 tokens",
+    ]
+    assert "+5.0 points (goal +3: met)" in lines[0] and "-3.0 points (goal +3: missed)" in lines[1]  # each its own
+    assert long_context.goal_lines(rows[:3], args)[0].startswith(
+        "`modules_spliced`: Concept Encoder 0.600"
+    )  # one length

@@ -250,15 +250,16 @@ def goal_lines(rows: list[dict], args) -> list[str]:
     fine-tuning time of BERT with full attention against the Concept Encoder's."""
     target = 10 if args.task == "needle" else 3
     lines = []
-    for task in dict.fromkeys(r["task"] for r in rows):
+    readings = list(dict.fromkeys((r["task"], r["key"].removeprefix("concept-L")) for r in rows
+                                  if r["key"].startswith("concept-L") and r["pretrained"]))  # fmt: skip
+    several = len(readings) > len({task for task, _ in readings})  # a task read at several lengths: each named
+    for task, length in readings:  # one line per task and length, each against its own readings
         found = {r["key"]: r for r in rows if r["task"] == task and r["pretrained"] is not False}
-        concept = next((r for k, r in found.items() if k.startswith("concept-L")), None)
-        trunc = next((r for k, r in found.items() if k.startswith("bert-trunc")), None)
-        full = next((r for k, r in found.items() if k.startswith("bert-full")), None)
+        concept = found[f"concept-L{length}"]
+        trunc, full = found.get(f"bert-trunc-L{length}"), found.get(f"bert-full-L{length}")
         tfidf = found.get("tfidf-whole")
-        if concept is None:
-            continue
-        line = f"`{task}`: Concept Encoder {concept['accuracy_mean']:.3f} ± {concept['accuracy_std']:.3f}"
+        at = f" at {length} tokens" if several else ""
+        line = f"`{task}`{at}: Concept Encoder {concept['accuracy_mean']:.3f} ± {concept['accuracy_std']:.3f}"
         if cut := concept.get("validation_cut"):  # longer than it reads: not the whole input there
             line += f" (reading the first {concept['max_seq_length']} tokens of the {cut:.0%} of examples longer)"
         if trunc:
