@@ -303,6 +303,10 @@ def test_compare_shows_an_unfinished_run_and_a_cut_metrics_line_is_named_not_fat
     summary = json.loads((stopped / "summary.json").read_text())
     (stopped / "summary.json").write_text(json.dumps({**summary, "preempted": True, "steps": 3}))
     assert "stopped (running / unfinished, step 3)" in compare([finished_run, stopped], report_dir=tmp_path)["text"]
+    (stopped / "summary.json").write_text(
+        json.dumps({**summary, "steps": 3, "max_time": {"stopped_by_max_time": True}})
+    )
+    assert "stopped (stopped by --max_time at step 3)" in compare([finished_run, stopped], report_dir=tmp_path)["text"]
     metrics_log.MetricsWriter(going / "metrics.jsonl").drop_after(3)  # what a resume does: the cut line goes too
     assert [r["step"] for r in metrics_log.read_metrics(going / "metrics.jsonl")] == [
         json.loads(x)["step"] for x in lines[:-1] if json.loads(x)["step"] <= 3

@@ -50,12 +50,14 @@ class Run:
 
     @property
     def label(self) -> str:
-        """The run's column title: its name, marked when it has not finished (latest metrics shown)."""
-        return (
-            f"{self.name} (running / unfinished, step {self.summary.get('step', self.summary.get('steps', '?'))})"
-            if self.unfinished
-            else self.name
-        )
+        """The run's column title: its name, marked when it has not finished (latest metrics shown) or when
+        `--max_time` ended it before its last step (compared at fewer steps than the others)."""
+        step = self.summary.get("step", self.summary.get("steps", "?"))
+        if self.unfinished:
+            return f"{self.name} (running / unfinished, step {step})"
+        if (self.summary.get("max_time") or {}).get("stopped_by_max_time"):  # ended early, fewer steps than planned
+            return f"{self.name} (stopped by --max_time at step {step})"
+        return self.name
 
     def settings(self) -> dict:
         flat = flatten(self.config)
