@@ -60,7 +60,7 @@ from .experiments import (
 GOAL_ACCURACY = 0.95  # the mixer at C = 64 holds this up to K = 32 (issue 54)
 GOAL_CONCEPTS, GOAL_PAIRS = 64, 32
 MAIN_CONCEPTS, MAIN_PAIRS = "16,64", "4,8,16,32"  # 3 seeds (--seeds) on these, one elsewhere (issue 54)
-NOUN = ("map", "--runs_dir")  # what check_reuse's messages call a K's folder, and its flag
+MAP_FOLDER = {"noun": "map", "folder_flag": "--runs_dir"}  # what check_reuse's messages call a K's folder
 DEFAULT_MAX_SEQ_LENGTH = TaskArguments.__dataclass_fields__["max_seq_length"].default  # fine-tuning's
 DRIVER_FINETUNE_FLAGS = ("--seeds", "--pooling", "--from_scratch", "--report_last_step", "--max_seq_length")
 # 18,000 steps of 64, ended early once dev accuracy reaches 99.5%: binding arrives as a sudden jump whose timing
@@ -491,10 +491,10 @@ def main(argv: list[str] | None = None) -> int:
                             "num_processes": args.num_processes} for pairs, task in tasks.items()}  # fmt: skip
         for pairs, task in tasks.items():  # every K checked before any K's request is recorded
             check_finetune_argv(argvs[pairs], task, (), "recall")  # generates the task's splits into the cache
-            check_reuse(root / f"{args.name}-K{pairs}", requests[pairs], [], ("cells",), False, *NOUN)
+            check_reuse(root / f"{args.name}-K{pairs}", requests[pairs], [], ("cells",), record=False, **MAP_FOLDER)
         check_report_dir(args.report_dir)
         for pairs in [] if args.report_only else tasks:  # the same checks again, the folder's writability too
-            check_reuse(root / f"{args.name}-K{pairs}", requests[pairs], [], ("cells",), True, *NOUN)
+            check_reuse(root / f"{args.name}-K{pairs}", requests[pairs], [], ("cells",), **MAP_FOLDER)
     if args.report_only:
         points = finished_points(plan, root, args, argvs)
         if not points:
