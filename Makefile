@@ -155,11 +155,14 @@ listops: install  ## LRA ListOps: Concept Encoder widths, token refinement, BERT
 # Associative recall's capacity map (docs/recall.md): accuracy against K for the Concept Encoder at each width C,
 # without and with the local mixer, beside BERT of the same shape; resumable, one cell a point.
 #   make recall RECALL_ARGS="--pairs 4,8,16,32 --concepts 16,64" RECALL_FT="--max_steps 3000"
+#   RECALL_ARCHIVE=docs/measured/recall keeps the points under version control too (docs/recall.md)
 RECALL_NAME ?= recall
 RECALL_ARGS ?=
 RECALL_FT   ?=
+RECALL_ARCHIVE ?=
 recall: install  ## associative recall: accuracy against K, Concept Encoder widths with/without the mixer, BERT
-	$(PY) -m concept_encoder recall --name $(RECALL_NAME) --seeds $(SEEDS) --finetune_args "$(RECALL_FT)" $(RECALL_ARGS)
+	$(PY) -m concept_encoder recall --name $(RECALL_NAME) --seeds $(SEEDS) --finetune_args "$(RECALL_FT)" \
+		$(if $(RECALL_ARCHIVE),--archive $(RECALL_ARCHIVE)) $(RECALL_ARGS)
 
 # Hardware profiles (launch/profiles.yaml): the plan check runs first and launches only a sound plan.
 #   make train-3080 DATASET=wikitext:wikitext-103-raw-v1 STEPS=20000 ARGS="--run_name wiki --save_steps 1000"

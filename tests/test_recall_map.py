@@ -2,6 +2,7 @@
 and the others one, a second invocation reuses every cell, and bad plans are refused before any run."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,18 @@ def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, ca
     assert recall.main([*TINY, "--report_only"]) == 1  # nothing finished: nothing to report, nothing run
     assert "no cell of map 'recall'" in capsys.readouterr().err and in_process == []
     assert not Path("Cache/recall/recall-K2").exists()
-    assert recall.main(TINY) == 0
+    assert recall.main([*TINY, "--archive", "kept"]) == 0  # each finished point copied to kept/ too
+    kept = sorted(p.relative_to("kept") for p in Path("kept").rglob("*") if p.is_file())
+    assert kept == [
+        Path(f"recall-K{k}/{name}")
+        for k in (2, 3)
+        for name in ("points/C4-conv.json", "points/C4-none.json", "points/bert.json", "request.json")
+    ]
+    assert all(Path("kept", p).read_bytes() == Path("Cache/recall", p).read_bytes() for p in kept)
     [report] = Path("Cache/reports").glob("recall_*.json")
     assert {p.suffix for p in report.parent.glob(f"{report.stem}.*")} == {".md", ".json", ".png"}
     data = json.loads(report.read_text())
+    first = [(r["pairs"], r["key"], r["seeds"], r["accuracy"]) for r in data["rows"]]  # what kept/ restores
     cells = [(r["pairs"], r["key"]) for r in data["rows"]]
     assert cells == [(k, c) for k in (2, 3) for c in ("C4-none", "C4-conv", "bert")]
     for row in data["rows"]:
@@ -84,6 +93,12 @@ def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, ca
     assert recall.main(wider) == 0
     assert capsys.readouterr().out.count("finished earlier, reused") == 6 and len(in_process) == launched + 3 + 4
     assert "cells" not in json.loads(request.read_text())
+    shutil.rmtree("Cache/recall")  # a fresh machine: the map's points only in the archive
+    launched = len(in_process)
+    assert recall.main([*TINY, "--archive", "kept", "--report_only"]) == 0 and len(in_process) == launched
+    assert capsys.readouterr().out.count("restored from kept/recall-K") == 2
+    [report] = sorted(Path("Cache/reports").glob("recall_*.json"), key=lambda p: p.stat().st_mtime_ns)[-1:]
+    assert [(r["pairs"], r["key"], r["seeds"], r["accuracy"]) for r in json.loads(report.read_text())["rows"]] == first
 
 
 def test_bad_plans_are_refused_before_any_run(in_process, capsys):
@@ -200,3 +215,26 @@ def test_a_cells_wall_clock_counts_the_grids_other_rates():
     older_runs = [{key: value for key, value in run.items() if key != "rate_grid_seconds"} for run in runs]
     older = recall.cell_row({"rows": [older_row], "runs": older_runs}, cell, 0.34)
     assert (older["cell_seconds"], older["runs"]) == (21.0, 2)
+
+
+def test_an_archive_restores_only_whole_points_of_this_request(in_process, capsys, tmp_path):
+    from concept_encoder.decide.experiments import PointFolder
+
+    archive, local = tmp_path / "kept" / "recall-K2", PointFolder(tmp_path / "Cache/recall/recall-K2", "", [], 1)
+    (archive / "points").mkdir(parents=True)
+    (archive / "request.json").write_text(json.dumps({"task": "recall:2:64:16:200", "preset": "tiny"}))
+    with pytest.raises(SystemExit):
+        recall.main([*TINY, "--archive", "kept"])  # kept under another preset: its points are not this map's
+    err = capsys.readouterr().err
+    assert "archived map recall-K2 (" in err and "choose another --name or --archive" in err
+    assert in_process == [] and not local.folder.exists()  # refused before anything ran or was copied
+    point = {"key": "C4-none", "rows": [], "baselines": {}}
+    (archive / "points/C4-none.json").write_text(json.dumps(point))
+    (archive / "points/bert.json").write_text("{not json")  # a damaged copy: never restored
+    assert local.restore_from(archive) == ["C4-none"]
+    assert json.loads(local.point_file("C4-none").read_text()) == point and not local.point_file("bert").exists()
+    assert (local.folder / "request.json").read_bytes() == (archive / "request.json").read_bytes()
+    local.point_file("C4-none").write_text(json.dumps({**point, "runs": ["this machine's"]}))
+    assert local.restore_from(archive) == []  # a whole point here is kept, not overwritten by the archive's
+    local.keep_in(archive, "C4-none")
+    assert json.loads((archive / "points/C4-none.json").read_text())["runs"] == ["this machine's"]

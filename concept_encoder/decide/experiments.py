@@ -358,7 +358,7 @@ def check_reuse(
         if changed := differences(saved, request, f"the {noun}'s", "this invocation's"):
             raise ValueError(
                 f"{noun} {folder.name} ({folder}) was measured under other settings ({'; '.join(changed)}): its "
-                "points and runs are not this request's; choose another --name"
+                f"points and runs are not this request's; choose another --name or {folder_flag}"
             )
     for plan, run_dir in plans:
         if (run_dir / "config.json").is_file():  # a run of that name exists: this curve's only if run as it plans
@@ -542,11 +542,41 @@ class PointFolder:
         point = json.loads(path.read_text())  # whole: points are moved into place once written
         return None if point_changes(point, extra) else point
 
+    def restore_from(self, archive: Path) -> list[str]:
+        """Copy in the points `archive` (a copy of this folder's points and request, e.g. under version control: a
+        fresh machine's Cache is empty) holds and this folder lacks or holds damaged; their keys. Whether the
+        archive was measured under this request is the caller's check (`check_reuse` on it, before anything runs);
+        a point measured under other fine-tuning arguments is restored and then measured again, as here."""
+        restored = []
+        for source in sorted((archive / "points").glob("*.json")):
+            target = self.folder / "points" / source.name
+            if point_problem(source) or target.is_file() and not point_problem(target):
+                continue  # a damaged copy is not restored; a whole point here is this machine's, kept
+            copy_whole(source, target)
+            restored.append(source.stem)
+        if restored and not (self.folder / REQUEST).is_file() and (archive / REQUEST).is_file():
+            copy_whole(archive / REQUEST, self.folder / REQUEST)  # checked equal to this request by the caller
+        return restored
+
+    def keep_in(self, archive: Path, key: str) -> None:
+        """Copy the finished point `key` and the folder's request into `archive` (`restore_from` reads them)."""
+        for name in (REQUEST, f"points/{key}.json"):
+            source, target = self.folder / name, archive / name
+            if source.is_file() and not (target.is_file() and target.read_bytes() == source.read_bytes()):
+                copy_whole(source, target)
+
     def points(self) -> list[dict]:
         """The points measured (a damaged file is left out: `done` names it)."""
         return [
             json.loads(p.read_text()) for p in sorted((self.folder / "points").glob("*.json")) if not point_problem(p)
         ]
+
+
+def copy_whole(source: Path, target: Path) -> None:
+    """`source`'s bytes to `target` (its folder made), moved into place once written: no reader sees half."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with written_aside(target) as partial:
+        partial.write_bytes(source.read_bytes())
 
 
 def report_stamps(folder: Path) -> dict[Path, int]:

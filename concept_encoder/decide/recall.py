@@ -3,6 +3,7 @@ Encoder at several widths C, without and with the local token mixer, beside BERT
 
     python -m concept_encoder recall                         (the map: K 4..128, C 16..128, both mixers, BERT)
     python -m concept_encoder recall --report_only           (the report of the cells finished so far)
+    python -m concept_encoder recall --archive docs/measured/recall   (points kept under version control too)
     make recall RECALL_ARGS="--pairs 4,8 --concepts 16"      (a smaller map)
 
 Each cell is one model fine-tuned from scratch by `loops/finetune.py` on `recall:<K>` under the fair protocol (its
@@ -61,6 +62,7 @@ GOAL_ACCURACY = 0.95  # the mixer at C = 64 holds this up to K = 32 (issue 54)
 GOAL_CONCEPTS, GOAL_PAIRS = 64, 32
 MAIN_CONCEPTS, MAIN_PAIRS = "16,64", "4,8,16,32"  # 3 seeds (--seeds) on these, one elsewhere (issue 54)
 MAP_FOLDER = {"noun": "map", "folder_flag": "--runs_dir"}  # what check_reuse's messages call a K's folder
+ARCHIVE_FOLDER = {"noun": "archived map", "folder_flag": "--archive"}  # and a K's folder in --archive
 DEFAULT_MAX_SEQ_LENGTH = TaskArguments.__dataclass_fields__["max_seq_length"].default  # fine-tuning's
 DRIVER_FINETUNE_FLAGS = ("--seeds", "--pooling", "--from_scratch", "--report_last_step", "--max_seq_length")
 # 18,000 steps of 64, ended early once dev accuracy reaches 99.5%: binding arrives as a sudden jump whose timing
@@ -148,7 +150,17 @@ def finished_points(plan: list[Cell], root: Path, args, argvs: dict[int, list[st
     for cell in plan:
         if point := folders[cell.pairs].finished(cell.key, cell_argv(cell)):
             points[(cell.pairs, cell.key)] = point
+            keep_in_archive(folders[cell.pairs], args, cell.pairs, cell.key)
     return points
+
+
+def restore_archive(root: Path, args, argvs: dict[int, list[str]]) -> None:
+    """The points `--archive` keeps and `--runs_dir` lacks, copied in (each K's archive checked against this
+    request before: `check_arguments`'s caller); one line a K says which."""
+    for pairs in args.pair_list:
+        folder = PointFolder(root / f"{args.name}-K{pairs}", "", argvs[pairs], args.num_processes)
+        if restored := folder.restore_from(archive_folder(args, pairs)):
+            print(f"K={pairs}: {', '.join(restored)} restored from {archive_folder(args, pairs)}", flush=True)
 
 
 def model_folder(folder: Path, cell: Cell, preset: str, positions: int, tokenizer) -> Path:
@@ -406,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--report_only", action="store_true",
                         help="write the report of the cells finished so far (the others shown as not measured yet) "
                              "and run nothing: a map that takes hours, looked at while it runs")  # fmt: skip
+    parser.add_argument("--archive", default=None,
+                        help="a folder that keeps a copy of the map's points (e.g. docs/measured/recall, under version "
+                             "control: a fresh machine's Cache is empty): points found there are reused, each "
+                             "finished point is copied there")  # fmt: skip
     add_report_driver_arguments(parser, "recall", "Cache/recall")
     return parser
 
@@ -443,6 +459,17 @@ def check_arguments(args) -> None:
         parse_recall(task_name(pairs, args))
 
 
+def archive_folder(args, pairs: int) -> Path | None:
+    """K's folder in `--archive` (named as in `--runs_dir`), or None without one."""
+    return cache_path(args.archive) / f"{args.name}-K{pairs}" if args.archive else None
+
+
+def keep_in_archive(point_folder: PointFolder, args, pairs: int, key: str) -> None:
+    """The finished point `key` copied into `--archive`, when one is given."""
+    if archive := archive_folder(args, pairs):
+        point_folder.keep_in(archive, key)
+
+
 def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int, list[str]]) -> dict | None:
     """`(K, cell key) -> point` for every cell of `plan`, finished ones reused, the others measured; None when
     another process holds a K's folder or a run failed (finished cells stay: the same command continues)."""
@@ -466,6 +493,7 @@ def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int
                     {"cell": cell.__dict__},
                     f"[{plan.index(cell) + 1}/{len(plan)}] K={pairs}, {cell.label}",
                 )
+                keep_in_archive(point_folder, args, pairs, cell.key)
         if outcome.failed:
             return None
     return points
@@ -492,9 +520,13 @@ def main(argv: list[str] | None = None) -> int:
         for pairs, task in tasks.items():  # every K checked before any K's request is recorded
             check_finetune_argv(argvs[pairs], task, (), "recall")  # generates the task's splits into the cache
             check_reuse(root / f"{args.name}-K{pairs}", requests[pairs], [], ("cells",), record=False, **MAP_FOLDER)
+            if archive := archive_folder(args, pairs):  # its points become this map's: the same request only
+                check_reuse(archive, requests[pairs], [], ("cells",), record=False, **ARCHIVE_FOLDER)
         check_report_dir(args.report_dir)
         for pairs in [] if args.report_only else tasks:  # the same checks again, the folder's writability too
             check_reuse(root / f"{args.name}-K{pairs}", requests[pairs], [], ("cells",), **MAP_FOLDER)
+    if args.archive:
+        restore_archive(root, args, argvs)
     if args.report_only:
         points = finished_points(plan, root, args, argvs)
         if not points:
