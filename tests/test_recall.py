@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from loop_runs import fresh_accelerate, workdir  # noqa: F401 (fixtures)
 
+from concept_encoder.data.recall_vocab import example_tokens
 from concept_encoder.tasks.arguments import TaskArguments
 from concept_encoder.tasks.recall import (
     RecallSettings,
@@ -38,6 +39,7 @@ def test_labels_equal_the_query_keys_value_read_from_the_text(small_splits):
         for row in rows:
             pairs, query = read_example(row["text"])
             assert len(pairs) == 8 and len(row["text"].split()) == 2 * 8 + 2  # keys distinct within an example
+            assert len(row["text"].split()) + 2 == example_tokens(8)  # what the map sizes its runs by, with [CLS] [SEP]
             assert all(k[0] == "k" and int(k[1:]) < 20 and v[0] == "v" and int(v[1:]) < 6 for k, v in pairs.items())
             assert pairs[query] == f"v{row['label']}"
 

@@ -11,6 +11,11 @@ VOCAB_VERSION = 1  # part of the tokenizer's cache folder name: a changed vocabu
 QUERIES = 4  # the masked form's answered queries an example (at most K)
 
 
+def example_tokens(pairs: int) -> int:
+    """The tokens of one classification example at K pairs: `[CLS] k1 v1 … kK vK [QUERY] kq [SEP]`."""
+    return 2 * pairs + 4
+
+
 def masked_example_tokens(task: str) -> int | None:
     """The tokens of one masked-form example of task `recall:<K>…` (`[CLS]`, K pairs, min(QUERIES, K) answered
     queries `[QUERY] k v`, `[SEP]`: one token a symbol), else None (another task, or a malformed name: the task's

@@ -31,7 +31,7 @@ from pathlib import Path
 from ..common.cli_types import at_least
 from ..common.paths import cache_path
 from ..common.report_files import check_report_dir
-from ..data.recall_vocab import KEYS, VALUES
+from ..data.recall_vocab import KEYS, VALUES, example_tokens
 from ..data.tokenizer import load_tokenizer
 from ..finetuning.report import grid_edge
 from ..model.constants import LOCAL_MIXERS
@@ -112,11 +112,6 @@ def cells(args) -> list[Cell]:
             main = pairs in args.main_pair_list
             out.append(Cell(pairs, "bert", None, "none", args.seeds if main else args.sweep_seeds, main, keys))
     return out
-
-
-def example_tokens(pairs: int) -> int:
-    """An example's tokens at K pairs: `[CLS] k1 v1 … kK vK [QUERY] kq [SEP]`."""
-    return 2 * pairs + 4
 
 
 def sized_argv(finetune_argv: list[str], pairs: int) -> list[str]:
