@@ -151,11 +151,11 @@ def finished_points(plan: list[Cell], root: Path, args, argvs: dict[int, list[st
 
 def restore_archive(root: Path, args, argvs: dict[int, list[str]]) -> None:
     """The points `--archive` keeps and `--runs_dir` lacks, copied in (each K's archive checked against this
-    request before: `check_arguments`'s caller); one line a K says which."""
+    request before, in `main`); one line a K says which."""
     for pairs in args.pair_list:
         folder = PointFolder(root / f"{args.name}-K{pairs}", "", argvs[pairs], args.num_processes)
-        if restored := folder.restore_from(archive_folder(args, pairs)):
-            print(f"K={pairs}: {', '.join(restored)} restored from {archive_folder(args, pairs)}", flush=True)
+        if restored := folder.restore_from(archive := archive_folder(args, pairs)):
+            print(f"K={pairs}: {', '.join(restored)} restored from {archive}", flush=True)
 
 
 def model_folder(folder: Path, cell: Cell, preset: str, positions: int, tokenizer) -> Path:
