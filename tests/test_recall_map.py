@@ -228,6 +228,11 @@ def test_an_archive_restores_only_whole_points_of_this_request(in_process, capsy
     err = capsys.readouterr().err
     assert "archived map recall-K2 (" in err and "choose another --name or --archive" in err
     assert in_process == [] and not local.folder.exists()  # refused before anything ran or was copied
+    Path("a_file").write_text("")
+    with pytest.raises(SystemExit):
+        recall.main([*TINY, "--archive", "a_file"])  # nothing can be kept there: refused before any run
+    assert "--archive " in (err := capsys.readouterr().err) and "a_file is a file, not a folder" in err
+    assert in_process == [] and not local.folder.exists()
     point = {"key": "C4-none", "rows": [], "baselines": {}}
     (archive / "points/C4-none.json").write_text(json.dumps(point))
     (archive / "points/bert.json").write_text("{not json")  # a damaged copy: never restored

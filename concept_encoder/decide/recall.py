@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.cli_types import at_least
-from ..common.paths import cache_path
+from ..common.paths import cache_path, folder_problem
 from ..common.report_files import check_report_dir
 from ..data.recall_vocab import KEYS, VALUES, example_tokens
 from ..data.tokenizer import load_tokenizer
@@ -517,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
             check_reuse(root / f"{args.name}-K{pairs}", requests[pairs], [], ("cells",), record=False, **MAP_FOLDER)
             if archive := archive_folder(args, pairs):  # its points become this map's: the same request only
                 check_reuse(archive, requests[pairs], [], ("cells",), record=False, **ARCHIVE_FOLDER)
+                if problem := folder_problem(archive, "--archive"):  # written at every finished cell, report too
+                    raise ValueError(problem)
         check_report_dir(args.report_dir)
         for pairs in [] if args.report_only else tasks:  # the same checks again, the folder's writability too
             check_reuse(root / f"{args.name}-K{pairs}", requests[pairs], [], ("cells",), **MAP_FOLDER)
