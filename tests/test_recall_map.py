@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from loop_runs import in_process  # noqa: F401 (fixture)
 
+from concept_encoder.data.tokenizer import load_tokenizer
 from concept_encoder.decide import recall
 
 TINY = ["--pairs", "2,3", "--concepts", "4", "--main_concepts", "4", "--main_pairs", "2", "--seeds", "2",
@@ -118,6 +119,8 @@ def test_bad_plans_are_refused_before_any_run(in_process, capsys):
         (["--pairs", "8", "--finetune_args", "--max_steps '3"], '--finetune_args "--max_steps \'3": No closing'),
         (["--concepts", "16,64", "--main_concepts", "61"], "--main_concepts: [61] not in --concepts 16,64"),
         (["--pairs", "4,8", "--main_pairs", "8,16"], "--main_pairs: [16] not in --pairs 4,8"),
+        (["--placements", "first,last"], "--placements: ['last'] unknown; choose from ('first', 'every')"),
+        (["--mixers", "none", "--placements", "every"], "but --mixers is none; add conv to --mixers"),
     ):
         with pytest.raises(SystemExit):
             recall.main(extra)
@@ -142,6 +145,12 @@ def test_the_main_cells_default_to_those_the_map_plans_and_long_examples_size_th
     assert (args.main_pair_list, args.main_concept_list) == ([8], [16])  # the defaults this map plans
     assert [(c.pairs, c.concept_num, c.seeds) for c in recall.cells(args) if c.mixer == "conv"] == [
         (2, 16, 1), (2, 32, 1), (8, 16, 3), (8, 32, 1), (64, 16, 1), (64, 32, 1)]  # fmt: skip
+    # the placement axis: the mixer once and before every layer, one cell each; no mixer has no placement
+    args = recall.build_parser().parse_args(["--pairs", "8", "--concepts", "64", "--placements", "first,every"])
+    recall.check_arguments(args)
+    assert [(c.key, c.label, c.seeds) for c in recall.cells(args) if c.architecture == "concept"] == [
+        ("C64-none", "Concept Encoder C=64", 3), ("C64-conv", "Concept Encoder C=64, local mixer", 3),
+        ("C64-conv-every", "Concept Encoder C=64, local mixer before every layer", 3)]  # fmt: skip
     assert recall.sized_argv(["--max_steps", "9"], 62) == ["--max_steps", "9"]  # 128 tokens: the default holds it
     assert recall.sized_argv(["--max_steps", "9"], 63) == ["--max_steps", "9", "--max_seq_length", "130"]
     # the default training size, named or not, is one task (one request, one set of points)
@@ -171,7 +180,19 @@ def test_goals_name_where_the_map_falls_short():
     assert "- C=16, mixer conv: below 95% from the smallest K measured (K=8)" in goals
     held = recall.goal_lines([row(4, 64, "conv", 0.99), row(16, 64, "conv", 1.0)])  # K=32 not run: not met yet
     assert held[0].endswith("up to K=32: not yet decided (held at K=4, 16; K=32 not measured)")
-    assert recall.goal_lines([row(16, 64, "conv", 1.0), row(32, 64, "conv", 0.96)])[0].endswith("up to K=32: met")
+    met = recall.goal_lines([row(16, 64, "conv", 1.0), row(32, 64, "conv", 0.96)])[0]
+    assert met.endswith("up to K=32: met (held at K=16, 32)")  # which K, since a map may plan only some
+    # the mixer before every layer is read for the goal beside the one before the first layer, when the map has it
+    every = {**row(32, 64, "conv", 0.99), "placement": "every"}
+    placed = recall.goal_lines([row(32, 64, "conv", 0.40), every])
+    assert placed[0].endswith("missed (K=32 40.00%)") and placed[1] == (
+        "- the mixer before every layer at C=64 holds >= 95% up to K=32: met (held at K=32)"
+    )
+    assert "- C=64, mixer conv every: holds 95% up to K=32 (0.50 pairs per concept), at every K measured" in placed
+    waiting = recall.goal_lines([every], {"16": ["C=64, conv every"]})
+    assert waiting[1].endswith("before every layer at C=64 holds >= 95% up to K=32: not yet decided (held at "
+                               "K=32; K=16 not measured)")  # fmt: skip
+    assert not any("every" in g for g in recall.goal_lines([row(32, 64, "conv", 0.40)]))
     # a report of the map so far: a K missing between measured ones leaves the goal and the capacity open
     so_far = recall.goal_lines([row(4, 64, "conv", 0.99), row(32, 64, "conv", 0.96), row(8, 16, "conv", 0.99)],
                                {"8": ["C=64, conv"], "4": ["C=16, conv"]})  # fmt: skip
@@ -243,3 +264,13 @@ def test_an_archive_restores_only_whole_points_of_this_request(in_process, capsy
     assert local.restore_from(archive) == []  # a whole point here is kept, not overwritten by the archive's
     local.keep_in(archive, "C4-none")
     assert json.loads((archive / "points/C4-none.json").read_text())["runs"] == ["this machine's"]
+
+
+def test_a_cell_with_the_mixer_before_every_layer_builds_that_model(tmp_path):
+    tokenizer = load_tokenizer("recall:64:16")
+    built = {}
+    for placement in ("first", "every"):
+        cell = recall.Cell(4, "concept", 16, "conv", seeds=1, main=True, keys=64, placement=placement)
+        folder = recall.model_folder(tmp_path, cell, "micro", 12, tokenizer)
+        built[folder.name] = json.loads((folder / "config.json").read_text())["local_mixer_placement"]
+    assert built == {"C16-conv": "first", "C16-conv-every": "every"}

@@ -4,6 +4,7 @@ Encoder at several widths C, without and with the local token mixer, beside BERT
     python -m concept_encoder recall                         (the map: K 4..128, C 16..128, both mixers, BERT)
     python -m concept_encoder recall --report_only           (the report of the cells finished so far)
     python -m concept_encoder recall --archive docs/measured/recall   (points kept under version control too)
+    python -m concept_encoder recall --placements first,every         (the mixer once, and before every layer)
     make recall RECALL_ARGS="--pairs 4,8 --concepts 16"      (a smaller map)
 
 Each cell is one model fine-tuned from scratch by `loops/finetune.py` on `recall:<K>` under the fair protocol (its
@@ -34,7 +35,7 @@ from ..common.report_files import check_report_dir
 from ..data.recall_vocab import KEYS, VALUES, example_tokens
 from ..data.tokenizer import load_tokenizer
 from ..finetuning.report import grid_edge
-from ..model.constants import LOCAL_MIXERS
+from ..model.constants import LOCAL_MIXER_PLACEMENTS, LOCAL_MIXERS
 from ..model.presets import PRESETS
 from ..tasks.arguments import TaskArguments
 from ..tasks.recall import RecallSettings, no_binding_line, parse_recall, recall_splits
@@ -75,7 +76,8 @@ FINETUNE_DEFAULTS = {"--max_steps": "18000", "--per_device_train_batch_size": "6
 
 @dataclass
 class Cell:
-    """One fine-tuned model of the map: which architecture, width, mixer and K, and how many seeds."""
+    """One fine-tuned model of the map: which architecture, width, mixer (and where it acts) and K, and how many
+    seeds."""
 
     pairs: int
     architecture: str  # concept or bert
@@ -84,30 +86,36 @@ class Cell:
     seeds: int
     main: bool
     keys: int
+    placement: str = "first"  # the conv mixer once before the first layer, or before every layer (`every`)
 
     @property
     def key(self) -> str:
-        """The point's name inside its K's point folder."""
-        return "bert" if self.architecture == "bert" else f"C{self.concept_num}-{self.mixer}"
+        """The point's name inside its K's point folder (`C64-conv`; `C64-conv-every` for the mixer before every
+        layer: the maps measured before the placement axis keep their names)."""
+        if self.architecture == "bert":
+            return "bert"
+        return f"C{self.concept_num}-{self.mixer}" + ("-every" if self.placement == "every" else "")
 
     @property
     def label(self) -> str:
         if self.architecture == "bert":
             return "BERT, full attention"
-        return f"Concept Encoder C={self.concept_num}" + (", local mixer" if self.mixer != "none" else "")
+        mixer = {"none": "", "first": ", local mixer", "every": ", local mixer before every layer"}
+        return f"Concept Encoder C={self.concept_num}" + mixer["none" if self.mixer == "none" else self.placement]
 
 
 def cells(args) -> list[Cell]:
-    """The map's cells in the order they run: K ascending; at each K every width and mixer, then BERT."""
+    """The map's cells in the order they run: K ascending; at each K every width, mixer and placement (the
+    mixer's; none has one cell), then BERT."""
     out = []
     for pairs in args.pair_list:
         keys = max(args.keys, pairs)
         for concepts in args.concept_list if "concept" in args.architecture_list else []:
             for mixer in args.mixer_list:
                 main = concepts in args.main_concept_list and pairs in args.main_pair_list
-                out.append(
-                    Cell(pairs, "concept", concepts, mixer, args.seeds if main else args.sweep_seeds, main, keys)
-                )
+                seeds = args.seeds if main else args.sweep_seeds
+                for placement in ["first"] if mixer == "none" else args.placement_list:
+                    out.append(Cell(pairs, "concept", concepts, mixer, seeds, main, keys, placement))
         if "bert" in args.architecture_list:
             main = pairs in args.main_pair_list
             out.append(Cell(pairs, "bert", None, "none", args.seeds if main else args.sweep_seeds, main, keys))
@@ -162,7 +170,8 @@ def model_folder(folder: Path, cell: Cell, preset: str, positions: int, tokenize
     """`folder/models/<cell>`: the cell's config and the recall tokenizer (no weights: fine-tuning builds them
     from the seed, `--from_scratch`)."""
     return scratch_model(folder / "models" / cell.key, cell.architecture, preset, positions, tokenizer,
-                         concept_num=cell.concept_num, local_mixer=cell.mixer, classifier_pooling="mean")  # fmt: skip
+                         concept_num=cell.concept_num, local_mixer=cell.mixer, local_mixer_placement=cell.placement,
+                         classifier_pooling="mean")  # fmt: skip
 
 
 def cell_row(point: dict, cell: Cell, line: float) -> dict:
@@ -172,7 +181,7 @@ def cell_row(point: dict, cell: Cell, line: float) -> dict:
     grid_runs = len(row["rate_grid"]) - 1 if "grid_seconds" in row else 0  # the grid's other rates, when timed
     return {"key": cell.key, "label": cell.label, "pairs": cell.pairs, "keys": cell.keys,
             "architecture": cell.architecture, "concept_num": cell.concept_num, "mixer": cell.mixer,
-            "main": cell.main, "seeds": row["seeds"], "accuracy": row["accuracy_mean"],
+            "placement": cell.placement, "main": cell.main, "seeds": row["seeds"], "accuracy": row["accuracy_mean"],
             "accuracy_std": row["accuracy_std"], "accuracy_last": row.get("last_step_accuracy_mean"),
             "learning_rate": row["learning_rate"], "rate_edge": grid_edge(row), "best_steps": row["best_steps"],
             "still_improving": row.get("still_improving"), "no_binding_line": line,
@@ -184,7 +193,7 @@ def holds(rows: list[dict], concepts: int, mixer: str, up_to: int) -> tuple[bool
     """Whether the Concept Encoder of width `concepts` with `mixer` holds `GOAL_ACCURACY` at every measured K up
     to `up_to` (and which K were measured)."""
     measured = sorted((r["pairs"], r["accuracy"]) for r in rows if r["architecture"] == "concept"
-                      and r["concept_num"] == concepts and r["mixer"] == mixer and r["pairs"] <= up_to)  # fmt: skip
+                      and r["concept_num"] == concepts and mixer_name(r) == mixer and r["pairs"] <= up_to)  # fmt: skip
     return bool(measured) and all(a >= GOAL_ACCURACY for _, a in measured), [k for k, _ in measured]
 
 
@@ -244,24 +253,7 @@ def goal_lines(rows: list[dict], pending: dict[str, list[str]] | None = None) ->
     """The issue's goals, each met or missed, with where a miss happens; `pending` (K -> the models not measured
     there yet, a report of the map so far) turns a goal that rests on a missing cell into "not yet decided"."""
     pending = pending or {}
-    goal_model = f"C={GOAL_CONCEPTS}, conv"
-    lines = []
-    met, measured = holds(rows, GOAL_CONCEPTS, "conv", GOAL_PAIRS)
-    missing = sorted(int(k) for k, models in pending.items() if goal_model in models and int(k) <= GOAL_PAIRS)
-    misses = [f"K={r['pairs']} {percent(r['accuracy'])}%" for r in rows if r["architecture"] == "concept"
-              and r["concept_num"] == GOAL_CONCEPTS and r["mixer"] == "conv" and r["pairs"] <= GOAL_PAIRS
-              and r["accuracy"] < GOAL_ACCURACY]  # fmt: skip
-    if not measured:
-        verdict = "not measured"
-    elif not met:
-        verdict = f"missed ({', '.join(misses)})"
-    elif missing or GOAL_PAIRS not in measured:  # held wherever measured, but a K up to the goal's not yet run
-        missing = sorted(set(missing) | ({GOAL_PAIRS} - set(measured)))
-        verdict = (f"not yet decided (held at K={', '.join(map(str, measured))}; K={', '.join(map(str, missing))} "
-                   "not measured)")  # fmt: skip
-    else:
-        verdict = "met"
-    lines.append(f"- the mixer at C={GOAL_CONCEPTS} holds >= {GOAL_ACCURACY:.0%} up to K={GOAL_PAIRS}: {verdict}")
+    lines = [goal_line(rows, pending, mixer) for mixer in goal_mixers(rows, pending)]
     plain = [r for r in rows if r["architecture"] == "concept" and r["mixer"] == "none"]
     crossed = [f"C={r['concept_num']} K={r['pairs']}" for r in plain if r["accuracy"] > r["no_binding_line"] + 0.02]
     later = pending_ks(pending, ", none")
@@ -282,8 +274,46 @@ def goal_lines(rows: list[dict], pending: dict[str, list[str]] | None = None) ->
     return lines + capacity_lines(rows, pending)
 
 
+def goal_mixers(rows: list[dict], pending: dict[str, list[str]]) -> list[str]:
+    """The mixers the goal is read for: `conv` (once, before the first layer) and `conv every` where the map has
+    that placement at the goal's width, measured or pending."""
+    every = f"C={GOAL_CONCEPTS}, conv every"
+    planned = any(row_name(r) == every for r in rows) or any(every in models for models in pending.values())
+    return ["conv", "conv every"] if planned else ["conv"]
+
+
+def goal_line(rows: list[dict], pending: dict[str, list[str]], mixer: str) -> str:
+    """The recall goal for `mixer` (`conv` or `conv every`) at `GOAL_CONCEPTS`: met, missed (at which K) or not
+    yet decided (a K up to the goal's not measured)."""
+    met, measured = holds(rows, GOAL_CONCEPTS, mixer, GOAL_PAIRS)
+    missing = sorted(int(k) for k, models in pending.items()
+                     if f"C={GOAL_CONCEPTS}, {mixer}" in models and int(k) <= GOAL_PAIRS)  # fmt: skip
+    misses = [f"K={r['pairs']} {percent(r['accuracy'])}%" for r in rows if r["architecture"] == "concept"
+              and r["concept_num"] == GOAL_CONCEPTS and mixer_name(r) == mixer and r["pairs"] <= GOAL_PAIRS
+              and r["accuracy"] < GOAL_ACCURACY]  # fmt: skip
+    if not measured:
+        verdict = "not measured"
+    elif not met:
+        verdict = f"missed ({', '.join(misses)})"
+    elif missing or GOAL_PAIRS not in measured:  # held wherever measured, but a K up to the goal's not yet run
+        missing = sorted(set(missing) | ({GOAL_PAIRS} - set(measured)))
+        verdict = (f"not yet decided (held at K={', '.join(map(str, measured))}; K={', '.join(map(str, missing))} "
+                   "not measured)")  # fmt: skip
+    else:  # every K measured up to the goal's held; which they are, since a map may plan only some
+        verdict = f"met (held at K={', '.join(map(str, measured))})"
+    where = " before every layer" if mixer == "conv every" else ""
+    return f"- the mixer{where} at C={GOAL_CONCEPTS} holds >= {GOAL_ACCURACY:.0%} up to K={GOAL_PAIRS}: {verdict}"
+
+
+def mixer_name(row: dict) -> str:
+    """`none`, `conv` (once, before the first layer) or `conv every` (before every layer) of a row or cell (rows
+    written before the placement axis have no placement: `first`)."""
+    every = row["mixer"] != "none" and row.get("placement", "first") == "every"
+    return f"{row['mixer']} every" if every else row["mixer"]
+
+
 def row_name(row: dict) -> str:
-    return "BERT" if row["architecture"] == "bert" else f"C={row['concept_num']}, {row['mixer']}"
+    return "BERT" if row["architecture"] == "bert" else f"C={row['concept_num']}, {mixer_name(row)}"
 
 
 def format_markdown(report: dict) -> str:
@@ -337,13 +367,15 @@ def plot(report: dict, path: Path) -> None:
     rows = report["rows"]
     models = report.get("models", rows)  # every model planned: one not measured yet is an empty row
     pairs = sorted(int(k) for k in report["lines"])  # every K planned: a K not measured yet is an empty column
-    panels = [m for m in LOCAL_MIXERS if any(r["mixer"] == m and r["architecture"] == "concept" for r in models)]
+    variants = [*LOCAL_MIXERS, *(f"{m} every" for m in LOCAL_MIXERS if m != "none")]  # mixer, placement
+    panels = [v for v in variants if any(mixer_name(r) == v and r["architecture"] == "concept" for r in models)]
     bert = [r for r in rows if r["architecture"] == "bert"]
     bert_planned = any(m["architecture"] == "bert" for m in models)
     figure, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 4.5), squeeze=False)
     for axis, mixer in zip(axes[0], panels, strict=False):
-        widths = sorted({m["concept_num"] for m in models if m["architecture"] == "concept" and m["mixer"] == mixer})
-        found = {(r["concept_num"], r["pairs"]): r["accuracy"] for r in rows if r["mixer"] == mixer
+        widths = sorted({m["concept_num"] for m in models if m["architecture"] == "concept"
+                         and mixer_name(m) == mixer})  # fmt: skip
+        found = {(r["concept_num"], r["pairs"]): r["accuracy"] for r in rows if mixer_name(r) == mixer
                  and r["architecture"] == "concept"}  # fmt: skip
         labels = [f"C={c}" for c in widths] + (["BERT"] if bert_planned else [])
         grid = [[found.get((c, k), float("nan")) for k in pairs] for c in widths]
@@ -389,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pairs", default="4,8,16,32,64,128", help="the Ks (key-value pairs an example)")
     parser.add_argument("--concepts", default="16,32,64,128", help="the Concept Encoder's widths C")
     parser.add_argument("--mixers", default="none,conv", help=f"local mixers, from {LOCAL_MIXERS}")
+    parser.add_argument("--placements", default="first",
+                        help=f"where the conv mixer acts, from {LOCAL_MIXER_PLACEMENTS}: once before the first layer "
+                             "(first) and/or before every layer (every, cells C<C>-conv-every)")  # fmt: skip
     parser.add_argument("--architectures", default="concept,bert", help="concept and/or bert")
     parser.add_argument("--preset", default="micro", help="the model shape (one preset)")
     parser.add_argument(
@@ -443,6 +478,12 @@ def check_arguments(args) -> None:
     if any(v < 1 for v in [*args.pair_list, *args.concept_list]):
         raise ValueError("--pairs and --concepts are whole numbers >= 1")
     args.mixer_list = parse_mixers(args.mixers)
+    args.placement_list = parse_list(args.placements, "--placements")
+    if bad := [p for p in args.placement_list if p not in LOCAL_MIXER_PLACEMENTS]:
+        raise ValueError(f"--placements: {bad} unknown; choose from {LOCAL_MIXER_PLACEMENTS}")
+    if args.placement_list != ["first"] and args.mixer_list == ["none"]:
+        raise ValueError(f"--placements {args.placements}: places the conv mixer, but --mixers is none; add conv to "
+                         "--mixers or leave --placements out")  # fmt: skip
     args.architecture_list = parse_list(args.architectures, "--architectures")
     if bad := [a for a in args.architecture_list if a not in ("concept", "bert")]:
         raise ValueError(f"--architectures: {bad} unknown; choose concept and/or bert")
@@ -540,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
             missing.setdefault(str(c.pairs), []).append(row_name(c.__dict__))
     report = {"name": args.name, "rows": rows, "lines": lines, "chance": 1 / args.values, "tasks": {str(k): t for k, t in tasks.items()},
               "goals": goal_lines(rows, missing), "cells": len(plan), "not_measured": missing,
-              "models": [{"architecture": c.architecture, "concept_num": c.concept_num, "mixer": c.mixer}
+              "models": [{"architecture": c.architecture, "concept_num": c.concept_num, "mixer": c.mixer,
+                          "placement": c.placement}
                          for c in {row_name(c.__dict__): c for c in plan}.values()],
               "settings_line": f"Preset {args.preset}, fine-tuned from scratch, mean pooling: "
                                f"{' '.join(finetune_argv)}; tasks {', '.join(tasks.values())} (2K+4 tokens an "
