@@ -48,6 +48,16 @@ def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, ca
     assert all("--from_scratch" in c and c[c.index("--pooling") + 1] == "mean" for c in in_process)
     markdown = report.with_suffix(".md").read_text()
     assert "| no-binding line |" in markdown and "K=3" in markdown and "## Goals" in markdown
+    for k in (2, 3):  # TF-IDF + linear beside the map: each K's fit, as its points hold it
+        base = json.loads(Path(f"Cache/recall/recall-K{k}/points/bert.json").read_text())["baselines"]
+        assert data["tfidf"][str(k)] == base[f"recall:{k}:64:16:200"]["tfidf"]["validation"]["accuracy"]
+    tfidf_row = next(line for line in markdown.splitlines() if line.startswith("| TF-IDF"))
+    assert (
+        tfidf_row
+        == "| TF-IDF (word 1-2 grams) + linear | "
+        + " | ".join(f"{100 * data['tfidf'][k]:.2f}" for k in ("2", "3"))
+        + " |"
+    )
     assert any("BERT solves" in g for g in data["goals"]) and any("C=4, mixer conv: " in g for g in data["goals"])
     launched = len(in_process)
     capsys.readouterr()

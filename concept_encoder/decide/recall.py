@@ -333,7 +333,9 @@ def format_markdown(report: dict) -> str:
              "the main ones, or a map run with --seeds 1). Chance is " + percent(report["chance"]) + "%.", "",
              "| model | " + " | ".join(f"K={k}" for k in pairs) + " |", "|---|" + "---|" * len(pairs),
              *(f"| {n} | " + " | ".join(cell_text(by.get((n, k))) for k in pairs) + " |" for n in names),
-             "| no-binding line | " + " | ".join(percent(report["lines"][str(k)]) for k in pairs) + " |", "",
+             "| no-binding line | " + " | ".join(percent(report["lines"][str(k)]) for k in pairs) + " |",
+             "| TF-IDF (word 1-2 grams) + linear | "
+             + " | ".join(percent(report.get("tfidf", {}).get(str(k))) for k in pairs) + " |", "",
              "## Each cell", "",
              "| K | keys | model | seeds | test acc. (dev-chosen) | test acc. (last step) | rate | best-dev steps | "
              "runs | cell wall-clock (s) |", "|" + "---|" * 10]  # fmt: skip
@@ -398,6 +400,8 @@ def plot(report: dict, path: Path) -> None:
         curves.plot(*zip(*points, strict=True), marker="o", label=name)
     line = [100 * report["lines"][str(k)] for k in pairs]  # drawn with a marker too: one K still shows its line
     curves.plot(pairs, line, "k--", linewidth=1, marker="_", markersize=14, label="no-binding line")
+    if tfidf := sorted((int(k), 100 * a) for k, a in report.get("tfidf", {}).items()):
+        curves.plot(*zip(*tfidf, strict=True), color="grey", linestyle="-.", linewidth=1, marker="x", label="TF-IDF")
     curves.axhline(100 * report["chance"], color="grey", linestyle=":", linewidth=1, label="chance")
     curves.set_xscale("log", base=2)
     curves.set_xticks(pairs, [str(k) for k in pairs])
@@ -574,12 +578,15 @@ def main(argv: list[str] | None = None) -> int:
     elif (points := measure_map(plan, tasks, root, args, argvs)) is None:
         return 1
     lines = {str(k): no_binding_line(recall_splits(task))["test"] for k, task in tasks.items()}
+    tfidf = {}  # K -> TF-IDF + linear's test accuracy: every point of a K holds the same fit (the task's baseline)
+    for (pairs, _), point in points.items():
+        tfidf.setdefault(str(pairs), point["baselines"][tasks[pairs]]["tfidf"]["validation"]["accuracy"])
     rows = [cell_row(points[(c.pairs, c.key)], c, lines[str(c.pairs)]) for c in plan if (c.pairs, c.key) in points]
     missing = {}  # K -> the models not finished there
     for c in plan:
         if (c.pairs, c.key) not in points:
             missing.setdefault(str(c.pairs), []).append(row_name(c.__dict__))
-    report = {"name": args.name, "rows": rows, "lines": lines, "chance": 1 / args.values, "tasks": {str(k): t for k, t in tasks.items()},
+    report = {"name": args.name, "rows": rows, "lines": lines, "tfidf": tfidf, "chance": 1 / args.values, "tasks": {str(k): t for k, t in tasks.items()},
               "goals": goal_lines(rows, missing), "cells": len(plan), "not_measured": missing,
               "models": [{"architecture": c.architecture, "concept_num": c.concept_num, "mixer": c.mixer,
                           "placement": c.placement}
