@@ -200,8 +200,16 @@ def test_a_gate_that_stops_pretraining_ends_the_curve_there(launches, capsys):
         (["--tokens", "1000,1100"], [], "budgets give steps \\[2, 2\\]; choose budgets at least one step apart"),
         (["--tokens", "1024,2048"], ["--max_steps", "9"], "\\['--max_steps'\\] are set by the curve driver"),
         (["--tokens", "1024,2048", "--finetune_args", "--task glue:sst2"], [], "--finetune_args: \\['--task'\\]"),
-        (["--tokens", "1024,2048", "--architectures", "gpt"], [], "--architectures 'gpt': choose from"),
-        (["--tokens", "1024,2048", "--architectures", "concept,concept"], [], "an architecture is named twice"),
+        (
+            ["--tokens", "1024,2048", "--architectures", "gpt"],
+            [],
+            "--architectures 'gpt': \\['gpt'\\] unknown; choose from",
+        ),
+        (
+            ["--tokens", "1024,2048", "--architectures", "concept,concept"],
+            [],
+            "--architectures 'concept,concept': give distinct comma-separated values",
+        ),
         (["--tokens", "1024,2048", "--twins", "maybe"], [], "--twins: 'maybe' is not true or false"),
         (
             ["--tokens", "1024,2048", "--reference", "nowhere"],

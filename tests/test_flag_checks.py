@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from concept_encoder.common.padding import padded_length
+from concept_encoder.decide.experiments import parse_choices
 from concept_encoder.tasks.generated import MAX_SYMBOLS, cached_splits, generation_problem, read_splits
 from concept_encoder.tasks.listops import (
     LONGEST_TREE,
@@ -408,3 +409,21 @@ def test_a_padding_multiple_below_one_is_refused_by_both_loops_alike(value):
         training_args("--pad_to_multiple_of", value)
     with pytest.raises(ValueError, match=message):
         parse_args([*FINETUNE_MODEL, "--pad_to_multiple_of", value], FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("concept,gpt", "--architectures 'concept,gpt': ['gpt'] unknown; choose from ('concept', 'bert')"),
+        ("bert,,bert", "--architectures 'bert,,bert': give distinct comma-separated values"),
+        (" , ", "--architectures ' , ': give distinct comma-separated values"),
+    ],
+)
+def test_a_drivers_axis_refuses_unknown_repeated_or_missing_choices(text, message):
+    with pytest.raises(ValueError) as caught:
+        parse_choices(text, "--architectures", ("concept", "bert"))
+    assert str(caught.value) == message
+
+
+def test_a_drivers_axis_keeps_the_order_given():
+    assert parse_choices(" bert, concept", "--architectures", ("concept", "bert")) == ["bert", "concept"]

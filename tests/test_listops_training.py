@@ -180,9 +180,9 @@ def test_bad_driver_plans_are_refused_before_any_run(in_process, capsys):
         (["--task", "embedded"], "measures listops"),
         (["--presets", "micro,huge"], "unknown"),
         (["--concepts", "16,16"], "distinct"),
-        (["--poolings", "max"], "mean and/or cls"),
-        (["--architectures", "gpt"], "concept and/or bert"),
-        (["--mixers", "none,lstm"], "--mixers: ['lstm'] unknown; choose from ('none', 'conv')"),
+        (["--poolings", "max"], "--poolings 'max': ['max'] unknown; choose from ('mean', 'cls')"),
+        (["--architectures", "gpt"], "--architectures 'gpt': ['gpt'] unknown; choose from ('concept', 'bert')"),
+        (["--mixers", "none,lstm"], "--mixers 'none,lstm': ['lstm'] unknown; choose from ('none', 'conv')"),
         (["--finetune_args", "--seeds 2"], "set by the listops driver"),
     ):
         with pytest.raises(SystemExit):

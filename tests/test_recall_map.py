@@ -117,7 +117,7 @@ def test_bad_plans_are_refused_before_any_run(in_process, capsys):
         (["--pairs", "4,4"], "distinct"),
         (["--pairs", "4,x"], "--pairs '4,x': give distinct comma-separated whole numbers"),
         (["--mixers", "attention"], "unknown"),
-        (["--architectures", "gpt"], "concept and/or bert"),
+        (["--architectures", "gpt"], "--architectures 'gpt': ['gpt'] unknown; choose from ('concept', 'bert')"),
         (["--preset", "huge"], "unknown"),
         (["--finetune_args", "--seeds 2"], "set by the recall driver"),
         (["--pairs", "8", "--values", "1"], "values"),
@@ -129,7 +129,7 @@ def test_bad_plans_are_refused_before_any_run(in_process, capsys):
         (["--pairs", "8", "--finetune_args", "--max_steps '3"], '--finetune_args "--max_steps \'3": No closing'),
         (["--concepts", "16,64", "--main_concepts", "61"], "--main_concepts: [61] not in --concepts 16,64"),
         (["--pairs", "4,8", "--main_pairs", "8,16"], "--main_pairs: [16] not in --pairs 4,8"),
-        (["--placements", "first,last"], "--placements: ['last'] unknown; choose from ('first', 'every')"),
+        (["--placements", "first,last"], "--placements 'first,last': ['last'] unknown; choose from ('first', 'every')"),
         (["--mixers", "none", "--placements", "every"], "but --mixers is none; add conv to --mixers"),
     ):
         with pytest.raises(SystemExit):

@@ -71,7 +71,7 @@ def test_every_arm_is_pretrained_as_named_and_stands_beside_its_twin(workspace, 
 @pytest.mark.parametrize(
     ("extra", "loop_extra", "message"),
     [
-        (["--arms", "default,fancy"], [], "['fancy']; choose from"),
+        (["--arms", "default,fancy"], [], "--arms 'default,fancy': ['fancy'] unknown; choose from"),
         (["--tokens", "256,512"], [], "give one budget"),
         (["--teacher", "nowhere"], [], "make reference fetches the default teacher"),
         ([], ["--recipe", "budget"], "['--recipe'] are set per arm by the recipes driver"),

@@ -55,8 +55,8 @@ from .experiments import (
     exclusive,
     holding,
     kept_model,
-    parse_architectures,
     parse_budgets,
+    parse_choices,
     parse_driver_argv,
     plan_architecture,
     pretrain,
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     args, loop_argv, finetune_argv = parse_driver_argv(parser, argv)
     with usage_errors(parser):  # every check before the first run starts
         budgets = parse_budgets(args.tokens)
-        architectures = parse_architectures(args.architectures)
+        architectures = parse_choices(args.architectures, "--architectures", ARCHITECTURES)
         refuse_driver_flags(loop_argv, DRIVER_FLAGS, "pretraining arguments", "by the curve driver")
         if args.reference and (problem := model_folder_problem(args.reference)):
             raise ValueError(f"--reference: {problem} (make reference fetches the positive control)")

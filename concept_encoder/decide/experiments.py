@@ -15,7 +15,7 @@ tables and plots:
   this request's (`check_reuse`), one invocation a folder at a time (`exclusive`, `holding`);
 - the command line and the reports: what every driver takes and checks before its first run
   (`add_report_driver_arguments`, `parse_driver_argv`, `check_finetune_argv`, `parse_list`,
-  `parse_architectures`, `usage_errors`), the report files (`write_report_files`, `print_report`) and what the
+  `parse_choices`, `usage_errors`), the report files (`write_report_files`, `print_report`) and what the
   reports read from a point (`chosen_runs`, `percent`).
 """
 
@@ -42,11 +42,9 @@ from ..common.faults import written_whole
 from ..common.metrics_log import read_metrics
 from ..common.paths import PROJECT_ROOT, folder_problem, written_aside
 from ..common.report_files import claim_report_stem
-from ..constants import ARCHITECTURES
 from ..data.base import DataSourceError
 from ..model.bert_baseline import bert_config
 from ..model.config import ConceptEncoderConfig
-from ..model.constants import LOCAL_MIXERS
 from ..model.presets import PRESETS
 from ..tasks.leakage import planned_overlap
 from ..tasks.loading import load_task
@@ -706,24 +704,13 @@ def parse_list(text: str, what: str, convert=str) -> list:
     return values
 
 
-def parse_architectures(text: str) -> list[str]:
-    """`--architectures concept,bert` → the architectures it names, each one of `ARCHITECTURES`; ValueError
-    naming the flag otherwise."""
-    architectures = [a.strip() for a in text.split(",") if a.strip()]
-    if not architectures or any(a not in ARCHITECTURES for a in architectures):
-        raise ValueError(f"--architectures {text!r}: choose from {ARCHITECTURES}")
-    if len(set(architectures)) != len(architectures):
-        raise ValueError(f"--architectures {text!r}: an architecture is named twice")
-    return architectures
-
-
-def parse_mixers(text: str) -> list[str]:
-    """`--mixers none,conv` → the Concept Encoder's local mixers it names (the recall and ListOps drivers' arm axis),
-    each one of `LOCAL_MIXERS`; ValueError naming the flag and the unknown ones otherwise."""
-    mixers = parse_list(text, "--mixers")
-    if bad := [m for m in mixers if m not in LOCAL_MIXERS]:
-        raise ValueError(f"--mixers: {bad} unknown; choose from {LOCAL_MIXERS}")
-    return mixers
+def parse_choices(text: str, flag: str, allowed) -> list[str]:
+    """`flag`'s `a,b` → the distinct choices it names, in its order, each one of `allowed` (a driver's axis: its
+    architectures, mixers, presets, rows, arms); ValueError naming the flag, the unknown ones and the choices."""
+    chosen = parse_list(text, flag)
+    if bad := [c for c in chosen if c not in allowed]:
+        raise ValueError(f"{flag} {text!r}: {bad} unknown; choose from {tuple(allowed)}")
+    return chosen
 
 
 def one_budget(text: str, why: str, flag: str = "--tokens") -> int:

@@ -36,7 +36,9 @@ from pathlib import Path
 from ..accounting.flops import classifier_forward_flops
 from ..common.paths import cache_path
 from ..common.report_files import check_report_dir
+from ..constants import ARCHITECTURES
 from ..data.tokenizer import load_tokenizer
+from ..model.constants import LOCAL_MIXERS
 from ..model.presets import PRESETS
 from ..tasks.arguments import is_listops
 from ..tasks.listops import listops_splits, parse_listops, root_operator_rule
@@ -51,9 +53,9 @@ from .experiments import (
     given_or_default,
     holding,
     one_budget,
+    parse_choices,
     parse_driver_argv,
     parse_list,
-    parse_mixers,
     percent,
     plan_architecture,
     pretrain,
@@ -333,20 +335,14 @@ def check_arguments(args) -> None:
     if not is_listops(args.task):
         raise ValueError(f"--task {args.task!r}: the driver measures listops or listops:<max_length>[:<train>]")
     parse_listops(args.task)
-    args.architecture_list = parse_list(args.architectures, "--architectures")
-    if bad := [a for a in args.architecture_list if a not in ("concept", "bert")]:
-        raise ValueError(f"--architectures: {bad} unknown; choose concept and/or bert")
-    args.preset_list = parse_list(args.presets, "--presets")
-    if unknown := [p for p in args.preset_list if p not in PRESETS]:
-        raise ValueError(f"--presets: {unknown} unknown; choose from {sorted(PRESETS)}")
+    args.architecture_list = parse_choices(args.architectures, "--architectures", ARCHITECTURES)
+    args.preset_list = parse_choices(args.presets, "--presets", sorted(PRESETS))
     args.concept_list = parse_list(args.concepts, "--concepts", int)
     if any(c < 1 for c in args.concept_list):
         raise ValueError(f"--concepts {args.concepts!r}: widths are whole numbers >= 1")
     args.refine_list = {"off": [False], "on": [True], "both": [False, True]}[args.refinement]
-    args.mixer_list = parse_mixers(args.mixers)
-    args.pooling_list = parse_list(args.poolings, "--poolings")
-    if bad := [p for p in args.pooling_list if p not in ("mean", "cls")]:
-        raise ValueError(f"--poolings: {bad} unknown; choose mean and/or cls")
+    args.mixer_list = parse_choices(args.mixers, "--mixers", LOCAL_MIXERS)
+    args.pooling_list = parse_choices(args.poolings, "--poolings", ("mean", "cls"))
     if args.seeds < 1 or args.sweep_seeds < 1:
         raise ValueError("--seeds and --sweep_seeds must be >= 1")
     args.pretrain_budget = (

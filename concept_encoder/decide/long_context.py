@@ -53,6 +53,7 @@ from .experiments import (
     holding,
     last_snapshot,
     one_budget,
+    parse_choices,
     parse_driver_argv,
     plan_architecture,
     pretrain,
@@ -384,9 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         budget = one_budget(args.tokens, "every model is pretrained for as many")
         refuse_driver_flags(loop_argv, DRIVER_FLAGS, "pretraining arguments", "by the long-context driver")
         refuse_driver_flags(finetune_argv, FINETUNE_DRIVER_FLAGS, "--finetune_args:", "by the long-context driver")
-        chosen = {r.strip() for r in args.rows.split(",") if r.strip()} | {"concept"}
-        if unknown := sorted(chosen - set(ROWS)):
-            raise ValueError(f"--rows {args.rows!r}: {unknown} unknown; choose from {ROWS}")
+        chosen = {*parse_choices(args.rows, "--rows", ROWS), "concept"}
         if not 0 < args.words_per_token <= 1:
             raise ValueError(f"--words_per_token {args.words_per_token} must be in (0, 1]")
         tasks = {length: task_for(args.task, length, args.words_per_token) for length in lengths}

@@ -32,6 +32,7 @@ from pathlib import Path
 from ..common.cli_types import at_least
 from ..common.paths import cache_path, folder_problem
 from ..common.report_files import check_report_dir
+from ..constants import ARCHITECTURES
 from ..data.recall_vocab import KEYS, VALUES, example_tokens
 from ..data.tokenizer import load_tokenizer
 from ..finetuning.report import grid_edge
@@ -48,9 +49,9 @@ from .experiments import (
     exclusive,
     given_or_default,
     holding,
+    parse_choices,
     parse_driver_argv,
     parse_list,
-    parse_mixers,
     percent,
     print_report,
     refuse_driver_flags,
@@ -481,16 +482,12 @@ def check_arguments(args) -> None:
                                          "--concepts")  # fmt: skip
     if any(v < 1 for v in [*args.pair_list, *args.concept_list]):
         raise ValueError("--pairs and --concepts are whole numbers >= 1")
-    args.mixer_list = parse_mixers(args.mixers)
-    args.placement_list = parse_list(args.placements, "--placements")
-    if bad := [p for p in args.placement_list if p not in LOCAL_MIXER_PLACEMENTS]:
-        raise ValueError(f"--placements: {bad} unknown; choose from {LOCAL_MIXER_PLACEMENTS}")
+    args.mixer_list = parse_choices(args.mixers, "--mixers", LOCAL_MIXERS)
+    args.placement_list = parse_choices(args.placements, "--placements", LOCAL_MIXER_PLACEMENTS)
     if args.placement_list != ["first"] and args.mixer_list == ["none"]:
         raise ValueError(f"--placements {args.placements}: places the conv mixer, but --mixers is none; add conv to "
                          "--mixers or leave --placements out")  # fmt: skip
-    args.architecture_list = parse_list(args.architectures, "--architectures")
-    if bad := [a for a in args.architecture_list if a not in ("concept", "bert")]:
-        raise ValueError(f"--architectures: {bad} unknown; choose concept and/or bert")
+    args.architecture_list = parse_choices(args.architectures, "--architectures", ARCHITECTURES)
     if args.preset not in PRESETS:
         raise ValueError(f"--preset {args.preset!r} unknown; choose from {sorted(PRESETS)}")
     if args.seeds < 1 or args.sweep_seeds < 1:

@@ -51,7 +51,7 @@ from .experiments import (
     holding,
     last_snapshot,
     one_budget,
-    parse_architectures,
+    parse_choices,
     parse_driver_argv,
     plan_architecture,
     pretrain,
@@ -237,11 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = cache_path(args.runs_dir) / args.name
     with usage_errors(parser):  # every check before the first run starts
         budget = one_budget(args.tokens, "each arm's schedule ends at it")
-        arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-        unknown = sorted(set(arms) - set(ARMS))
-        if not arms or unknown:
-            raise ValueError(f"--arms {args.arms!r}: {unknown or 'none given'}; choose from {ARMS}")
-        architectures = parse_architectures(args.architectures)
+        arms = parse_choices(args.arms, "--arms", ARMS)
+        architectures = parse_choices(args.architectures, "--architectures", ARCHITECTURES)
         tasks = planned_tasks(args)
         if not tasks:
             raise ValueError("--tasks: name at least one task")
