@@ -360,11 +360,16 @@ time.sleep(60)
 
 
 @pytest.mark.alone
-@pytest.mark.parametrize("when", ["training", "before-training"])
-def test_ctrl_c_in_a_tool_stops_the_launched_ranks_at_a_checkpoint_not_the_launcher(tmp_path, when):
+@pytest.mark.parametrize(
+    ("when", "stop", "exit_code"),
+    [("training", "SIGINT", 130), ("before-training", "SIGINT", 130), ("training", "SIGTERM", 143)],
+)
+def test_ctrl_c_in_a_tool_stops_the_launched_ranks_at_a_checkpoint_not_the_launcher(tmp_path, when, stop, exit_code):
     """What curve, ablate and check_plan --run do with `accelerate launch`: the interrupt goes to the ranks (they
     checkpoint and exit), the launcher ends with them, its report of ranks stopped before training (a traceback
-    under torch's multi-process launcher) is not relayed, the loop's one line is, and the tool says one line."""
+    under torch's multi-process launcher) is not relayed, the loop's one line is, and the tool says one line.
+    SIGTERM to the tool (`kill`, `timeout`) does the same, exit code 143: by default it would end the tool alone
+    and leave the launch, in a session of its own, training on."""
     import signal
     import time
 
@@ -378,11 +383,11 @@ def test_ctrl_c_in_a_tool_stops_the_launched_ranks_at_a_checkpoint_not_the_launc
                                stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_terminal)  # fmt: skip
     assert process.stdout.readline().strip() == "rank: training"
     time.sleep(0.2)
-    process.send_signal(signal.SIGINT)  # the terminal's Ctrl-C reaches the tool's process group only
+    process.send_signal(getattr(signal, stop))  # the terminal's Ctrl-C reaches the tool's process group only
     out, err = process.communicate(timeout=60)
     assert "rank: checkpoint saved" in out and "Traceback" not in err and "ChildFailedError" not in err
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[-1] == "tool: interrupted (what finished is kept: rerun the same command to continue)"
     assert lines[:-1] == (["loops/mlm.py: interrupted (what finished is kept: rerun the same command to continue)"]
                           if when == "before-training" else [])  # the loop's own line passes, the launcher's not  # fmt: skip
-    assert process.returncode == 130
+    assert process.returncode == exit_code

@@ -1,5 +1,5 @@
 """How the project's command-line tools end on Ctrl-C: one line naming the tool, exit code 130 (128 + SIGINT, what
-shells report), never a traceback. What a tool finished stays: runs resume from their checkpoints, curve points,
+shells report; 143 for SIGTERM while a tool waits on a launch), never a traceback. What a tool finished stays: runs resume from their checkpoints, curve points,
 ablation runs and fine-tuning seeds are reused by the same command.
 
 `run_tool(main, name)` wraps a tool's `main` (the `python -m concept_encoder` dispatcher, every module's `__main__`
@@ -15,7 +15,13 @@ import sys
 from collections.abc import Callable
 
 INTERRUPTED = 130  # 128 + SIGINT
+TERMINATED = 143  # 128 + SIGTERM
 TRACEBACK_ENV = "CONCEPT_ENCODER_TRACEBACK"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a scheduler's stop) while a tool waits on a launch, handled as Ctrl-C is (the
+    ranks stop at a checkpoint: `process_group.call_interrupting_ranks`); the tool then exits with `TERMINATED`."""
 
 
 def interrupted_line(name: str) -> str:
@@ -23,15 +29,16 @@ def interrupted_line(name: str) -> str:
 
 
 def run_tool(main: Callable[..., int | None], name: str, argv: list[str] | None = None) -> int:
-    """`main(argv)`'s exit code; `INTERRUPTED` after one line on standard error when Ctrl-C stops it; 1 after one
+    """`main(argv)`'s exit code; `INTERRUPTED` after one line on standard error when Ctrl-C stops it (`TERMINATED`
+    when SIGTERM stopped a launch it waited on: `Terminated`); 1 after one
     line when the system refuses a file or path the tool was given or writes (a name too long, no permission, no
     space: `OSError`, the input's or the machine's, not the tool's). `CONCEPT_ENCODER_TRACEBACK=1` shows the
     traceback instead."""
     try:
         return main(argv) or 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         print(f"\n{interrupted_line(name)}", file=sys.stderr)
-        return INTERRUPTED
+        return TERMINATED if isinstance(stop, Terminated) else INTERRUPTED
     except OSError as error:
         if os.environ.get(TRACEBACK_ENV):
             raise

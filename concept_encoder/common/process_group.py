@@ -20,6 +20,8 @@ import sys
 import time
 import uuid
 
+from .entry import Terminated
+
 TREES = "CONCEPT_ENCODER_PROCESS_TREES"  # the tags of the `start`s a process descends from, space-separated
 
 
@@ -102,8 +104,10 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
     Ctrl-C reaches only the calling tool: the launch runs in its own session. The tool then passes the interrupt
     to the processes the launcher started (the loops' ranks stop as they do on a signal: a checkpoint, then exit),
     not to the launcher itself (torch's launcher answers a signal with a traceback), waits up to `grace` seconds
-    for the launch to end (then ends its whole group) and raises KeyboardInterrupt for the tool to report. The
-    launch's standard error is relayed as it comes (`relay_stderr`)."""
+    for the launch to end (then ends its whole group) and raises KeyboardInterrupt for the tool to report. SIGTERM
+    to the tool (`kill`, `timeout`) does the same and raises `entry.Terminated`: by default it would end the tool
+    alone and leave the launch, in its own session, training on. The launch's standard error is relayed as it
+    comes (`relay_stderr`)."""
     import threading
 
     import psutil
@@ -112,11 +116,17 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
     interrupted = threading.Event()
     relay = threading.Thread(target=relay_stderr, args=(process.stderr, interrupted), daemon=True)
     relay.start()
+    previous = signal.getsignal(signal.SIGTERM)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    if in_main_thread:
+        signal.signal(signal.SIGTERM, raise_terminated)
     try:
         code = process.wait()
         relay.join()
         return code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM as `Terminated`
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the ranks' checkpoint
         interrupted.set()
         try:
             ranks = psutil.Process(process.pid).children(recursive=True)
@@ -134,6 +144,14 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
         end_group(process)  # whatever is left (a launcher that started nothing yet)
         relay.join(timeout=5)
         raise
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: not Python's
+
+
+def raise_terminated(signum, frame) -> None:
+    """The SIGTERM handler while a tool waits on a launch (`call_interrupting_ranks`)."""
+    raise Terminated()
 
 
 # After an interrupt: the loops' own lines (their one-line stop, an error line, their log records) go on
