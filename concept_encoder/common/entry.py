@@ -1,6 +1,6 @@
 """How the project's command-line tools end on Ctrl-C: one line naming the tool, exit code 130 (128 + SIGINT, what
-shells report; 143 for SIGTERM while a tool waits on a launch), never a traceback. What a tool finished stays: runs resume from their checkpoints, curve points,
-ablation runs and fine-tuning seeds are reused by the same command.
+shells report; 143 for SIGTERM while a tool waits on a launch), never a traceback. What a tool finished stays: runs
+resume from their checkpoints, curve points, ablation runs and fine-tuning seeds are reused by the same command.
 
 `run_tool(main, name)` wraps a tool's `main` (the `python -m concept_encoder` dispatcher, every module's `__main__`
 block, the loops, the launch scripts) and ends a refused file or path in one line too. `interrupt_in_one_line(name)` covers the seconds before it: the
@@ -30,10 +30,9 @@ def interrupted_line(name: str) -> str:
 
 def run_tool(main: Callable[..., int | None], name: str, argv: list[str] | None = None) -> int:
     """`main(argv)`'s exit code; `INTERRUPTED` after one line on standard error when Ctrl-C stops it (`TERMINATED`
-    when SIGTERM stopped a launch it waited on: `Terminated`); 1 after one
-    line when the system refuses a file or path the tool was given or writes (a name too long, no permission, no
-    space: `OSError`, the input's or the machine's, not the tool's). `CONCEPT_ENCODER_TRACEBACK=1` shows the
-    traceback instead."""
+    when SIGTERM stopped a launch it waited on: `Terminated`); 1 after one line when the system refuses a file or
+    path the tool was given or writes (a name too long, no permission, no space: `OSError`, the input's or the
+    machine's, not the tool's). `CONCEPT_ENCODER_TRACEBACK=1` shows the traceback instead."""
     try:
         return main(argv) or 0
     except KeyboardInterrupt as stop:
