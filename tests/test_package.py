@@ -391,3 +391,55 @@ def test_ctrl_c_in_a_tool_stops_the_launched_ranks_at_a_checkpoint_not_the_launc
     assert lines[:-1] == (["loops/mlm.py: interrupted (what finished is kept: rerun the same command to continue)"]
                           if when == "before-training" else [])  # the loop's own line passes, the launcher's not  # fmt: skip
     assert process.returncode == exit_code
+
+
+def test_a_stop_while_the_launch_starts_is_held_until_the_launch_is_in_hand(monkeypatch):
+    """SIGTERM in the instant between `Popen` and the wait: held, then raised as `Terminated` with the launch in
+    hand, which ends; never the caller's handler (by default: the tool ends alone, the launch trains on)."""
+    import os
+    import signal
+
+    from concept_encoder.common import process_group
+    from concept_encoder.common.entry import Terminated
+
+    def callers_handler(signum, frame):
+        raise RuntimeError("the SIGTERM reached the caller's handler: the launch was left running")
+
+    real_start, started = process_group.start, []
+
+    def start_then_sigterm(command, **kwargs):
+        started.append(real_start(command, **kwargs))
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered at once, to a handler that must hold it
+        return started[-1]
+
+    monkeypatch.setattr(process_group, "start", start_then_sigterm)
+    before = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+        with pytest.raises(Terminated):
+            process_group.call_interrupting_ranks([sys.executable, "-c", "import time; time.sleep(60)"])
+        assert signal.getsignal(signal.SIGTERM) is callers_handler  # the caller's handler is back
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert started[0].poll() is not None  # the launch ended with the tool
+
+
+def test_a_tool_that_ignores_sigint_keeps_ignoring_it_while_it_waits_on_a_launch(monkeypatch):
+    """A background job without job control (`nohup ... &`) runs with SIGINT ignored; waiting on a launch must not
+    turn a stray SIGINT into a stop."""
+    import signal
+
+    from concept_encoder.common import process_group
+
+    real_start, seen = process_group.start, []
+
+    def start_and_look(command, **kwargs):
+        seen.append(signal.getsignal(signal.SIGINT))
+        return real_start(command, **kwargs)
+
+    monkeypatch.setattr(process_group, "start", start_and_look)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert process_group.call_interrupting_ranks([sys.executable, "-c", "pass"]) == 0
+        assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -106,27 +106,32 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
     not to the launcher itself (torch's launcher answers a signal with a traceback), waits up to `grace` seconds
     for the launch to end (then ends its whole group) and raises KeyboardInterrupt for the tool to report. SIGTERM
     to the tool (`kill`, `timeout`) does the same and raises `entry.Terminated`: by default it would end the tool
-    alone and leave the launch, in its own session, training on. The launch's standard error is relayed as it
-    comes (`relay_stderr`)."""
+    alone and leave the launch, in its own session, training on. A stop while the launch starts is held until it
+    is in hand (`HeldStops`). The launch's standard error is relayed as it comes (`relay_stderr`)."""
     import threading
 
     import psutil
 
-    process = start(command, stderr=subprocess.PIPE)
-    interrupted = threading.Event()
-    relay = threading.Thread(target=relay_stderr, args=(process.stderr, interrupted), daemon=True)
-    relay.start()
-    previous = signal.getsignal(signal.SIGTERM)
+    stops = HeldStops()
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
-    if in_main_thread:
-        signal.signal(signal.SIGTERM, raise_terminated)
+    previous = stops.install() if in_main_thread else {}
+    process = None
     try:
+        process = start(command, stderr=subprocess.PIPE)
+        interrupted = threading.Event()
+        relay = threading.Thread(target=relay_stderr, args=(process.stderr, interrupted), daemon=True)
+        relay.start()
+        stops.release()  # a stop that came while the launch started is raised here, with the launch in hand
         code = process.wait()
         relay.join()
         return code
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM as `Terminated`
-        if in_main_thread:
+        if process is None:  # nothing started: nothing to stop
+            raise
+        if signal.SIGTERM in previous:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the ranks' checkpoint
+        if signal.SIGINT in previous:
+            signal.signal(signal.SIGINT, previous[signal.SIGINT] or signal.SIG_DFL)  # a second Ctrl-C: as before
         interrupted.set()
         try:
             ranks = psutil.Process(process.pid).children(recursive=True)
@@ -145,13 +150,38 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
         relay.join(timeout=5)
         raise
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: not Python's
+        for sig, handler in previous.items():
+            signal.signal(sig, handler or signal.SIG_DFL)  # None: not set from Python
 
 
-def raise_terminated(signum, frame) -> None:
-    """The SIGTERM handler while a tool waits on a launch (`call_interrupting_ranks`)."""
-    raise Terminated()
+class HeldStops:
+    """Ctrl-C (SIGINT) and SIGTERM while a tool starts a launch and waits on it (`call_interrupting_ranks`): one
+    that comes before the launch is in hand (`subprocess.Popen` returned, the relay running) is held and raised by
+    `release`, so no instant is left in which a stop ends the tool and leaves the launch, in a session of its own,
+    training on. Raised as KeyboardInterrupt, SIGTERM as `entry.Terminated`."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.released = False
+        self.held: KeyboardInterrupt | None = None
+
+    def install(self) -> dict:
+        """Handle `SIGNALS` from now on (main thread only), but for one the process ignores (SIGINT in a background
+        job started without job control, `nohup ... &`); returns the handlers replaced."""
+        return {sig: signal.signal(sig, self.handle) for sig in self.SIGNALS if signal.getsignal(sig) != signal.SIG_IGN}
+
+    def handle(self, signum, frame) -> None:
+        stop = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        if self.released:
+            raise stop
+        self.held = self.held or stop
+
+    def release(self) -> None:
+        """From now on a stop is raised at once; one held since `install` is raised now."""
+        self.released = True
+        if self.held is not None:
+            raise self.held
 
 
 # After an interrupt: the loops' own lines (their one-line stop, an error line, their log records) go on
