@@ -108,7 +108,13 @@ from concept_encoder.training.runtime import (
     setup_distributed,
 )
 from concept_encoder.training.steps import finetuning_step as train_step  # the loop's step (tests patch it here)
-from concept_encoder.training.tracking import PreemptionFlag, any_rank, memory_stats, peak_memory_over_ranks
+from concept_encoder.training.tracking import (
+    PreemptionFlag,
+    StoppedBySignal,
+    any_rank,
+    memory_stats,
+    peak_memory_over_ranks,
+)
 
 logger = logging.getLogger("concept_encoder")
 
@@ -158,8 +164,8 @@ def fine_tune(
     state, model_path: str, seed: int, rate: float, task, splits, tokenizer, fargs, task_args, args, run_base: str
 ):
     """Steps 7-12 for one model, seed and learning rate; returns the run's result (the step chosen on dev, its
-    dev metrics, the training loss at the start and end), or None when a signal stopped it (after a
-    checkpoint). The chosen step's weights are saved to `<run>/final`; the validation split is not touched."""
+    dev metrics, the training loss at the start and end); raises `StoppedBySignal` when a signal stopped it (after
+    a checkpoint). The chosen step's weights are saved to `<run>/final`; the validation split is not touched."""
     started = time.perf_counter()
     tag = model_tag(model_path, fargs.from_scratch)
     run_args = dataclasses.replace(
@@ -294,7 +300,7 @@ def fine_tune(
         bar.close()
         if preempted:
             accelerator.wait_for_everyone()
-            return None
+            raise StoppedBySignal(preemption.exit_code)
         still_improving = best.step == last_evaluated and not (gate_stopped or reached)
         if still_improving:
             logger.warning("%s lr %g seed %d: the chosen step %d is the last one evaluated: still improving: train "
@@ -404,7 +410,7 @@ def classifier(model_path: str, task, fargs, task_args):
 def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, task_args, args, run_base: str):
     """Every learning rate of the grid on the first seed, the rate with the best dev metric for every seed,
     then each seed's chosen run evaluated once on validation. Returns the runs (one per seed, each with the
-    grid's dev scores and the chosen rate), or None when a signal stopped a run."""
+    grid's dev scores and the chosen rate); `StoppedBySignal` when a signal stopped a run."""
     main_metric = task.metric_names[0]
     sign = metric_sign(main_metric)
     seeds = list(range(args.seed, args.seed + fargs.seeds))
@@ -413,8 +419,6 @@ def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, task
         tried[rate] = fine_tune(
             state, model_path, seeds[0], rate, task, splits, tokenizer, fargs, task_args, args, run_base
         )
-        if tried[rate] is None:
-            return None
     chosen = max(fargs.rates, key=lambda rate: sign * tried[rate]["dev"][main_metric])  # ties: the first rate
     grid = {f"{rate:g}": tried[rate]["dev"][main_metric] for rate in fargs.rates}
     if len(grid) > 1:
@@ -422,10 +426,9 @@ def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, task
                     chosen, main_metric, grid)  # fmt: skip
     runs = [tried[chosen]]
     for seed in seeds[1:]:
-        run = fine_tune(state, model_path, seed, chosen, task, splits, tokenizer, fargs, task_args, args, run_base)
-        if run is None:
-            return None
-        runs.append(run)
+        runs.append(
+            fine_tune(state, model_path, seed, chosen, task, splits, tokenizer, fargs, task_args, args, run_base)
+        )
     grid_seconds = {f"{rate:g}": tried[rate]["seconds"] for rate in fargs.rates if rate != chosen}  # the grid's cost
     return [{**validate(state, run, task, splits, tokenizer, fargs, args), "rate_grid": grid,
              "rate_grid_seconds": grid_seconds} for run in runs]  # fmt: skip
@@ -531,11 +534,12 @@ def main(argv: list[str] | None = None) -> int:
         if fargs.probe:
             results += probe_model(state, model_path, task, splits, tokenizer, fargs, task_args, args)
         if fargs.finetune:
-            runs = fine_tune_model(state, model_path, task, splits, tokenizer, fargs, task_args, args, run_base)
-            if runs is None:  # stopped by a signal, checkpointed: no report from a partial set of runs
+            try:
+                results += fine_tune_model(state, model_path, task, splits, tokenizer, fargs, task_args, args,
+                                           run_base)  # fmt: skip
+            except StoppedBySignal as stop:  # checkpointed: no report from a partial set of runs
                 finish_distributed(state)  # every rank stopped here (the signal is agreed on by all)
-                return 0
-            results += runs
+                return stop.exit_code
     # report: one row per (model, method, task), mean ± std over seeds, beside the baselines
     if state.is_main_process:
         parts = [f"fine-tuning ({args.max_steps} steps, learning rate from {fargs.learning_rates})"] * fargs.finetune

@@ -569,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     preemption.restore()  # only now: a second signal (e.g. the launcher's death after it forwarded one) must not kill the final save
     if run_lock is not None:
         run_lock.release()
+    if preempted:  # checkpointed, not finished: 128 + the signal's number, so `loop && next` stops here
+        return preemption.exit_code
     return GATE_EXIT_CODE if gate_stopped else 0
 
 

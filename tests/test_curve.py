@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loop_runs import COMMON, fresh_accelerate, launch_in_process, workdir  # noqa: F401 (fixtures: a module work folder, accelerate reset)
+from loop_runs import COMMON, fresh_accelerate, launch_in_process, sigterm_after, workdir  # noqa: F401 (fixtures: a module work folder, accelerate reset)
 from safetensors.torch import load_file
 
 import loops.mlm as mlm
@@ -249,10 +249,11 @@ def test_a_busy_curve_and_a_failed_run_end_in_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     [error] = errors(err)  # one line, beside the task loader's progress bars
     assert error.startswith("error: pretraining busy-concept failed (exit code 1)") and "Traceback" not in err
-    monkeypatch.setattr(experiments, "run_command", lambda command: 0)  # stopped by a signal: exit 0, no final model
+    monkeypatch.setattr(experiments, "run_command", launch_in_process([]))
+    sigterm_after(monkeypatch, calls=1)  # the loop checkpoints at step 1 and exits 143, which the launcher says as 1
     assert curve.main(argv) == 1
     [error] = errors(capsys.readouterr().err)  # no point measured on a run that has not ended
-    assert error.startswith("error: pretraining busy-concept stopped before its end (a signal?); rerun the same")
+    assert error.startswith("error: pretraining busy-concept was stopped by a signal at step 1 (checkpointed); rerun")
 
 
 def test_a_folder_that_is_not_a_curve_is_refused_before_anything_runs(launches, capsys):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from accelerate.state import AcceleratorState
-from loop_runs import COMMON, ROOT, finished_run, fresh_accelerate, records, run, workdir  # noqa: F401 (fixtures)
+from loop_runs import COMMON, ROOT, finished_run, fresh_accelerate, records, run, sigterm_after, workdir  # noqa: F401 (fixtures)
 
 import loops.mlm as mlm
 from concept_encoder.decide import ablate
@@ -114,7 +114,7 @@ def test_resume_keeps_the_gates(monkeypatch, capsys):
 
     gated = [*GATED, "--max_steps", "8", "--gate", "eval_loss<100", "--gate", "eval_loss<0@6"]
     monkeypatch.setattr(mlm, "train_step", signal_after_three)
-    assert run("--run_name", "resumed_gates", *gated) == 0  # preempted after step 3, checkpointed
+    assert run("--run_name", "resumed_gates", *gated) == 128 + signal.SIGTERM  # preempted after step 3, checkpointed
     monkeypatch.setattr(mlm, "train_step", real)
     state = json.loads(Path("runs/resumed_gates/checkpoints/step_0000003/train_state.json").read_text())
     assert state["gates"][0] == {**state["gates"][0], "step": 2, "passed": True}  # checked before the signal
@@ -209,10 +209,14 @@ def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys,
     fresh = ["--vary", "learning_rate=1e-4,5e-3", "--decide", "eval_loss", "--name", "ctrlc", "--", *loop]
     assert ablate.main(fresh) == 130
     assert capsys.readouterr().err.strip().startswith("interrupted: rerun the same command to continue")
-    monkeypatch.setattr(ablate, "run_loop", lambda command: 0)  # stopped by a signal: exit 0, no final model
+    monkeypatch.setattr(ablate, "run_loop", in_process)
+    sigterm_after(monkeypatch, calls=1)  # the loop checkpoints at step 1 and exits 143, which the launcher says as 1
     signalled = ["--vary", "learning_rate=1e-4,5e-3", "--decide", "eval_loss", "--name", "sig", "--", *loop]
     assert ablate.main(signalled) == 1  # no comparison of a run that has not ended
-    assert "stopped before its end (a signal?); rerun the same command" in capsys.readouterr().err
+    assert ("sig-learning_rate1e-4 was stopped by a signal at step 1 (checkpointed); rerun the same command"
+            in capsys.readouterr().err)  # fmt: skip
+    assert json.loads(Path("runs/sig-learning_rate1e-4/summary.json").read_text())["preempted"]
+    assert not Path("runs/sig-learning_rate5e-3").exists()  # the second value was not started
 
 
 @pytest.mark.loop

@@ -613,7 +613,7 @@ def test_sigterm_checkpoints_and_auto_resume_continues_exactly(workdir, concept_
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(finetune, "train_step", step_then_signal)
-    assert finetune.main([*argv, "--run_name", "split"]) == 0
+    assert finetune.main([*argv, "--run_name", "split"]) == 128 + signal.SIGTERM  # checkpointed, not finished
     [interrupted] = Path("Cache/finetune").glob("split-*-seed43")
     assert not (interrupted / "summary.json").exists()
     assert sorted(p.name for p in (interrupted / "checkpoints").iterdir()) == ["step_0000020", "step_0000025"]

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +59,7 @@ def test_sigterm_checkpoint_and_exact_resume(monkeypatch):
     reference = train_losses("straight")
 
     real = sigterm_after(monkeypatch, calls=5)
-    run("--run_name", "split", *args)
+    assert run("--run_name", "split", *args) == 128 + signal.SIGTERM  # checkpointed, not finished: `&&` stops here
     run_dir = Path("runs/split")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary == {**summary, "steps": 5, "preempted": True}

@@ -352,7 +352,7 @@ def stop(*_):
     if sys.argv[2] == "before-training":  # a loop interrupted while it prepares: one line, exit code 130
         print("loops/mlm.py: interrupted (what finished is kept: rerun the same command to continue)", file=sys.stderr)
         sys.exit(130)
-    sys.exit(0)
+    sys.exit(130)  # like the loops: checkpointed, not finished (the launcher then fails: not relayed)
 signal.signal(signal.SIGINT, stop)
 print("rank: training", flush=True)
 time.sleep(60)

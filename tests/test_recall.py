@@ -191,8 +191,8 @@ def test_a_point_is_never_read_from_a_report_an_earlier_attempt_left(tmp_path, m
     reports.mkdir(parents=True)
     old = {"rows": [{"seeds": [42]}], "baselines": {}, "runs": []}  # a one-seed attempt's report
     (reports / "finetune_20261201-000000.json").write_text(json.dumps(old))
-    monkeypatch.setattr(experiments, "run_command", lambda command: 0)  # stopped by a signal: exit 0, no report
-    with pytest.raises(RuntimeError, match="it ended without a report: stopped by a signal\\?"):
+    monkeypatch.setattr(experiments, "run_command", lambda command: 0)  # a run that ends without a report
+    with pytest.raises(RuntimeError, match="did not finish \\(exit code 0 but no report: it failed, or a signal"):
         folder.measure("C4-conv", "model", ["--seeds", "3"], {})
     assert not folder.point_file("C4-conv").exists()  # no point holding the old attempt's seeds
 

@@ -40,7 +40,7 @@ from ..common.report_files import check_report_dir
 from ..constants import LICENSES_DATASET, pretraining_metric_names
 from ..training.args import parse_args
 from ..training.plan import launch_command, local_launcher
-from ..training.runs import ended_on_its_own, stopped_by_gate
+from ..training.runs import ended_on_its_own, unfinished_launch
 from .compare import compare, lower_is_better
 
 
@@ -233,17 +233,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"[{index}/{len(plans)}] {run_name}: {setting}={values[index - 1]}", flush=True)
                 code = run_loop([*launcher, *run_argv])
-                # `accelerate launch` turns every non-zero exit of the loop into 1, the gate's 3 included:
-                # whether a gate stopped the run is read from its summary.json.
-                if code != 0 and not stopped_by_gate(run_dir):
-                    print(
-                        f"{run_name} failed with exit code {code}; fix it and rerun the same command", file=sys.stderr
-                    )
-                    return code
-                if not ended_on_its_own(run_dir):  # a signal stops the loop at a checkpoint with exit code 0
-                    print(f"{run_name} stopped before its end (a signal?); rerun the same command: it resumes from "
+                if why := unfinished_launch(run_dir, code):  # a gate's stop is an end: the value is compared
+                    print(f"{run_name} {why}; rerun the same command (once fixed, if it failed): it resumes from "
                           "its newest checkpoint", file=sys.stderr)  # fmt: skip
-                    return 1
+                    return code or 1
             if args.heldout:
                 code = heldout_check(run_dir, args.heldout)
                 if code != 0:

@@ -51,7 +51,7 @@ from ..tasks.loading import load_task
 from ..training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
 from ..training.plan import local_launcher
 from ..training.resume import argument_settings, run_config_arguments
-from ..training.runs import ended_on_its_own, stopped_by_gate
+from ..training.runs import ended_on_its_own, stopped_by_gate, unfinished_launch
 
 MLM_SCRIPT = PROJECT_ROOT / "loops" / "mlm.py"
 FINETUNE_SCRIPT = PROJECT_ROOT / "loops" / "finetune.py"
@@ -274,10 +274,8 @@ def decayed_model(plan: ArchitecturePlan, run_dir: Path, step: int, processes: i
     if resume != "auto" and not start.is_dir():
         return None
     code = run_command([*local_launcher(MLM_SCRIPT, processes), *plan.decay_command(step, resume)])
-    if code != 0:
-        raise RuntimeError(f"the decay {branch.name} failed (exit code {code}); fix it and rerun: it resumes")
-    if not ended_on_its_own(branch):  # a signal stops the loop at a checkpoint with exit code 0
-        raise RuntimeError(f"the decay {branch.name} stopped before its end (a signal?); rerun: it resumes")
+    if why := unfinished_launch(branch, code):
+        raise RuntimeError(f"the decay {branch.name} {why}; rerun (once fixed, if it failed): it resumes")
     return branch / "final"
 
 
@@ -504,9 +502,10 @@ class PointFolder:
         found = sorted((p for p, stamp in report_stamps(reports).items() if earlier.get(p) != stamp),
                        key=lambda p: p.stat().st_mtime_ns)  # written by this run, the newest last  # fmt: skip
         if code != 0 or not found:
-            why = f"exit code {code}" if code else "it ended without a report: stopped by a signal?"
-            raise RuntimeError(f"fine-tuning {model} for point {key} failed ({why}); fix it and rerun: finished "
-                               "points are reused, an interrupted run resumes")  # fmt: skip
+            why = f"exit code {code}" if code else "exit code 0 but no report"
+            raise RuntimeError(f"fine-tuning {model} for point {key} did not finish ({why}: it failed, or a signal "
+                               "stopped it at a checkpoint); rerun (once fixed, if it failed): finished points are "
+                               "reused, an interrupted run resumes")  # fmt: skip
         report = json.loads(found[-1].read_text())
         point = {"key": key, "model": model, **info, "extra": extra, "rows": report["rows"],
                  "baselines": report["baselines"], "runs": report["runs"]}  # fmt: skip
@@ -635,12 +634,9 @@ def pretrain(plan: ArchitecturePlan, run_dir: Path, processes: int) -> dict:
         ended = False
     if not ended:
         code = run_command([*local_launcher(MLM_SCRIPT, processes), *plan.pretrain_argv])
-        if code != 0 and not stopped_by_gate(run_dir):
-            raise RuntimeError(f"pretraining {plan.run_name} failed (exit code {code}); fix it and rerun the same "
-                               "command: it resumes from the newest checkpoint")  # fmt: skip
-        if not ended_on_its_own(run_dir):  # a signal stops the loop at a checkpoint with exit code 0
-            raise RuntimeError(f"pretraining {plan.run_name} stopped before its end (a signal?); rerun the same "
-                               "command: it resumes from the newest checkpoint")  # fmt: skip
+        if why := unfinished_launch(run_dir, code):
+            raise RuntimeError(f"pretraining {plan.run_name} {why}; rerun the same command (once fixed, if it "
+                               "failed): it resumes from the newest checkpoint")  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"stopped_by_gate": bool(summary.get("stopped_by_gate")), "steps": summary["steps"],
             "gates": summary.get("gates", [])}  # fmt: skip

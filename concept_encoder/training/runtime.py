@@ -77,7 +77,7 @@ def follow_launcher() -> bool:
     `accelerate launch` with one process runs the script as a child and, on SIGTERM or SIGINT, dies
     at once (exit 143) without passing the signal on: the orphaned child would train on without a
     checkpoint. With `PR_SET_PDEATHSIG` (Linux) the child gets SIGTERM the moment its launcher ends,
-    and the loop's preemption handling checkpoints and exits 0. Multi-process launchers (torch's
+    and the loop's preemption handling checkpoints and exits 143. Multi-process launchers (torch's
     elastic agent) forward SIGTERM themselves; this covers the agent dying too. Returns whether set.
     """
     parent = Path(f"/proc/{os.getppid()}/cmdline")

@@ -136,7 +136,7 @@ def any_rank(accelerator, *flags: bool) -> list[bool]:
 
 
 class PreemptionFlag:
-    """SIGTERM/SIGINT set a flag; the loop finishes its step, saves a checkpoint and exits."""
+    """SIGTERM/SIGINT set a flag; the loop finishes its step, saves a checkpoint and exits with `exit_code`."""
 
     def __init__(self):
         self.signal_name: str | None = None
@@ -155,6 +155,22 @@ class PreemptionFlag:
     def raised(self) -> bool:
         return self.signal_name is not None
 
+    @property
+    def exit_code(self) -> int:
+        """The exit code of a loop stopped by a signal: 128 + its number (130 for SIGINT, 143 for SIGTERM), what a
+        shell reports for a process the signal ended, so `loop && next` stops at a run that did not finish. A rank
+        that stopped because another rank got the signal (`any_rank`) takes SIGTERM's, a scheduler's stop."""
+        return 128 + (signal.Signals[self.signal_name] if self.raised else signal.SIGTERM)
+
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+class StoppedBySignal(Exception):
+    """A run a signal stopped after its checkpoint (`PreemptionFlag`), raised past the code that would report on
+    it; the loop exits with `exit_code`."""
+
+    def __init__(self, exit_code: int):
+        super().__init__(f"stopped by a signal (exit code {exit_code})")
+        self.exit_code = exit_code
