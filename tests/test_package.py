@@ -443,3 +443,69 @@ def test_a_tool_that_ignores_sigint_keeps_ignoring_it_while_it_waits_on_a_launch
         assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_jobs_at_once_run_together_and_keep_their_order(tmp_path):
+    """Two launches that each wait for the other's file: they end only when run at the same time."""
+    from concept_encoder.common import process_group
+
+    meet = "import pathlib, sys, time\nmine, theirs = map(pathlib.Path, sys.argv[1:])\nmine.touch()\n" \
+           "end = time.time() + 60\nwhile not theirs.exists() and time.time() < end: time.sleep(0.05)\n" \
+           "sys.exit(0 if theirs.exists() else 1)"  # fmt: skip
+
+    def job(mine, theirs, answer):
+        return lambda: (process_group.call_interrupting_ranks([sys.executable, "-c", meet, mine, theirs]), answer)
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert process_group.run_at_once([job(a, b, "first"), job(b, a, "second")], workers=2) == [
+        (0, "first"),
+        (0, "second"),
+    ]
+
+
+def test_a_failed_job_lets_the_running_one_finish_and_starts_no_more():
+    import threading
+    import time
+
+    from concept_encoder.common import process_group
+
+    failing, finished, started = threading.Event(), [], []
+
+    def running():
+        assert failing.wait(30)  # it is still running when the other fails
+        time.sleep(0.2)  # its worker free only after the failure was recorded: "no more" is then what is tested
+        finished.append("running")
+        return "running"
+
+    def fails():
+        failing.set()
+        raise RuntimeError("the second job failed")
+
+    with pytest.raises(RuntimeError, match="the second job failed"):
+        process_group.run_at_once([running, fails, lambda: started.append("third")], workers=2)
+    assert finished == ["running"] and started == []
+
+
+@pytest.mark.alone
+def test_sigterm_stops_every_launch_running_at_once_at_a_checkpoint_and_starts_no_more(tmp_path):
+    """A driver's `--jobs 2`: SIGTERM (or Ctrl-C) to the tool reaches the ranks of both running launches, which
+    checkpoint; the third job never starts; the tool ends in one line, exit code 143."""
+    import signal
+
+    launch = tmp_path / "launch.py"
+    launch.write_text(FAKE_LAUNCH)
+    tool = ("import sys\nfrom concept_encoder.common.entry import run_tool\nfrom concept_encoder.common import "
+            f"process_group\nlaunch = [sys.executable, {str(launch)!r}, 'launcher', 'training']\n"
+            "jobs = [lambda: process_group.call_interrupting_ranks(launch) for _ in range(3)]\n"
+            "sys.exit(run_tool(lambda a: process_group.run_at_once(jobs, workers=2), 'tool'))")  # fmt: skip
+    process = subprocess.Popen([sys.executable, "-c", tool], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_terminal)  # fmt: skip
+    assert [process.stdout.readline().strip() for _ in range(2)] == ["rank: training"] * 2
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert out.count("rank: checkpoint saved") == 2 and "rank: training" not in out  # the third never started
+    assert "Traceback" not in err and "ChildFailedError" not in err
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "tool: interrupted (what finished is kept: rerun the same command to continue)"
+    ]
+    assert process.returncode == 143

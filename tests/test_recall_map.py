@@ -2,14 +2,18 @@
 and the others one, a second invocation reuses every cell, and bad plans are refused before any run."""
 
 import json
+import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from loop_runs import in_process  # noqa: F401 (fixture)
 
 from concept_encoder.data.tokenizer import load_tokenizer
-from concept_encoder.decide import recall
+from concept_encoder.decide import experiments, recall
+from concept_encoder.training.runtime import usable_cores
 
 TINY = ["--pairs", "2,3", "--concepts", "4", "--main_concepts", "4", "--main_pairs", "2", "--seeds", "2",
         "--train", "200", "--finetune_args", "--max_steps 2 --learning_rates 1e-3 --eval_steps 1 "
@@ -17,7 +21,7 @@ TINY = ["--pairs", "2,3", "--concepts", "4", "--main_concepts", "4", "--main_pai
 
 
 @pytest.mark.loop
-def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, capsys):
+def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, capsys, monkeypatch):
     assert recall.main([*TINY, "--report_only"]) == 1  # nothing finished: nothing to report, nothing run
     assert "no cell of map 'recall'" in capsys.readouterr().err and in_process == []
     assert not Path("Cache/recall/recall-K2").exists()
@@ -104,6 +108,35 @@ def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, ca
     assert recall.main(wider) == 0
     assert capsys.readouterr().out.count("finished earlier, reused") == 6 and len(in_process) == launched + 3 + 4
     assert "cells" not in json.loads(request.read_text())
+    measured = [(r["pairs"], r["key"], r["accuracy"]) for r in json.loads(sorted(Path("Cache/reports").glob(
+        "recall_*.json"), key=lambda p: p.stat().st_mtime_ns)[-1].read_text())["rows"]]  # fmt: skip
+    for points in Path("Cache/recall").glob("recall-K*/points"):
+        shutil.rmtree(points)  # every cell measured again, --jobs 2: the launches' reports are rewritten as they were
+    monkeypatch.delenv("CPU_THREADS", raising=False)
+    running, most, threads, together = [], [], [], threading.Condition()
+
+    def two_at_a_time(command):  # each launch waits (up to 10 s) for a second one to be running beside it
+        with together:
+            running.append(command)
+            most.append(len(running))
+            together.notify_all()
+            together.wait_for(lambda: len(running) >= 2, timeout=10)
+        threads.append(os.environ["CPU_THREADS"])
+        reports = Path(command[command.index("--report_dir") + 1])
+        report = max(reports.glob("finetune_*.json"), key=lambda p: p.stat().st_mtime_ns)
+        time.sleep(0.01)  # a new modification time: the launch's own report
+        report.write_text(report.read_text())
+        with together:
+            running.remove(command)
+        return 0
+
+    monkeypatch.setattr(experiments, "run_command", two_at_a_time)
+    assert recall.main([*wider, "--jobs", "2"]) == 0
+    assert "--jobs 2: cells measured 2 at a time" in capsys.readouterr().out
+    assert len(most) == 10 and max(most) == 2  # two cells at once, never more
+    assert set(threads) == {str(max(1, usable_cores() // 2))}  # the cores split between the two launches
+    [report] = sorted(Path("Cache/reports").glob("recall_*.json"), key=lambda p: p.stat().st_mtime_ns)[-1:]
+    assert [(r["pairs"], r["key"], r["accuracy"]) for r in json.loads(report.read_text())["rows"]] == measured
     shutil.rmtree("Cache/recall")  # a fresh machine: the map's points only in the archive
     launched = len(in_process)
     assert recall.main([*TINY, "--archive", "kept", "--report_only"]) == 0 and len(in_process) == launched

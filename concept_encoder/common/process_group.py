@@ -107,18 +107,20 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
     for the launch to end (then ends its whole group) and raises KeyboardInterrupt for the tool to report. SIGTERM
     to the tool (`kill`, `timeout`) does the same and raises `entry.Terminated`: by default it would end the tool
     alone and leave the launch, in its own session, training on. A stop while the launch starts is held until it
-    is in hand (`HeldStops`). The launch's standard error is relayed as it comes (`relay_stderr`)."""
+    is in hand (`HeldStops`). Called from a worker thread of `run_at_once` (signals reach the main thread only),
+    the launch is that pool's to stop. The launch's standard error is relayed as it comes (`relay_stderr`)."""
     import threading
 
-    import psutil
-
-    stops = HeldStops()
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    pool = None if in_main_thread else RUNNING.pool
+    stops = HeldStops()
     previous = stops.install() if in_main_thread else {}
-    process = None
+    process, interrupted = None, threading.Event()
     try:
-        process = start(command, stderr=subprocess.PIPE)
-        interrupted = threading.Event()
+        if pool is None:
+            process = start(command, stderr=subprocess.PIPE)
+        else:
+            process = pool.start(command, interrupted, stderr=subprocess.PIPE)
         relay = threading.Thread(target=relay_stderr, args=(process.stderr, interrupted), daemon=True)
         relay.start()
         stops.release()  # a stop that came while the launch started is raised here, with the launch in hand
@@ -133,25 +135,135 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
         if signal.SIGINT in previous:
             signal.signal(signal.SIGINT, previous[signal.SIGINT] or signal.SIG_DFL)  # a second Ctrl-C: as before
         interrupted.set()
-        try:
-            ranks = psutil.Process(process.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            ranks = []
-        for rank in ranks:
-            try:
-                rank.send_signal(signal.SIGINT)
-            except psutil.NoSuchProcess:
-                pass
-        try:
-            process.wait(timeout=grace if ranks else 0.1)
-        except subprocess.TimeoutExpired:
-            pass
-        end_group(process)  # whatever is left (a launcher that started nothing yet)
+        interrupt_launches([process], grace)
         relay.join(timeout=5)
         raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler or signal.SIG_DFL)  # None: not set from Python
+        if pool is not None and process is not None:
+            pool.ended(process)
+
+
+def interrupt_launches(processes: list[subprocess.Popen], grace: float) -> None:
+    """SIGINT to the processes each launch started (its ranks stop at a checkpoint), not to the launchers; then
+    up to `grace` seconds, for all of them together, for the launches to end; whatever is left is ended."""
+    import psutil
+
+    ranks = {}
+    for process in processes:
+        try:
+            ranks[process] = psutil.Process(process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            ranks[process] = []
+        for rank in ranks[process]:
+            try:
+                rank.send_signal(signal.SIGINT)
+            except psutil.NoSuchProcess:
+                pass
+    deadline = time.monotonic() + grace
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()) if ranks[process] else 0.1)
+        except subprocess.TimeoutExpired:
+            pass
+        end_group(process)  # whatever is left (a launcher that started nothing yet)
+
+
+class LaunchPool:
+    """The launches `call_interrupting_ranks` waits on in `run_at_once`'s worker threads, which the main thread
+    stops together (`interrupt`); once it has, no launch starts."""
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+        self.active: set[subprocess.Popen] = set()
+        self.relays: dict[subprocess.Popen, object] = {}  # a launch's relay's `interrupted` event
+        self.closed = False
+
+    def start(self, command: list[str], interrupted, **popen_kwargs) -> subprocess.Popen:
+        """`start(command)`, kept with its relay's `interrupted` event (set by `interrupt`: after it only the loops'
+        own lines are relayed); KeyboardInterrupt once the pool was stopped."""
+        with self.lock:  # never a launch the main thread's `interrupt` misses
+            if self.closed:
+                raise KeyboardInterrupt
+            process = start(command, **popen_kwargs)
+            self.active.add(process)
+            self.relays[process] = interrupted
+            return process
+
+    def ended(self, process: subprocess.Popen) -> None:
+        with self.lock:
+            self.active.discard(process)
+            self.relays.pop(process, None)
+
+    def interrupt(self, grace: float) -> None:
+        """Every running launch's ranks stopped at a checkpoint (`interrupt_launches`); no launch starts after."""
+        with self.lock:
+            self.closed = True
+            processes = list(self.active)
+            for process in processes:
+                if event := self.relays.get(process):
+                    event.set()  # after the interrupt, only the loops' own lines are relayed
+        interrupt_launches(processes, grace)
+
+
+class Running:
+    """The `LaunchPool` of the `run_at_once` running now (its worker threads read it), or None."""
+
+    pool: LaunchPool | None = None
+
+
+RUNNING = Running()
+
+
+def run_at_once(jobs: list, workers: int, grace: float = 600.0) -> list:
+    """`jobs` (callables, each waiting on launches through `call_interrupting_ranks`) run `workers` at a time, in
+    threads; their results in `jobs`' order. One worker: each in turn, in this thread. Ctrl-C or SIGTERM (as
+    `entry.Terminated`) stops every running launch at a checkpoint, starts no more job, and is raised; a job's
+    error lets the running ones finish, starts no more, and is raised (the first, in `jobs`' order)."""
+    if workers <= 1 or len(jobs) <= 1:
+        return [job() for job in jobs]
+    import threading
+    from concurrent.futures import CancelledError, ThreadPoolExecutor, wait
+
+    stops, pool, failed = HeldStops(), LaunchPool(), threading.Event()
+
+    def guarded(job):
+        if failed.is_set():  # set by the job that failed, before its worker takes the next one
+            raise CancelledError
+        try:
+            return job()
+        except BaseException:
+            failed.set()
+            raise
+
+    previous = stops.install()
+    stops.release()  # no launch is this thread's: a stop is raised at once
+    RUNNING.pool = pool
+    executor, futures = ThreadPoolExecutor(max_workers=workers), []
+    try:
+        futures += [executor.submit(guarded, job) for job in jobs]
+        for future in futures:
+            if (error := future.exception()) is not None and not isinstance(error, CancelledError):
+                for other in futures:
+                    other.cancel()  # the queued ones; the running ones finish
+                wait(futures)
+                raise error  # the first error, in `jobs`' order
+        return [future.result() for future in futures]
+    except KeyboardInterrupt:
+        if signal.SIGTERM in previous:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the ranks' checkpoints
+        for future in futures:
+            future.cancel()
+        pool.interrupt(grace)
+        raise
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+        RUNNING.pool = None
+        for sig, handler in previous.items():
+            signal.signal(sig, handler or signal.SIG_DFL)
 
 
 class HeldStops:

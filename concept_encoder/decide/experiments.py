@@ -410,10 +410,10 @@ class Outcome:
 
 
 @contextmanager
-def holding(lock: FileLock) -> Iterator[Outcome]:
-    """The runs of a driver's folder under its `lock` (from `exclusive`), released however they end; a run that
-    fails (a RuntimeError) is one line `error: ...` and `failed` (finished runs and points stay: the same command
-    continues)."""
+def holding(*locks: FileLock) -> Iterator[Outcome]:
+    """The runs of a driver's folders under their `locks` (from `exclusive`), released however they end; a run
+    that fails (a RuntimeError) is one line `error: ...` and `failed` (finished runs and points stay: the same
+    command continues)."""
     outcome = Outcome()
     try:
         yield outcome
@@ -421,7 +421,8 @@ def holding(lock: FileLock) -> Iterator[Outcome]:
         print(f"error: {error}", file=sys.stderr)
         outcome.failed = True
     finally:
-        lock.release()
+        for lock in locks:
+            lock.release()
 
 
 def write_report_files(report: dict, report_dir: str, prefix: str, markdown, plot) -> dict[str, Path]:
