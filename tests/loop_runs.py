@@ -80,6 +80,40 @@ def launch_in_process(commands: list):
     return in_process
 
 
+class TwoAtATime:
+    """A stand-in for `experiments.run_command` under a driver's `--jobs 2`: each fine-tuning launch waits (up to
+    10 s) for a second one running beside it, and keeps how many ran at once (`most`) and the `CPU_THREADS` it was
+    given (`threads`); it rewrites the newest report of its `--report_dir` (as the launch writes it again: a point
+    measured anew from runs that finished before). Other launches go to `fallback`."""
+
+    def __init__(self, fallback):
+        import threading
+
+        self.fallback, self.running, self.most, self.threads = fallback, [], [], []
+        self.together = threading.Condition()
+
+    def __call__(self, command: list[str]) -> int:
+        import time
+
+        from concept_encoder.decide import experiments
+
+        if str(experiments.FINETUNE_SCRIPT) not in command:
+            return self.fallback(command)
+        with self.together:
+            self.running.append(command)
+            self.most.append(len(self.running))
+            self.together.notify_all()
+            self.together.wait_for(lambda: len(self.running) >= 2, timeout=10)
+        self.threads.append(os.environ["CPU_THREADS"])
+        reports = Path(command[command.index("--report_dir") + 1])
+        report = max(reports.glob("finetune_*.json"), key=lambda p: p.stat().st_mtime_ns)
+        time.sleep(0.01)  # a modification time of its own: this launch's report
+        report.write_text(report.read_text())
+        with self.together:
+            self.running.remove(command)
+        return 0
+
+
 def sigterm_after(monkeypatch, calls: int):
     real = mlm.train_step
     count = {"n": 0}

@@ -11,13 +11,14 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from loop_runs import fresh_accelerate, in_process, workdir  # noqa: F401 (fixtures)
+from loop_runs import TwoAtATime, fresh_accelerate, in_process, workdir  # noqa: F401 (fixtures)
 from torch.utils.data import DataLoader
 
 import loops.finetune as finetune
 from concept_encoder.checkpoints.checkpoint import TrainState
 from concept_encoder.decide import experiments, listops
 from concept_encoder.training.batches import LengthBucketedBatches, accumulation_windows
+from concept_encoder.training.runtime import usable_cores
 
 LENGTHS = [(7 * i) % 97 + 3 for i in range(203)]
 FINETUNE = ["--max_steps", "16", "--eval_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "8",
@@ -144,7 +145,7 @@ DRIVER = ["--task", "listops:100:200", "--presets", "micro", "--concepts", "8,16
 
 
 @pytest.mark.loop
-def test_the_driver_on_a_tiny_variant_writes_every_row_and_reuses_them(in_process, capsys):
+def test_the_driver_on_a_tiny_variant_writes_every_row_and_reuses_them(in_process, capsys, monkeypatch):
     assert listops.main(DRIVER) == 0
     [report] = Path("Cache/reports").glob("listops_*.json")
     assert {p.suffix for p in report.parent.glob(f"{report.stem}.*")} == {".md", ".json", ".png"}
@@ -173,6 +174,19 @@ def test_the_driver_on_a_tiny_variant_writes_every_row_and_reuses_them(in_proces
     assert listops.main(DRIVER) == 0  # everything measured: reused, nothing launched but the finished pretraining
     assert len([c for c in in_process[launched:] if str(experiments.FINETUNE_SCRIPT) in c]) == 0
     assert "finished earlier, reused" in capsys.readouterr().out
+    for key in expected:  # the from-scratch arms measured again, --jobs 2 (the self-pretrained twins reused)
+        Path(f"Cache/listops/listops/points/{key}.json").unlink()
+    monkeypatch.delenv("CPU_THREADS", raising=False)
+    launches = TwoAtATime(experiments.run_command)
+    monkeypatch.setattr(experiments, "run_command", launches)
+    assert listops.main([*DRIVER[:2], "--jobs", "2", *DRIVER[2:]]) == 0
+    assert "--jobs 2: arms measured 2 at a time" in capsys.readouterr().out
+    assert len(launches.most) == 5 and max(launches.most) == 2  # two arms at once, never more
+    assert set(launches.threads) == {str(max(1, usable_cores() // 2))}
+    [again] = sorted(Path("Cache/reports").glob("listops_*.json"), key=lambda p: p.stat().st_mtime_ns)[-1:]
+    assert [(r["key"], r["accuracy"]) for r in json.loads(again.read_text())["rows"]] == [
+        (r["key"], r["accuracy"]) for r in data["rows"]
+    ]
 
 
 def test_bad_driver_plans_are_refused_before_any_run(in_process, capsys):

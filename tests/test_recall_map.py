@@ -2,14 +2,11 @@
 and the others one, a second invocation reuses every cell, and bad plans are refused before any run."""
 
 import json
-import os
 import shutil
-import threading
-import time
 from pathlib import Path
 
 import pytest
-from loop_runs import in_process  # noqa: F401 (fixture)
+from loop_runs import TwoAtATime, in_process  # noqa: F401 (fixture)
 
 from concept_encoder.data.tokenizer import load_tokenizer
 from concept_encoder.decide import experiments, recall
@@ -113,28 +110,12 @@ def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, ca
     for points in Path("Cache/recall").glob("recall-K*/points"):
         shutil.rmtree(points)  # every cell measured again, --jobs 2: the launches' reports are rewritten as they were
     monkeypatch.delenv("CPU_THREADS", raising=False)
-    running, most, threads, together = [], [], [], threading.Condition()
-
-    def two_at_a_time(command):  # each launch waits (up to 10 s) for a second one to be running beside it
-        with together:
-            running.append(command)
-            most.append(len(running))
-            together.notify_all()
-            together.wait_for(lambda: len(running) >= 2, timeout=10)
-        threads.append(os.environ["CPU_THREADS"])
-        reports = Path(command[command.index("--report_dir") + 1])
-        report = max(reports.glob("finetune_*.json"), key=lambda p: p.stat().st_mtime_ns)
-        time.sleep(0.01)  # a new modification time: the launch's own report
-        report.write_text(report.read_text())
-        with together:
-            running.remove(command)
-        return 0
-
-    monkeypatch.setattr(experiments, "run_command", two_at_a_time)
+    launches = TwoAtATime(experiments.run_command)
+    monkeypatch.setattr(experiments, "run_command", launches)
     assert recall.main([*wider, "--jobs", "2"]) == 0
     assert "--jobs 2: cells measured 2 at a time" in capsys.readouterr().out
-    assert len(most) == 10 and max(most) == 2  # two cells at once, never more
-    assert set(threads) == {str(max(1, usable_cores() // 2))}  # the cores split between the two launches
+    assert len(launches.most) == 10 and max(launches.most) == 2  # two cells at once, never more
+    assert set(launches.threads) == {str(max(1, usable_cores() // 2))}  # the cores split between the two launches
     [report] = sorted(Path("Cache/reports").glob("recall_*.json"), key=lambda p: p.stat().st_mtime_ns)[-1:]
     assert [(r["pairs"], r["key"], r["accuracy"]) for r in json.loads(report.read_text())["rows"]] == measured
     shutil.rmtree("Cache/recall")  # a fresh machine: the map's points only in the archive

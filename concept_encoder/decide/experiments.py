@@ -652,6 +652,26 @@ def add_report_driver_arguments(parser: argparse.ArgumentParser, name: str, runs
     parser.add_argument("--num_processes", type=at_least(1), default=1, help="processes per run (accelerate launch)")
 
 
+def add_jobs_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--jobs`, for a driver whose `what` (cells, arms) are independent fine-tuning points."""
+    parser.add_argument("--jobs", type=at_least(1), default=1,
+                        help=f"{what} measured at once, the cores split between their launches (CPU_THREADS, unless "
+                             "set): on 2 cores, --jobs 2 trains about 1.5 times the steps of --jobs 1 at the micro "
+                             "shape (docs/recall.md)")  # fmt: skip
+
+
+def measure_at_once(jobs: list, args, what: str) -> list:
+    """`jobs` (each measuring one point) run `--jobs` at a time (`process_group.run_at_once`), their results in
+    order; with several at once, the cores split between their launches first (`runtime.share_cores`)."""
+    if args.jobs > 1 and len(jobs) > 1:
+        from ..training.runtime import share_cores
+
+        threads = share_cores(args.jobs * args.num_processes)
+        print(f"--jobs {args.jobs}: {what} measured {args.jobs} at a time, {threads} CPU thread(s) a process",
+              flush=True)  # fmt: skip
+    return process_group.run_at_once(jobs, args.jobs)
+
+
 def check_finetune_argv(
     finetune_argv: list[str], task: str, datasets: Iterable[str] = (), driver: str = "curve"
 ) -> None:

@@ -2,6 +2,7 @@
 
     python -m concept_encoder listops --presets micro,tiny --concepts 16,32,64,128 --seeds 3
     make listops LISTOPS_TASK=listops:500 LISTOPS_ARGS="--presets micro"     (a shorter variant)
+    python -m concept_encoder listops --jobs 2       (two from-scratch arms at a time, the cores split between them)
 
 Arms, each fine-tuned by `loops/finetune.py` under the fair protocol (rate and step chosen on dev, the test split
 reported once at the dev-chosen step and at the last step, `--bucket_by_length`), each a point of a `PointFolder`
@@ -26,6 +27,7 @@ Everything after `--` goes to the pretraining runs (loops/mlm.py); `--finetune_a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -44,6 +46,7 @@ from ..tasks.arguments import is_listops
 from ..tasks.listops import listops_splits, parse_listops, root_operator_rule
 from .experiments import (
     PointFolder,
+    add_jobs_argument,
     add_report_driver_arguments,
     check_finetune_argv,
     check_reuse,
@@ -52,6 +55,7 @@ from .experiments import (
     given_flags,
     given_or_default,
     holding,
+    measure_at_once,
     one_budget,
     parse_choices,
     parse_driver_argv,
@@ -326,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the main rows")
     parser.add_argument("--sweep_seeds", type=int, default=1, help="seeds of the width sweep's other widths")
     parser.add_argument("--pretrain_tokens", default="20M", help="self-pretraining budget per model (0: none)")
+    add_jobs_argument(parser, "arms")
     add_report_driver_arguments(parser, "listops", "Cache/listops")
     return parser
 
@@ -383,11 +388,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     points = {}
     with holding(lock) as outcome:
-        for index, arm in enumerate(arms, 1):
-            model = fresh_folder(folder, arm, tokenizer, max_seq_length)
-            points[arm.key] = point_folder.reused_or_measured(
-                arm.key, str(model), finetune_extra(arm, max_seq_length), {"arm": arm.__dict__},
-                f"[{index}/{len(arms)}] {arm.label}")  # fmt: skip
+        jobs = [functools.partial(point_folder.reused_or_measured, arm.key,
+                                  str(fresh_folder(folder, arm, tokenizer, max_seq_length)),
+                                  finetune_extra(arm, max_seq_length), {"arm": arm.__dict__},
+                                  f"[{index}/{len(arms)}] {arm.label}") for index, arm in enumerate(arms, 1)]  # fmt: skip
+        points.update(zip([arm.key for arm in arms], measure_at_once(jobs, args, "arms"), strict=True))
         if args.pretrain_budget:
             concept, bert = twin_candidates(arms, args)
             twins = [max(concept, key=lambda a: dev_accuracy(points[a.key]))] if concept else []  # chosen on dev

@@ -31,7 +31,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..common import process_group
 from ..common.cli_types import at_least
 from ..common.paths import cache_path, folder_problem
 from ..common.report_files import check_report_dir
@@ -45,6 +44,7 @@ from ..tasks.arguments import TaskArguments
 from ..tasks.recall import RecallSettings, no_binding_line, parse_recall, recall_splits
 from .experiments import (
     PointFolder,
+    add_jobs_argument,
     add_report_driver_arguments,
     check_finetune_argv,
     check_reuse,
@@ -52,6 +52,7 @@ from .experiments import (
     exclusive,
     given_or_default,
     holding,
+    measure_at_once,
     parse_choices,
     parse_driver_argv,
     parse_list,
@@ -456,9 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--report_only", action="store_true",
                         help="write the report of the cells finished so far (the others shown as not measured yet) "
                              "and run nothing: a map that takes hours, looked at while it runs")  # fmt: skip
-    parser.add_argument("--jobs", type=at_least(1), default=1,
-                        help="cells measured at once, the cores split between their launches (CPU_THREADS, unless "
-                             "set): on 2 cores, --jobs 2 trains about 1.5 times the steps of --jobs 1 (docs/recall.md)")  # fmt: skip
+    add_jobs_argument(parser, "cells")
     parser.add_argument("--archive", default=None,
                         help="a folder that keeps a copy of the map's points (e.g. docs/measured/recall, under version "
                              "control: a fresh machine's Cache is empty): points found there are reused, each "
@@ -535,7 +534,7 @@ def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int
                 model = model_folder(folder, cell, args.preset, example_tokens(pairs), tokenizer)
                 what = f"[{plan.index(cell) + 1}/{len(plan)}] K={pairs}, {cell.label}"
                 jobs.append(functools.partial(measure_cell, point_folder, cell, model, what, args))
-        points = dict(process_group.run_at_once(jobs, args.jobs))
+        points = dict(measure_at_once(jobs, args, "cells"))
     return None if outcome.failed else points
 
 
@@ -582,15 +581,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: no cell of map {args.name!r} ({root}) is finished yet: nothing to report; run the map "
                   "without --report_only", file=sys.stderr)  # fmt: skip
             return 1
-    else:
-        if args.jobs > 1:
-            from ..training.runtime import share_cores
-
-            threads = share_cores(args.jobs * args.num_processes)
-            print(f"--jobs {args.jobs}: cells measured {args.jobs} at a time, {threads} CPU thread(s) a process",
-                  flush=True)  # fmt: skip
-        if (points := measure_map(plan, tasks, root, args, argvs)) is None:
-            return 1
+    elif (points := measure_map(plan, tasks, root, args, argvs)) is None:
+        return 1
     lines = {str(k): no_binding_line(recall_splits(task))["test"] for k, task in tasks.items()}
     tfidf = {}  # K -> TF-IDF + linear's test accuracy: every point of a K holds the same fit (the task's baseline)
     for (pairs, _), point in points.items():
