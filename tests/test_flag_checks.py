@@ -427,3 +427,21 @@ def test_a_drivers_axis_refuses_unknown_repeated_or_missing_choices(text, messag
 
 def test_a_drivers_axis_keeps_the_order_given():
     assert parse_choices(" bert, concept", "--architectures", ("concept", "bert")) == ["bert", "concept"]
+
+
+@pytest.mark.parametrize(("jobs", "processes", "warned"), [(2, 1, False), (2, 2, True), (1, 2, False)])
+def test_jobs_split_the_cores_and_say_when_the_processes_outnumber_them(monkeypatch, capsys, jobs, processes, warned):
+    """On 2 cores: --jobs 2 gives each one-process launch one thread; --jobs 2 with 2 processes each cannot fit."""
+    import os
+
+    from concept_encoder.decide.experiments import measure_at_once
+    from concept_encoder.training import runtime
+
+    monkeypatch.setattr(runtime, "usable_cores", lambda: 2)
+    monkeypatch.delenv("CPU_THREADS", raising=False)
+    args = SimpleNamespace(jobs=jobs, num_processes=processes)
+    assert measure_at_once([lambda: "a", lambda: "b"], args, "cells") == ["a", "b"]
+    assert os.environ.get("CPU_THREADS") == (None if jobs == 1 else "1")  # one job: the loops' own policy
+    err = capsys.readouterr().err
+    assert ("warning: --jobs 2 x --num_processes 2 x 1 thread(s) on 2 cores" in err) == warned
+    assert not warned or "(--jobs 1 fits)" in err

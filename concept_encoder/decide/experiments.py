@@ -664,11 +664,15 @@ def measure_at_once(jobs: list, args, what: str) -> list:
     """`jobs` (each measuring one point) run `--jobs` at a time (`process_group.run_at_once`), their results in
     order; with several at once, the cores split between their launches first (`runtime.share_cores`)."""
     if args.jobs > 1 and len(jobs) > 1:
-        from ..training.runtime import share_cores
+        from ..training.runtime import share_cores, usable_cores
 
         threads = share_cores(args.jobs * args.num_processes)
         print(f"--jobs {args.jobs}: {what} measured {args.jobs} at a time, {threads} CPU thread(s) a process",
               flush=True)  # fmt: skip
+        if args.jobs * args.num_processes * threads > (cores := usable_cores()):
+            print(f"warning: --jobs {args.jobs} x --num_processes {args.num_processes} x {threads} thread(s) on "
+                  f"{cores} cores: the processes share cores, each slower than alone (--jobs "
+                  f"{max(1, cores // (args.num_processes * threads))} fits)", file=sys.stderr)  # fmt: skip
     return process_group.run_at_once(jobs, args.jobs)
 
 
