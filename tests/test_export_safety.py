@@ -234,13 +234,15 @@ def test_partial_copies_of_dead_processes_are_removed_and_a_live_ones_kept(tmp_p
     target = tmp_path / "out"
     dead, alive = tmp_path / f"out.partial-{dead_pid()}", tmp_path / f"out.partial-{os.getppid()}"
     linked, other = tmp_path / f"out.partial-{dead_pid()}", tmp_path / f"other.partial-{dead_pid()}"
-    for folder in (dead, alive, other):
+    threads = tmp_path / f"out.partial-{dead_pid()}-t4242"  # a dead process's thread wrote it (a driver's --jobs)
+    for folder in (dead, alive, other, threads):
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"half")
     linked.symlink_to(precious)  # a partial name that is a link: unlinked, what it names untouched
     with written_aside(target, sweep_stale=True) as partial:
         partial.mkdir()
     assert not dead.exists() and not linked.is_symlink() and (precious / "notes.txt").read_text() == "mine"
+    assert not threads.exists()
     assert (alive / "model.safetensors").read_bytes() == b"half" and other.is_dir()  # a live process's, another's
     assert remove_stale_partials(target) == [] and target.is_dir()
 

@@ -71,6 +71,32 @@ def test_a_folder_of_someone_elses_is_never_a_run_folder_not_even_with_auto(work
     assert sorted(p.name for p in mine.iterdir()) == ["config.json", "metrics.jsonl", "tokenizer"]
 
 
+def test_two_threads_writing_the_same_file_aside_at_once_each_write_their_own_copy(tmp_path):
+    """A driver's `--jobs 2`: two cells of one K finishing together both copy the K's request into the archive.
+    One partial name per process would let the second writer clear the first one's copy and fail to move its own."""
+    import threading
+
+    from concept_encoder.common.paths import written_aside
+
+    target, both_written, errors = tmp_path / "request.json", threading.Barrier(2, timeout=30), []
+
+    def write(text):
+        try:
+            with written_aside(target) as partial:
+                partial.write_text(text)
+                both_written.wait()  # both copies written before either moves into place
+        except Exception as error:  # noqa: BLE001 (reported by the assertion below)
+            errors.append(error)
+
+    writers = [threading.Thread(target=write, args=(text,)) for text in ("first", "second")]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert errors == [] and target.read_text() in ("first", "second")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["request.json"]  # no copy left behind
+
+
 def test_written_aside_moves_a_whole_file_or_folder_into_place_and_removes_a_failed_one(tmp_path):
     from concept_encoder.common.paths import written_aside
 

@@ -134,14 +134,23 @@ def check_replaceable_by(target: Path, problem: Callable[[Path], str | None]) ->
 
 
 def partial_path(target: Path, pid: int) -> Path:
-    """Where process `pid` writes `target` aside: `<target>.partial-<pid>`."""
-    return target.with_name(f"{target.name}.partial-{pid}")
+    """Where process `pid` writes `target` aside: `<target>.partial-<pid>`, from a thread other than the main one
+    `<target>.partial-<pid>-t<its id>` (a driver's `--jobs` may write the same file from two threads at once)."""
+    return target.with_name(f"{target.name}.partial-{pid}{thread_part()}")
+
+
+def thread_part() -> str:
+    """`-t<native thread id>` in a thread other than the main one, else nothing: what tells two threads' copies
+    apart."""
+    import threading
+
+    return "" if threading.current_thread() is threading.main_thread() else f"-t{threading.get_native_id()}"
 
 
 def replace_folder(new: Path, target: Path) -> None:
     """Move the folder `new` onto the folder `target`: `target` is renamed aside first (never deleted before `new`
     is in place: a failure puts it back) and removed, without following links, once `new` is there."""
-    aside = target.with_name(f"{target.name}.replaced-{os.getpid()}")
+    aside = target.with_name(f"{target.name}.replaced-{os.getpid()}{thread_part()}")
     remove_path(aside)
     os.rename(target, aside)
     try:
@@ -167,7 +176,7 @@ def remove_stale_partials(target: Path) -> list[Path]:
     """Remove the `<target>.partial-<pid>` files and folders whose process is gone (a writer killed by SIGKILL or
     an unhandled SIGTERM runs no cleanup), without following links; a live process's copy is left alone. Returns
     what was removed (one log line each)."""
-    pattern = re.compile(re.escape(f"{target.name}.partial-") + r"([0-9]+)")
+    pattern = re.compile(re.escape(f"{target.name}.partial-") + r"([0-9]+)(-t[0-9]+)?")  # a thread's too
     removed = []
     with contextlib.suppress(OSError):
         for entry in sorted(target.parent.iterdir()):

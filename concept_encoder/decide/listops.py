@@ -391,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [functools.partial(point_folder.reused_or_measured, arm.key,
                                   str(fresh_folder(folder, arm, tokenizer, max_seq_length)),
                                   finetune_extra(arm, max_seq_length), {"arm": arm.__dict__},
-                                  f"[{index}/{len(arms)}] {arm.label}") for index, arm in enumerate(arms, 1)]  # fmt: skip
+                                  f"[{index}/{len(arms)}] {arm.label}")
+                for index, arm in enumerate(arms, 1)]  # fmt: skip
         points.update(zip([arm.key for arm in arms], measure_at_once(jobs, args, "arms"), strict=True))
         if args.pretrain_budget:
             concept, bert = twin_candidates(arms, args)
