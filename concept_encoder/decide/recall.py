@@ -352,7 +352,8 @@ def format_markdown(report: dict) -> str:
                      f"{rate} | {', '.join(map(str, r['best_steps']))} | {r['runs']} | "
                      f"{r['cell_seconds']:.0f} |")  # fmt: skip
     total = sum(r["cell_seconds"] for r in rows)
-    lines += ["", f"The map's wall-clock: {total / 60:.0f} min ({len(rows)} cells)."]
+    lines += ["", f"The map's wall-clock: {total / 60:.0f} min, the sum of its {len(rows)} cells' own times (cells "
+              "measured at once, `--jobs`, overlap: the map took less)."]  # fmt: skip
     if missing := report.get("not_measured"):  # a report of the map so far (`--report_only`)
         measured = {str(k): sum(1 for r in rows if r["pairs"] == k) for k in pairs}
         text = "; ".join(f"K={k}: " + ("every cell" if not measured[k] else ", ".join(models))
