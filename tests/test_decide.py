@@ -209,6 +209,15 @@ def test_ablate_runs_each_value_names_the_winner_and_skips_finished_runs(capsys,
     fresh = ["--vary", "learning_rate=1e-4,5e-3", "--decide", "eval_loss", "--name", "ctrlc", "--", *loop]
     assert ablate.main(fresh) == 130
     assert capsys.readouterr().err.strip().startswith("interrupted: rerun the same command to continue")
+
+    def terminated(command):  # SIGTERM to the tool while it waits on a launch
+        from concept_encoder.common.entry import Terminated
+
+        raise Terminated
+
+    monkeypatch.setattr(ablate, "run_loop", terminated)
+    assert ablate.main(fresh) == 143
+    assert capsys.readouterr().err.strip().startswith("interrupted: rerun the same command to continue")
     monkeypatch.setattr(ablate, "run_loop", in_process)
     sigterm_after(monkeypatch, calls=1)  # the loop checkpoints at step 1 and exits 143, which the launcher says as 1
     signalled = ["--vary", "learning_rate=1e-4,5e-3", "--decide", "eval_loss", "--name", "sig", "--", *loop]
@@ -365,3 +374,21 @@ def test_a_run_folder_whose_files_are_not_json_objects_is_one_clear_error(tmp_pa
         (folder / "metrics.jsonl").write_text('{"step": 1, "kind": "train", "loss": 1.0}\n')
         with pytest.raises(ValueError, match=message):
             compare([folder])
+
+
+def test_a_failed_resume_is_not_read_as_the_signal_stop_an_earlier_launch_recorded(tmp_path):
+    """A run stopped by a signal keeps its summary.json (preempted) until it writes the next; a resume that then
+    fails is a failure, not that stop again."""
+    import time
+
+    from concept_encoder.training.runs import unfinished_launch
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    summary = run_dir / "summary.json"
+    summary.write_text(json.dumps({"steps": 5, "preempted": True}))
+    earlier = time.time() - 60
+    os.utime(summary, (earlier, earlier))  # the earlier launch's
+    assert unfinished_launch(run_dir, 1, started=time.time()) == "failed (exit code 1)"
+    assert unfinished_launch(run_dir, 1, started=earlier - 1) == "was stopped by a signal at step 5 (checkpointed)"
+    assert unfinished_launch(run_dir, 0, started=time.time()) == "ended with exit code 0 but without its final model"

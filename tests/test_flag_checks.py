@@ -429,19 +429,30 @@ def test_a_drivers_axis_keeps_the_order_given():
     assert parse_choices(" bert, concept", "--architectures", ("concept", "bert")) == ["bert", "concept"]
 
 
-@pytest.mark.parametrize(("jobs", "processes", "warned"), [(2, 1, False), (2, 2, True), (1, 2, False)])
-def test_jobs_split_the_cores_and_say_when_the_processes_outnumber_them(monkeypatch, capsys, jobs, processes, warned):
-    """On 2 cores: --jobs 2 gives each one-process launch one thread; --jobs 2 with 2 processes each cannot fit."""
+def test_jobs_split_the_cores_while_more_than_one_measures_and_give_them_back(monkeypatch, capsys):
+    """On 2 cores: two cells to measure under --jobs 2 get one thread each, only while they run; one cell left to
+    measure keeps the loops' own policy (all cores); three at once on 2 cores are said to share cores."""
     import os
 
-    from concept_encoder.decide.experiments import measure_at_once
+    from concept_encoder.decide.experiments import check_jobs, measure_at_once
     from concept_encoder.training import runtime
 
     monkeypatch.setattr(runtime, "usable_cores", lambda: 2)
-    monkeypatch.delenv("CPU_THREADS", raising=False)
-    args = SimpleNamespace(jobs=jobs, num_processes=processes)
-    assert measure_at_once([lambda: "a", lambda: "b"], args, "cells") == ["a", "b"]
-    assert os.environ.get("CPU_THREADS") == (None if jobs == 1 else "1")  # one job: the loops' own policy
-    err = capsys.readouterr().err
-    assert ("warning: --jobs 2 x --num_processes 2 x 1 thread(s) on 2 cores" in err) == warned
-    assert not warned or "(--jobs 1 fits)" in err
+    monkeypatch.setenv("CPU_THREADS", "")  # recorded, so that whatever the test leaves is undone
+    monkeypatch.delenv("CPU_THREADS")
+
+    def threads():
+        return os.environ.get("CPU_THREADS")
+
+    two = SimpleNamespace(jobs=2, num_processes=1)
+    assert measure_at_once([threads, threads], two, "cells", pending=2) == ["1", "1"]
+    assert threads() is None and "--jobs 2: cells measured 2 at a time, 1 CPU thread(s) each" in capsys.readouterr().out
+    assert measure_at_once([threads, threads], two, "cells", pending=1) == [None, None]  # the one left: all cores
+    three = SimpleNamespace(jobs=3, num_processes=1)
+    assert measure_at_once([threads] * 3, three, "cells", pending=3) == ["1"] * 3
+    assert "warning: --jobs 3: 3 launches x 1 thread(s) on 2 cores" in capsys.readouterr().err
+    monkeypatch.setenv("CPU_THREADS", "2")  # the user's: kept
+    assert measure_at_once([threads, threads], two, "cells", pending=2) == ["2", "2"] and threads() == "2"
+    with pytest.raises(ValueError, match="--jobs 2 with --num_processes 2: launches side by side would share one"):
+        check_jobs(SimpleNamespace(jobs=2, num_processes=2))
+    check_jobs(SimpleNamespace(jobs=1, num_processes=2))

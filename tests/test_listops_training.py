@@ -176,11 +176,12 @@ def test_the_driver_on_a_tiny_variant_writes_every_row_and_reuses_them(in_proces
     assert "finished earlier, reused" in capsys.readouterr().out
     for key in expected:  # the from-scratch arms measured again, --jobs 2 (the self-pretrained twins reused)
         Path(f"Cache/listops/listops/points/{key}.json").unlink()
-    monkeypatch.delenv("CPU_THREADS", raising=False)
+    monkeypatch.setenv("CPU_THREADS", "")  # recorded, so that whatever the test leaves is undone
+    monkeypatch.delenv("CPU_THREADS")
     launches = TwoAtATime(experiments.run_command)
     monkeypatch.setattr(experiments, "run_command", launches)
     assert listops.main([*DRIVER[:2], "--jobs", "2", *DRIVER[2:]]) == 0
-    assert "--jobs 2: arms measured 2 at a time" in capsys.readouterr().out
+    assert "--jobs 2: arms measured 2 at a time, " in capsys.readouterr().out
     assert len(launches.most) == 5 and max(launches.most) == 2  # two arms at once, never more
     assert set(launches.threads) == {str(max(1, usable_cores() // 2))}
     [again] = sorted(Path("Cache/reports").glob("listops_*.json"), key=lambda p: p.stat().st_mtime_ns)[-1:]

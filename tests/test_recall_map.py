@@ -109,7 +109,8 @@ def test_the_map_on_a_tiny_grid_writes_every_cell_and_reuses_them(in_process, ca
         "recall_*.json"), key=lambda p: p.stat().st_mtime_ns)[-1].read_text())["rows"]]  # fmt: skip
     for points in Path("Cache/recall").glob("recall-K*/points"):
         shutil.rmtree(points)  # every cell measured again, --jobs 2: the launches' reports are rewritten as they were
-    monkeypatch.delenv("CPU_THREADS", raising=False)
+    monkeypatch.setenv("CPU_THREADS", "")  # recorded, so that whatever the test leaves is undone
+    monkeypatch.delenv("CPU_THREADS")
     launches = TwoAtATime(experiments.run_command)
     monkeypatch.setattr(experiments, "run_command", launches)
     assert recall.main([*wider, "--jobs", "2"]) == 0

@@ -173,9 +173,9 @@ def process_alive(pid: int) -> bool:
 
 
 def remove_stale_partials(target: Path) -> list[Path]:
-    """Remove the `<target>.partial-<pid>` files and folders whose process is gone (a writer killed by SIGKILL or
-    an unhandled SIGTERM runs no cleanup), without following links; a live process's copy is left alone. Returns
-    what was removed (one log line each)."""
+    """Remove the `<target>.partial-<pid>` files and folders (`-t<thread>` after the pid: a thread's) whose process
+    is gone (a writer killed by SIGKILL or an unhandled SIGTERM runs no cleanup), without following links; a live
+    process's copy is left alone. Returns what was removed (one log line each)."""
     pattern = re.compile(re.escape(f"{target.name}.partial-") + r"([0-9]+)(-t[0-9]+)?")  # a thread's too
     removed = []
     with contextlib.suppress(OSError):

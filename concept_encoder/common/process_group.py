@@ -111,6 +111,8 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
     the launch is that pool's to stop. The launch's standard error is relayed as it comes (`relay_stderr`)."""
     import threading
 
+    import psutil  # noqa: F401 (imported now, not in the instant after a Ctrl-C: `interrupt_ranks`)
+
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     pool = None if in_main_thread else RUNNING.pool
     stops = HeldStops()
@@ -130,12 +132,13 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM as `Terminated`
         if process is None:  # nothing started: nothing to stop
             raise
-        if signal.SIGTERM in previous:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the ranks' checkpoint
-        if signal.SIGINT in previous:
-            signal.signal(signal.SIGINT, previous[signal.SIGINT] or signal.SIG_DFL)  # a second Ctrl-C: as before
+        for sig in previous:  # a second stop must not cut this short before every rank has its SIGINT
+            signal.signal(sig, signal.SIG_IGN)
         interrupted.set()
-        interrupt_launches([process], grace)
+        ranks = interrupt_ranks([process])
+        if signal.SIGINT in previous:  # a second Ctrl-C while the ranks checkpoint: as before the call
+            signal.signal(signal.SIGINT, previous[signal.SIGINT] or signal.SIG_DFL)
+        wait_for_launches(ranks, grace)  # (a second SIGTERM stays ignored: it must not cut the checkpoints)
         relay.join(timeout=5)
         raise
     finally:
@@ -145,13 +148,17 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
             pool.ended(process)
 
 
-def interrupt_launches(processes: list[subprocess.Popen], grace: float) -> None:
-    """SIGINT to the processes each launch started (its ranks stop at a checkpoint), not to the launchers; then
-    up to `grace` seconds, for all of them together, for the launches to end; whatever is left is ended."""
+def interrupt_ranks(processes: list[subprocess.Popen]) -> dict:
+    """SIGINT to the processes each running launch started (its ranks stop at a checkpoint), not to the launchers;
+    a launch that has ended gets none (its pid's children may be another process's by now). Returns `{launch:
+    ranks}` for `wait_for_launches`."""
     import psutil
 
     ranks = {}
     for process in processes:
+        if process.poll() is not None:
+            ranks[process] = []  # ended: only what it left behind is ended (`end_group` finds it by its tag)
+            continue
         try:
             ranks[process] = psutil.Process(process.pid).children(recursive=True)
         except psutil.NoSuchProcess:
@@ -161,10 +168,16 @@ def interrupt_launches(processes: list[subprocess.Popen], grace: float) -> None:
                 rank.send_signal(signal.SIGINT)
             except psutil.NoSuchProcess:
                 pass
+    return ranks
+
+
+def wait_for_launches(ranks: dict, grace: float) -> None:
+    """Up to `grace` seconds, for all of them together, for the launches `interrupt_ranks` signalled to end; then
+    whatever is left of each is ended (`end_group`)."""
     deadline = time.monotonic() + grace
-    for process in processes:
+    for process, started in ranks.items():
         try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()) if ranks[process] else 0.1)
+            process.wait(timeout=max(0.0, deadline - time.monotonic()) if started else 0.1)
         except subprocess.TimeoutExpired:
             pass
         end_group(process)  # whatever is left (a launcher that started nothing yet)
@@ -198,15 +211,16 @@ class LaunchPool:
             self.active.discard(process)
             self.relays.pop(process, None)
 
-    def interrupt(self, grace: float) -> None:
-        """Every running launch's ranks stopped at a checkpoint (`interrupt_launches`); no launch starts after."""
+    def interrupt(self) -> dict:
+        """SIGINT to every running launch's ranks (`interrupt_ranks`; `wait_for_launches` takes what it returns);
+        no launch starts after."""
         with self.lock:
             self.closed = True
             processes = list(self.active)
             for process in processes:
                 if event := self.relays.get(process):
                     event.set()  # after the interrupt, only the loops' own lines are relayed
-        interrupt_launches(processes, grace)
+        return interrupt_ranks(processes)
 
 
 class Running:
@@ -239,11 +253,14 @@ def run_at_once(jobs: list, workers: int, grace: float = 600.0) -> list:
             failed.set()
             raise
 
+    import psutil  # noqa: F401 (imported now: not in the instant after a Ctrl-C)
+
     previous = stops.install()
-    stops.release()  # no launch is this thread's: a stop is raised at once
-    RUNNING.pool = pool
-    executor, futures = ThreadPoolExecutor(max_workers=workers), []
+    executor, futures = None, []
     try:
+        stops.release()  # no launch is this thread's: a stop is raised at once
+        RUNNING.pool = pool
+        executor = ThreadPoolExecutor(max_workers=workers)
         futures += [executor.submit(guarded, job) for job in jobs]
         for future in futures:
             if (error := future.exception()) is not None and not isinstance(error, CancelledError):
@@ -253,14 +270,18 @@ def run_at_once(jobs: list, workers: int, grace: float = 600.0) -> list:
                 raise error  # the first error, in `jobs`' order
         return [future.result() for future in futures]
     except KeyboardInterrupt:
-        if signal.SIGTERM in previous:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the ranks' checkpoints
+        for sig in previous:  # a second stop must not cut this short before every rank has its SIGINT
+            signal.signal(sig, signal.SIG_IGN)
         for future in futures:
             future.cancel()
-        pool.interrupt(grace)
+        ranks = pool.interrupt()
+        if signal.SIGINT in previous:  # a second Ctrl-C while the ranks checkpoint: as before the call
+            signal.signal(signal.SIGINT, previous[signal.SIGINT] or signal.SIG_DFL)
+        wait_for_launches(ranks, grace)  # (a second SIGTERM stays ignored: it must not cut the checkpoints)
         raise
     finally:
-        executor.shutdown(wait=True, cancel_futures=True)
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
         RUNNING.pool = None
         for sig, handler in previous.items():
             signal.signal(sig, handler or signal.SIG_DFL)

@@ -29,11 +29,13 @@ import hashlib
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 from ..common import process_group
 from ..common.cli_types import at_least
 from ..common.differences import differences
+from ..common.entry import INTERRUPTED, TERMINATED, Terminated
 from ..common.faults import DiskFullError
 from ..common.paths import PROJECT_ROOT
 from ..common.report_files import check_report_dir
@@ -232,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{index}/{len(plans)}] {run_name}: finished earlier, skipped", flush=True)
             else:
                 print(f"[{index}/{len(plans)}] {run_name}: {setting}={values[index - 1]}", flush=True)
+                started = time.time()
                 code = run_loop([*launcher, *run_argv])
-                if why := unfinished_launch(run_dir, code):  # a gate's stop is an end: the value is compared
+                if why := unfinished_launch(run_dir, code, started):  # a gate's stop is an end: the value is compared
                     print(f"{run_name} {why}; rerun the same command (once fixed, if it failed): it resumes from "
                           "its newest checkpoint", file=sys.stderr)  # fmt: skip
                     return code or 1
@@ -246,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             summary = json.loads((run_dir / "summary.json").read_text())
             if any(g["passed"] is False for g in summary.get("gates", [])):
                 rejected.add(run_name)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (`Terminated`): the running value checkpointed
         print("\ninterrupted: rerun the same command to continue (finished values are reused, the interrupted one "
               "resumes from its newest checkpoint)", file=sys.stderr)  # fmt: skip
-        return 130
+        return TERMINATED if isinstance(stop, Terminated) else INTERRUPTED
     try:
         result = compare([d for _, d in runs], report_dir=REPORT_DIR)
     except (ValueError, DiskFullError) as error:  # the runs stay: the same command compares them again at once

@@ -27,6 +27,7 @@ import json
 import re
 import shlex
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -273,8 +274,9 @@ def decayed_model(plan: ArchitecturePlan, run_dir: Path, step: int, processes: i
     resume = "auto" if checkpoint_dirs(branch) else str(start)
     if resume != "auto" and not start.is_dir():
         return None
+    started = time.time()
     code = run_command([*local_launcher(MLM_SCRIPT, processes), *plan.decay_command(step, resume)])
-    if why := unfinished_launch(branch, code):
+    if why := unfinished_launch(branch, code, started):
         raise RuntimeError(f"the decay {branch.name} {why}; rerun (once fixed, if it failed): it resumes")
     return branch / "final"
 
@@ -634,8 +636,9 @@ def pretrain(plan: ArchitecturePlan, run_dir: Path, processes: int) -> dict:
         print(f"extending {plan.run_name} from step {steps} to {plan.run_to} (a budget added)")
         ended = False
     if not ended:
+        started = time.time()
         code = run_command([*local_launcher(MLM_SCRIPT, processes), *plan.pretrain_argv])
-        if why := unfinished_launch(run_dir, code):
+        if why := unfinished_launch(run_dir, code, started):
             raise RuntimeError(f"pretraining {plan.run_name} {why}; rerun the same command (once fixed, if it "
                                "failed): it resumes from the newest checkpoint")  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -655,25 +658,35 @@ def add_report_driver_arguments(parser: argparse.ArgumentParser, name: str, runs
 def add_jobs_argument(parser: argparse.ArgumentParser, what: str) -> None:
     """`--jobs`, for a driver whose `what` (cells, arms) are independent fine-tuning points."""
     parser.add_argument("--jobs", type=at_least(1), default=1,
-                        help=f"{what} measured at once, the cores split between their launches (CPU_THREADS, unless "
-                             "set): on 2 cores, --jobs 2 trains about 1.5 times the steps of --jobs 1 at the micro "
-                             "shape (docs/recall.md)")  # fmt: skip
+                        help=f"{what} measured at once (one-process launches), the CPU cores split between them "
+                             "(CPU_THREADS, unless set; on a GPU machine they share the GPU): on 2 cores, --jobs 2 "
+                             "trains about 1.5 times the steps of --jobs 1 at the micro shape (docs/recall.md)")  # fmt: skip
 
 
-def measure_at_once(jobs: list, args, what: str) -> list:
-    """`jobs` (each measuring one point) run `--jobs` at a time (`process_group.run_at_once`), their results in
-    order; with several at once, the cores split between their launches first (`runtime.share_cores`)."""
-    if args.jobs > 1 and len(jobs) > 1:
-        from ..training.runtime import share_cores, usable_cores
+def check_jobs(args) -> None:
+    """`--jobs` above 1 only for one-process launches: each multi-process launch would take the same rendezvous
+    port (ValueError, before anything runs)."""
+    if args.jobs > 1 and args.num_processes > 1:
+        raise ValueError(f"--jobs {args.jobs} with --num_processes {args.num_processes}: launches side by side would "
+                         "share one rendezvous port; --jobs runs one-process launches at once, so give one of the "
+                         "two as 1")  # fmt: skip
 
-        threads = share_cores(args.jobs * args.num_processes)
-        print(f"--jobs {args.jobs}: {what} measured {args.jobs} at a time, {threads} CPU thread(s) a process",
-              flush=True)  # fmt: skip
-        if args.jobs * args.num_processes * threads > (cores := usable_cores()):
-            print(f"warning: --jobs {args.jobs} x --num_processes {args.num_processes} x {threads} thread(s) on "
-                  f"{cores} cores: the processes share cores, each slower than alone (--jobs "
-                  f"{max(1, cores // (args.num_processes * threads))} fits)", file=sys.stderr)  # fmt: skip
-    return process_group.run_at_once(jobs, args.jobs)
+
+def measure_at_once(jobs: list, args, what: str, pending: int) -> list:
+    """`jobs` (each measuring one point, `pending` of them not measured yet) run `--jobs` at a time
+    (`process_group.run_at_once`), their results in order. While more than one measures, the cores are split
+    between their launches (`runtime.cores_shared`); with one left to measure it has them all."""
+    at_once = min(args.jobs, pending)
+    if at_once <= 1:
+        return process_group.run_at_once(jobs, args.jobs)
+    from ..training.runtime import cores_shared, usable_cores
+
+    with cores_shared(at_once) as threads:
+        print(f"--jobs {args.jobs}: {what} measured {at_once} at a time, {threads} CPU thread(s) each", flush=True)
+        if at_once * threads > (cores := usable_cores()):
+            print(f"warning: --jobs {args.jobs}: {at_once} launches x {threads} thread(s) on {cores} cores: they "
+                  f"share cores, each slower than alone (--jobs {max(1, cores // threads)} fits)", file=sys.stderr)  # fmt: skip
+        return process_group.run_at_once(jobs, args.jobs)
 
 
 def check_finetune_argv(

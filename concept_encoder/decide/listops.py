@@ -49,6 +49,7 @@ from .experiments import (
     add_jobs_argument,
     add_report_driver_arguments,
     check_finetune_argv,
+    check_jobs,
     check_reuse,
     chosen_runs,
     exclusive,
@@ -362,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = cache_path(args.runs_dir) / args.name
     with usage_errors(parser):  # every check before the first run starts
         check_arguments(args)
+        check_jobs(args)
         refuse_driver_flags(finetune_argv, DRIVER_FINETUNE_FLAGS, "--finetune_args:", "by the listops driver")
         refuse_driver_flags(loop_argv, PRETRAIN_FLAGS, "pretraining arguments", "by the listops driver")
         finetune_argv = with_defaults(finetune_argv)
@@ -393,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                                   finetune_extra(arm, max_seq_length), {"arm": arm.__dict__},
                                   f"[{index}/{len(arms)}] {arm.label}")
                 for index, arm in enumerate(arms, 1)]  # fmt: skip
-        points.update(zip([arm.key for arm in arms], measure_at_once(jobs, args, "arms"), strict=True))
+        pending = sum(not point_folder.done(arm.key) for arm in arms)
+        points.update(zip([arm.key for arm in arms], measure_at_once(jobs, args, "arms", pending), strict=True))
         if args.pretrain_budget:
             concept, bert = twin_candidates(arms, args)
             twins = [max(concept, key=lambda a: dev_accuracy(points[a.key]))] if concept else []  # chosen on dev

@@ -47,6 +47,7 @@ from .experiments import (
     add_jobs_argument,
     add_report_driver_arguments,
     check_finetune_argv,
+    check_jobs,
     check_reuse,
     chosen_runs,
     exclusive,
@@ -498,6 +499,7 @@ def check_arguments(args) -> None:
         raise ValueError(f"--preset {args.preset!r} unknown; choose from {sorted(PRESETS)}")
     if args.seeds < 1 or args.sweep_seeds < 1:
         raise ValueError("--seeds and --sweep_seeds must be >= 1")
+    check_jobs(args)
     for pairs in args.pair_list:  # every task's settings, before the first run (parse_recall names the fix)
         parse_recall(task_name(pairs, args))
 
@@ -526,7 +528,7 @@ def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int
             return None
         locks.append(lock)
     with holding(*locks) as outcome:
-        jobs = []
+        jobs, pending = [], 0
         for pairs, task in tasks.items():
             folder = root / f"{args.name}-K{pairs}"  # the name in the folder: fine-tuning runs are named after it
             tokenizer = load_tokenizer(f"recall:{max(args.keys, pairs)}:{args.values}")
@@ -535,7 +537,8 @@ def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int
                 model = model_folder(folder, cell, args.preset, example_tokens(pairs), tokenizer)
                 what = f"[{plan.index(cell) + 1}/{len(plan)}] K={pairs}, {cell.label}"
                 jobs.append(functools.partial(measure_cell, point_folder, cell, model, what, args))
-        points = dict(measure_at_once(jobs, args, "cells"))
+                pending += not point_folder.done(cell.key)
+        points = dict(measure_at_once(jobs, args, "cells", pending))
     return None if outcome.failed else points
 
 

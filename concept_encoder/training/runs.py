@@ -160,13 +160,15 @@ def stopped_by_gate(run_dir: Path) -> bool:
     return summary.is_file() and json.loads(summary.read_text()).get("stopped_by_gate") is True
 
 
-def unfinished_launch(run_dir: Path, code: int) -> str | None:
-    """Why the pretraining launch that exited with `code` left `run_dir` unfinished, as the rest of a sentence
-    that starts with the run's name; None when the run ended on its own (all its steps, or a gate). `accelerate
-    launch` reports every non-zero exit of the loop as 1 (a gate's 3, a signal's 128 + its number), so the run's
-    summary.json tells a signal's stop (checkpointed, resumable) from a failure."""
+def unfinished_launch(run_dir: Path, code: int, started: float) -> str | None:
+    """Why the pretraining launch that started at `started` (`time.time()`) and exited with `code` left `run_dir`
+    unfinished, as the rest of a sentence that starts with the run's name; None when the run ended on its own (all
+    its steps, or a gate). `accelerate launch` reports every non-zero exit of the loop as 1 (a gate's 3, a signal's
+    128 + its number), so the run's summary.json tells a signal's stop (checkpointed, resumable) from a failure:
+    one this launch wrote (an earlier launch's, stopped by a signal, stays until the run writes its next)."""
     summary = run_dir / "summary.json"
-    stopped = json.loads(summary.read_text()) if summary.is_file() else {}
+    fresh = summary.is_file() and summary.stat().st_mtime >= started - 2  # 2 s: a file system's coarse clock
+    stopped = json.loads(summary.read_text()) if fresh else {}
     if stopped.get("preempted"):
         return f"was stopped by a signal at step {stopped.get('steps')} (checkpointed)"
     if (code == 0 or stopped_by_gate(run_dir)) and ended_on_its_own(run_dir):

@@ -4,11 +4,13 @@ optional compile (step 9)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime as dt
 import logging
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -132,15 +134,21 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def share_cores(processes: int) -> int:
-    """Threads for each of `processes` training processes running at once (a driver's `--jobs` times each launch's
-    ranks): the usable cores split between them, at least one each, set as `CPU_THREADS` in this process's
-    environment for its launches to inherit (`cpu_threads`); a `CPU_THREADS` already set is the user's and kept.
-    Measured: two one-thread fine-tuning runs at once train 1.5 times the steps of one two-thread run on a 2-core
-    machine (docs/recall.md)."""
-    if not os.environ.get("CPU_THREADS"):
-        os.environ["CPU_THREADS"] = str(max(1, usable_cores() // max(processes, 1)))
-    return int(os.environ["CPU_THREADS"])
+@contextlib.contextmanager
+def cores_shared(processes: int) -> Iterator[int]:
+    """Threads for each of `processes` training processes running at once (a driver's `--jobs`): the usable cores
+    split between them, at least one each, set as `CPU_THREADS` (`cpu_threads`) for the launches started inside
+    the block, which inherit it, and removed after it; a `CPU_THREADS` already set is the user's and kept. Yields
+    the threads each. Measured: two one-thread fine-tuning runs at once train 1.57 times the steps of one
+    two-thread run on a 2-core machine at the `micro` shape (docs/recall.md)."""
+    if given := os.environ.get("CPU_THREADS"):
+        yield int(given)
+        return
+    os.environ["CPU_THREADS"] = str(max(1, usable_cores() // max(processes, 1)))
+    try:
+        yield int(os.environ["CPU_THREADS"])
+    finally:
+        os.environ.pop("CPU_THREADS", None)
 
 
 def use_cpu_cores() -> int:
