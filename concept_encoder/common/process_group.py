@@ -242,6 +242,8 @@ def run_at_once(jobs: list, workers: int, grace: float = 600.0) -> list:
     import threading
     from concurrent.futures import CancelledError, ThreadPoolExecutor, wait
 
+    import psutil  # noqa: F401 (imported now: not in the instant after a Ctrl-C)
+
     stops, pool, failed = HeldStops(), LaunchPool(), threading.Event()
 
     def guarded(job):
@@ -252,8 +254,6 @@ def run_at_once(jobs: list, workers: int, grace: float = 600.0) -> list:
         except BaseException:
             failed.set()
             raise
-
-    import psutil  # noqa: F401 (imported now: not in the instant after a Ctrl-C)
 
     previous = stops.install()
     executor, futures = None, []
