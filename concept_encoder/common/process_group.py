@@ -132,13 +132,8 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM as `Terminated`
         if process is None:  # nothing started: nothing to stop
             raise
-        for sig in previous:  # a second stop must not cut this short before every rank has its SIGINT
-            signal.signal(sig, signal.SIG_IGN)
         interrupted.set()
-        ranks = interrupt_ranks([process])
-        if signal.SIGINT in previous:  # a second Ctrl-C while the ranks checkpoint: as before the call
-            signal.signal(signal.SIGINT, previous[signal.SIGINT] or signal.SIG_DFL)
-        wait_for_launches(ranks, grace)  # (a second SIGTERM stays ignored: it must not cut the checkpoints)
+        stop_launches(lambda: interrupt_ranks([process]), previous, grace)
         relay.join(timeout=5)
         raise
     finally:
@@ -169,6 +164,19 @@ def interrupt_ranks(processes: list[subprocess.Popen]) -> dict:
             except psutil.NoSuchProcess:
                 pass
     return ranks
+
+
+def stop_launches(interrupt, previous: dict, grace: float) -> None:
+    """After a stop: `interrupt()` (SIGINT to the launches' ranks, `{launch: ranks}` back) with every stop signal of
+    `previous` (the handlers replaced) ignored, so a second one cannot cut in before every rank has its SIGINT; then
+    a second Ctrl-C does what it did before the call while the ranks checkpoint (`wait_for_launches`), and a second
+    SIGTERM stays ignored: it must not cut the checkpoints."""
+    for sig in previous:
+        signal.signal(sig, signal.SIG_IGN)
+    ranks = interrupt()
+    if signal.SIGINT in previous:
+        signal.signal(signal.SIGINT, previous[signal.SIGINT] or signal.SIG_DFL)
+    wait_for_launches(ranks, grace)
 
 
 def wait_for_launches(ranks: dict, grace: float) -> None:
@@ -270,14 +278,9 @@ def run_at_once(jobs: list, workers: int, grace: float = 600.0) -> list:
                 raise error  # the first error, in `jobs`' order
         return [future.result() for future in futures]
     except KeyboardInterrupt:
-        for sig in previous:  # a second stop must not cut this short before every rank has its SIGINT
-            signal.signal(sig, signal.SIG_IGN)
         for future in futures:
             future.cancel()
-        ranks = pool.interrupt()
-        if signal.SIGINT in previous:  # a second Ctrl-C while the ranks checkpoint: as before the call
-            signal.signal(signal.SIGINT, previous[signal.SIGINT] or signal.SIG_DFL)
-        wait_for_launches(ranks, grace)  # (a second SIGTERM stays ignored: it must not cut the checkpoints)
+        stop_launches(pool.interrupt, previous, grace)
         raise
     finally:
         if executor is not None:
