@@ -486,6 +486,46 @@ def test_a_failed_job_lets_the_running_one_finish_and_starts_no_more():
     assert finished == ["running"] and started == []
 
 
+def test_every_failed_job_is_named_on_the_error_raised():
+    """Two jobs failing together: the first (in the jobs' order) is raised, the other's message is on it as a note
+    (its traceback shows both), so one rerun mends them all."""
+    import threading
+
+    from concept_encoder.common import process_group
+
+    together = threading.Barrier(2)
+
+    def fails(what):
+        def job():
+            together.wait(30)  # both running when they fail
+            raise RuntimeError(f"the {what} job failed")
+
+        return job
+
+    with pytest.raises(RuntimeError, match="the first job failed") as caught:
+        process_group.run_at_once([fails("first"), fails("second")], workers=2)
+    assert caught.value.__notes__ == ["another job failed too: RuntimeError: the second job failed"]
+
+
+def test_a_launch_among_others_is_relayed_in_whole_lines_and_its_progress_bar_now_and_then(capfdbinary, monkeypatch):
+    """Beside other launches (`--jobs`), a launch's standard error reaches the terminal in whole lines (a line cut
+    across reads arrives whole), blank redraws dropped, its progress bar's redraws as one line per
+    `PROGRESS_EVERY` seconds (here: only the first), a last line without its newline kept."""
+    import os
+    import threading
+
+    from concept_encoder.common import process_group
+
+    monkeypatch.setattr(process_group, "PROGRESS_EVERY", 1e9)
+    read, write = os.pipe()
+    for piece in (b"step 1 1%\rstep 2 2%\r", b"a log li", b"ne\n\r      \rstep 3 3%\r", b"the end"):
+        os.write(write, piece)
+    os.close(write)
+    with os.fdopen(read, "rb") as stream:
+        process_group.relay_stderr(stream, threading.Event(), among_others=True)
+    assert capfdbinary.readouterr().err == b"step 1 1%\na log line\nthe end\n"
+
+
 @pytest.mark.alone
 def test_sigterm_stops_every_launch_running_at_once_at_a_checkpoint_and_starts_no_more(tmp_path):
     """A driver's `--jobs 2`: SIGTERM (or Ctrl-C) to the tool reaches the ranks of both running launches, which

@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -108,9 +109,8 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
     to the tool (`kill`, `timeout`) does the same and raises `entry.Terminated`: by default it would end the tool
     alone and leave the launch, in its own session, training on. A stop while the launch starts is held until it
     is in hand (`HeldStops`). Called from a worker thread of `run_at_once` (signals reach the main thread only),
-    the launch is that pool's to stop. The launch's standard error is relayed as it comes (`relay_stderr`)."""
-    import threading
-
+    the launch is that pool's to stop. The launch's standard error is relayed as it comes (`relay_stderr`; beside
+    the pool's other launches, in whole lines)."""
     import psutil  # noqa: F401 (imported now, not in the instant after a Ctrl-C: `interrupt_ranks`)
 
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
@@ -123,7 +123,7 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
             process = start(command, stderr=subprocess.PIPE)
         else:
             process = pool.start(command, interrupted, stderr=subprocess.PIPE)
-        relay = threading.Thread(target=relay_stderr, args=(process.stderr, interrupted), daemon=True)
+        relay = threading.Thread(target=relay_stderr, args=(process.stderr, interrupted, pool is not None), daemon=True)
         relay.start()
         stops.release()  # a stop that came while the launch started is raised here, with the launch in hand
         code = process.wait()
@@ -244,10 +244,10 @@ def run_at_once(jobs: list, workers: int, grace: float = 600.0) -> list:
     """`jobs` (callables, each waiting on launches through `call_interrupting_ranks`) run `workers` at a time, in
     threads; their results in `jobs`' order. One worker: each in turn, in this thread. Ctrl-C or SIGTERM (as
     `entry.Terminated`) stops every running launch at a checkpoint, starts no more job, and is raised; a job's
-    error lets the running ones finish, starts no more, and is raised (the first, in `jobs`' order)."""
+    error lets the running ones finish, starts no more, and is raised (the first, in `jobs`' order, the others'
+    messages added to it as notes, shown under its own)."""
     if workers <= 1 or len(jobs) <= 1:
         return [job() for job in jobs]
-    import threading
     from concurrent.futures import CancelledError, ThreadPoolExecutor, wait
 
     import psutil  # noqa: F401 (imported now: not in the instant after a Ctrl-C)
@@ -275,6 +275,9 @@ def run_at_once(jobs: list, workers: int, grace: float = 600.0) -> list:
                 for other in futures:
                     other.cancel()  # the queued ones; the running ones finish
                 wait(futures)
+                for other in failures(futures):
+                    if other is not error:  # shown with the first: one rerun mends them all
+                        error.add_note(f"another job failed too: {type(other).__name__}: {other}")
                 raise error  # the first error, in `jobs`' order
         return [future.result() for future in futures]
     except KeyboardInterrupt:
@@ -288,6 +291,14 @@ def run_at_once(jobs: list, workers: int, grace: float = 600.0) -> list:
         RUNNING.pool = None
         for sig, handler in previous.items():
             signal.signal(sig, handler or signal.SIG_DFL)
+
+
+def failures(futures: list) -> list[BaseException]:
+    """The errors finished `futures` raised, in their order (a cancelled or successful one has none)."""
+    from concurrent.futures import CancelledError
+
+    return [error for future in futures if not future.cancelled() and (error := future.exception()) is not None
+            and not isinstance(error, CancelledError)]  # fmt: skip
 
 
 class HeldStops:
@@ -324,24 +335,47 @@ class HeldStops:
 LOOP_LINES = re.compile(rb"^(\S+: interrupted\b|error: |\S+ \S+ (INFO|WARNING|ERROR) concept_encoder)")
 
 
-def relay_stderr(stream, interrupted) -> None:
+PROGRESS_EVERY = 30.0  # seconds between a launch's progress-bar lines when several launches share one terminal
+RELAY_LOCK = threading.Lock()  # one launch's lines at a time on the shared terminal
+
+
+def relay_stderr(stream, interrupted, among_others: bool = False) -> None:
     """Copy a launch's standard error (its ranks write there too) to this process's, as it comes (progress bars
     included). Once the tool was interrupted only the loops' own lines pass (`LOOP_LINES`): the launcher's report
     of ranks that ended by the interrupt (torch's multi-process launcher prints a traceback and a FAILED table for
-    ranks stopped before training) is not an error of the user's."""
+    ranks stopped before training) is not an error of the user's. A launch `among_others` (`run_at_once`'s) is
+    relayed in whole lines, one launch's at a time, and its progress bar (redrawn in place, ended by a carriage
+    return) as one line every `PROGRESS_EVERY` seconds: two bars redrawn in place on one terminal overwrite each
+    other, and their pieces interleave."""
     out = getattr(sys.stderr, "buffer", None)
 
     def write(data: bytes) -> None:
-        if out is not None:
-            out.write(data)
-            out.flush()
-        else:
-            sys.stderr.write(data.decode(errors="replace"))
+        if not data:
+            return
+        with RELAY_LOCK:
+            if out is not None:
+                out.write(data)
+                out.flush()
+            else:
+                sys.stderr.write(data.decode(errors="replace"))
 
-    pending = b""
+    pending, last_bar = b"", None
     while chunk := os.read(stream.fileno(), 65536):
-        if not interrupted.is_set():
+        if not among_others and not interrupted.is_set():
             write(chunk)
             continue
-        *lines, pending = (pending + chunk).split(b"\n")
-        write(b"".join(line + b"\n" for line in lines if LOOP_LINES.match(line)))
+        *pieces, pending = re.split(rb"([\r\n])", pending + chunk)
+        lines = []
+        for text, end in zip(pieces[::2], pieces[1::2]):
+            if interrupted.is_set():
+                keep = end == b"\n" and LOOP_LINES.match(text)
+            elif end == b"\r":  # a progress bar's redraw: one every PROGRESS_EVERY seconds
+                keep = text.strip() and (last_bar is None or time.monotonic() - last_bar >= PROGRESS_EVERY)
+                last_bar = time.monotonic() if keep else last_bar
+            else:
+                keep = text.strip()
+            if keep:
+                lines.append(text + b"\n")
+        write(b"".join(lines))
+    if among_others and not interrupted.is_set() and pending.strip():
+        write(pending + b"\n")  # a last line without its newline
