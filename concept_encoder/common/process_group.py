@@ -366,7 +366,7 @@ def relay_stderr(stream, interrupted, among_others: bool = False) -> None:
             continue
         *pieces, pending = re.split(rb"([\r\n])", pending + chunk)
         lines = []
-        for text, end in zip(pieces[::2], pieces[1::2]):
+        for text, end in zip(pieces[::2], pieces[1::2], strict=True):
             if interrupted.is_set():
                 keep = end == b"\n" and LOOP_LINES.match(text)
             elif end == b"\r":  # a progress bar's redraw: one every PROGRESS_EVERY seconds
