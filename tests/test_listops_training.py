@@ -4,6 +4,7 @@ on a tiny variant writing every row."""
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -188,6 +189,18 @@ def test_the_driver_on_a_tiny_variant_writes_every_row_and_reuses_them(in_proces
     assert [(r["key"], r["accuracy"]) for r in json.loads(again.read_text())["rows"]] == [
         (r["key"], r["accuracy"]) for r in data["rows"]
     ]
+    monkeypatch.setattr(experiments, "run_command", launches.fallback)
+    assert listops.main([*DRIVER[:2], "--archive", "kept", *DRIVER[2:]]) == 0  # every finished point copied there
+    assert sorted(p.stem for p in Path("kept/listops/points").glob("*.json")) == sorted(keys)
+    shutil.rmtree("Cache/listops")  # a fresh machine: the points only in the archive, no pretraining run either
+    shutil.rmtree("runs")
+    launched = len(in_process)
+    assert listops.main([*DRIVER[:2], "--archive", "kept", *DRIVER[2:]]) == 0
+    assert len(in_process) == launched  # nothing fine-tuned, nothing self-pretrained again
+    [line] = [line for line in capsys.readouterr().out.splitlines() if " restored from kept/listops" in line]
+    assert set(line.split(" restored from")[0].split(", ")) == set(keys)
+    [restored] = sorted(Path("Cache/reports").glob("listops_*.json"), key=lambda p: p.stat().st_mtime_ns)[-1:]
+    assert json.loads(restored.read_text())["rows"] == json.loads(again.read_text())["rows"]
 
 
 def test_bad_driver_plans_are_refused_before_any_run(in_process, capsys):

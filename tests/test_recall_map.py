@@ -299,3 +299,16 @@ def test_a_cell_with_the_mixer_before_every_layer_builds_that_model(tmp_path):
         folder = recall.model_folder(tmp_path, cell, "micro", 12, tokenizer)
         built[folder.name] = json.loads((folder / "config.json").read_text())["local_mixer_placement"]
     assert built == {"C16-conv": "first", "C16-conv-every": "every"}
+
+
+def test_a_point_keeps_its_model_config_and_one_without_it_or_its_model_is_a_clear_error(tmp_path):
+    """A restored point's model folder may be on another machine: the point keeps the config the reports read."""
+    from concept_encoder.decide.experiments import point_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert point_config({"key": "a", "model": str(model), "model_config": {"hidden_size": 4}}) == {"hidden_size": 4}
+    assert point_config({"key": "a", "model": str(model)}) == {"hidden_size": 8}  # written before points kept it
+    with pytest.raises(ValueError, match="point a keeps no model config and its model .* is gone"):
+        point_config({"key": "a", "model": str(tmp_path / "elsewhere"), "model_config": None})

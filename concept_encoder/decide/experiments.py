@@ -452,6 +452,18 @@ def chosen_runs(point: dict) -> tuple[dict, list[dict]]:
     return row, [r for r in runs if r["learning_rate"] == row["learning_rate"]]
 
 
+def point_config(point: dict) -> dict:
+    """The config of the model a point measured: kept in the point (`PointFolder.measure`); a point written before
+    it was reads its model folder, and one whose folder is gone (restored from an archive) is a clear error."""
+    if point.get("model_config"):
+        return dict(point["model_config"])
+    path = Path(point["model"]) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"point {point['key']} keeps no model config and its model {point['model']} is gone (a point "
+                         "from an archive written before points kept it): delete the point to measure it again")  # fmt: skip
+    return json.loads(path.read_text())
+
+
 def percent(value, std=None) -> str:
     """A fraction (and its std) as a report's percentage, `12.34 ± 0.56`; `-` for a value not measured."""
     if value is None:
@@ -469,9 +481,11 @@ class PointFolder:
     """The points of one experiment on disk (a curve's `Cache/curves/<name>/`, a driver's `<runs_dir>/<name>/`), and
     the runs that make missing ones."""
 
-    def __init__(self, folder: Path, task: str, finetune_argv: list[str], processes: int, probe: bool = True):
+    def __init__(self, folder: Path, task: str, finetune_argv: list[str], processes: int, probe: bool = True,
+                 archive: Path | None = None):  # fmt: skip
         self.folder, self.task, self.finetune_argv, self.processes = folder, task, finetune_argv, processes
         self.probe = probe  # linear probes beside fine-tuning at every point
+        self.archive = archive  # a copy of the points kept elsewhere (`--archive`): `restore`, `keep`
         self.named: set[str] = set()  # damaged points already named
 
     def point_file(self, key: str) -> Path:
@@ -510,8 +524,10 @@ class PointFolder:
                                "stopped it at a checkpoint); rerun (once fixed, if it failed): finished points are "
                                "reused, an interrupted run resumes")  # fmt: skip
         report = json.loads(found[-1].read_text())
+        config = Path(model) / "config.json"  # kept: a restored point's model folder may be on another machine
         point = {"key": key, "model": model, **info, "extra": extra, "rows": report["rows"],
-                 "baselines": report["baselines"], "runs": report["runs"]}  # fmt: skip
+                 "baselines": report["baselines"], "runs": report["runs"],
+                 "model_config": json.loads(config.read_text()) if config.is_file() else None}  # fmt: skip
         self.point_file(key).parent.mkdir(parents=True, exist_ok=True)
         with written_aside(self.point_file(key)) as partial:  # a reader (`--report_only`) never sees half of it
             partial.write_text(json_io.dumps(point, indent=2))
@@ -520,17 +536,20 @@ class PointFolder:
     def reused_or_measured(self, key: str, model: str, extra: list[str], info: dict, what: str) -> dict:
         """The point `key`: read when measured before with the same fine-tuning arguments `extra` (e.g. a cell's
         `--seeds`), else measured (`measure`: the fine-tuning runs that match are reused, so more seeds run only the
-        new ones); one line says which."""
+        new ones); one line says which. Either way it is kept in the archive (`keep`)."""
         if self.done(key):
             point = json.loads(self.point_file(key).read_text())
             if not (changed := point_changes(point, extra)):
                 print(f"{key}: finished earlier, reused", flush=True)
+                self.keep(key)
                 return point
             print(f"{key}: measured earlier under other settings ({'; '.join(changed)}): measuring it again (its "
                   "fine-tuning runs that match are reused)", flush=True)  # fmt: skip
         else:
             print(f"{key}: {what}", flush=True)
-        return self.measure(key, model, extra, info)
+        point = self.measure(key, model, extra, info)
+        self.keep(key)
+        return point
 
     def finished(self, key: str, extra: list[str]) -> dict | None:
         """The point `key` when it was measured under these fine-tuning arguments `extra`, else None (missing,
@@ -557,6 +576,15 @@ class PointFolder:
         if restored and not (self.folder / REQUEST).is_file() and (archive / REQUEST).is_file():
             copy_whole(archive / REQUEST, self.folder / REQUEST)  # checked equal to this request by the caller
         return restored
+
+    def restore(self) -> list[str]:
+        """`restore_from` the folder's archive (none: nothing)."""
+        return self.restore_from(self.archive) if self.archive else []
+
+    def keep(self, key: str) -> None:
+        """`keep_in` the folder's archive, when it has one."""
+        if self.archive:
+            self.keep_in(self.archive, key)
 
     def keep_in(self, archive: Path, key: str) -> None:
         """Copy the finished point `key` and the folder's request into `archive` (`restore_from` reads them)."""
@@ -653,6 +681,22 @@ def add_report_driver_arguments(parser: argparse.ArgumentParser, name: str, runs
     parser.add_argument("--runs_dir", default=runs_dir, help="where the runs' points are kept")
     parser.add_argument("--report_dir", default="Cache/reports")
     parser.add_argument("--num_processes", type=at_least(1), default=1, help="processes per run (accelerate launch)")
+
+
+def add_archive_argument(parser: argparse.ArgumentParser, what: str, example: str) -> None:
+    """`--archive`: a second home for a driver's points (`PointFolder.archive`)."""
+    parser.add_argument("--archive", default=None,
+                        help=f"a folder that keeps a copy of the {what}'s points (e.g. {example}, under version "
+                             "control: a fresh machine's Cache is empty): points found there are reused, each "
+                             "finished point is copied there")  # fmt: skip
+
+
+def check_archive(archive: Path, request: dict, retired: tuple[str, ...] = (), noun: str = "archive") -> None:
+    """ValueError, before any run, when the archived folder `archive` was measured under another request (its
+    points would be restored as this one's) or nothing can be written there (every finished point is copied in)."""
+    check_reuse(archive, request, [], retired, record=False, noun=noun, folder_flag="--archive")
+    if problem := folder_problem(archive, "--archive"):
+        raise ValueError(problem)
 
 
 def add_jobs_argument(parser: argparse.ArgumentParser, what: str) -> None:

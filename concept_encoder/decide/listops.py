@@ -3,6 +3,7 @@
     python -m concept_encoder listops --presets micro,tiny --concepts 16,32,64,128 --seeds 3
     make listops LISTOPS_TASK=listops:500 LISTOPS_ARGS="--presets micro"     (a shorter variant)
     python -m concept_encoder listops --jobs 2       (two from-scratch arms at a time, the cores split between them)
+    python -m concept_encoder listops --archive docs/measured/listops   (points kept under version control too)
 
 Arms, each fine-tuned by `loops/finetune.py` under the fair protocol (rate and step chosen on dev, the test split
 reported once at the dev-chosen step and at the last step, `--bucket_by_length`), each a point of a `PointFolder`
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import statistics
 import sys
@@ -46,8 +46,10 @@ from ..tasks.arguments import is_listops
 from ..tasks.listops import listops_splits, parse_listops, root_operator_rule
 from .experiments import (
     PointFolder,
+    add_archive_argument,
     add_jobs_argument,
     add_report_driver_arguments,
+    check_archive,
     check_finetune_argv,
     check_jobs,
     check_reuse,
@@ -63,6 +65,7 @@ from .experiments import (
     parse_list,
     percent,
     plan_architecture,
+    point_config,
     pretrain,
     print_report,
     refuse_driver_flags,
@@ -192,7 +195,7 @@ def arm_row(point: dict, arm: Arm, tokens: float) -> dict:
     seconds = statistics.fmean(r["seconds"] for r in chosen) if chosen else None
     steps = chosen[0]["steps"] if chosen else None
     batch = chosen[0]["settings"]["per_device_train_batch_size"] * chosen[0]["settings"]["world_size"] if chosen else 0
-    config = json.loads((Path(point["model"]) / "config.json").read_text())
+    config = point_config(point)
     config.setdefault("num_labels", 10)
     config["classifier_pooling"] = arm.pooling
     memory = [r.get("memory", {}) for r in chosen]
@@ -332,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sweep_seeds", type=int, default=1, help="seeds of the width sweep's other widths")
     parser.add_argument("--pretrain_tokens", default="20M", help="self-pretraining budget per model (0: none)")
     add_jobs_argument(parser, "arms")
+    add_archive_argument(parser, "driver", "docs/measured/listops")
     add_report_driver_arguments(parser, "listops", "Cache/listops")
     return parser
 
@@ -381,10 +385,15 @@ def main(argv: list[str] | None = None) -> int:
         request = {"task": args.task, "arms": [a.key for a in arms], "seeds": args.seeds,
                    "sweep_seeds": args.sweep_seeds, "pretrain_tokens": args.pretrain_budget,
                    "finetune_args": finetune_argv, "pretrain_args": loop_argv, "num_processes": args.num_processes}  # fmt: skip
+        archive = cache_path(args.archive) / args.name if args.archive else None
+        if archive:  # its points become this folder's: the same request only
+            check_archive(archive, request, noun="archived point folder")
         check_report_dir(args.report_dir)  # before the request is recorded: a refusal leaves nothing behind
         check_reuse(folder, request, [], noun="point folder", folder_flag="--runs_dir")
     tokenizer = load_tokenizer("listops")
-    point_folder = PointFolder(folder, args.task, finetune_argv, args.num_processes, probe=False)
+    point_folder = PointFolder(folder, args.task, finetune_argv, args.num_processes, probe=False, archive=archive)
+    if restored := point_folder.restore():
+        print(f"{', '.join(restored)} restored from {archive}", flush=True)
     lock = exclusive(folder, f"listops {args.name}")
     if lock is None:
         return 1
@@ -403,12 +412,14 @@ def main(argv: list[str] | None = None) -> int:
             for twin in twins + bert:
                 arm = selfpre_arm(twin, args)
                 plan, run_dir = pretraining_plan(arm, args, loop_argv, max_seq_length, args.pretrain_budget)
-                print(f"self-pretraining {plan.run_name}: {plan.tokens(plan.steps[-1]):,} tokens", flush=True)
-                pretrain(plan, run_dir, args.num_processes)
+                extra = finetune_extra(arm, max_seq_length)
+                if point_folder.finished(arm.key, extra) is None:  # one measured (or restored) needs no model
+                    print(f"self-pretraining {plan.run_name}: {plan.tokens(plan.steps[-1]):,} tokens", flush=True)
+                    pretrain(plan, run_dir, args.num_processes)
                 arms.append(arm)
                 points[arm.key] = point_folder.reused_or_measured(
-                    arm.key, str(run_dir / "final"), finetune_extra(arm, max_seq_length), {"arm": arm.__dict__},
-                    f"{arm.label}: fine-tuning")  # fmt: skip
+                    arm.key, str(run_dir / "final"), extra, {"arm": arm.__dict__}, f"{arm.label}: fine-tuning"
+                )
     if outcome.failed:  # a run failed: finished arms stay, the same command continues
         return 1
     splits = listops_splits(args.task)  # read once: about 250 MB of JSON lines at full size

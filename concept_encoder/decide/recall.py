@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.cli_types import at_least
-from ..common.paths import cache_path, folder_problem
+from ..common.paths import cache_path
 from ..common.report_files import check_report_dir
 from ..constants import ARCHITECTURES
 from ..data.recall_vocab import KEYS, VALUES, example_tokens
@@ -44,8 +44,10 @@ from ..tasks.arguments import TaskArguments
 from ..tasks.recall import RecallSettings, no_binding_line, parse_recall, recall_splits
 from .experiments import (
     PointFolder,
+    add_archive_argument,
     add_jobs_argument,
     add_report_driver_arguments,
+    check_archive,
     check_finetune_argv,
     check_jobs,
     check_reuse,
@@ -69,7 +71,6 @@ GOAL_ACCURACY = 0.95  # the mixer at C = 64 holds this up to K = 32 (issue 54)
 GOAL_CONCEPTS, GOAL_PAIRS = 64, 32
 MAIN_CONCEPTS, MAIN_PAIRS = "16,64", "4,8,16,32"  # 3 seeds (--seeds) on these, one elsewhere (issue 54)
 MAP_FOLDER = {"noun": "map", "folder_flag": "--runs_dir"}  # what check_reuse's messages call a K's folder
-ARCHIVE_FOLDER = {"noun": "archived map", "folder_flag": "--archive"}  # and a K's folder in --archive
 DEFAULT_MAX_SEQ_LENGTH = TaskArguments.__dataclass_fields__["max_seq_length"].default  # fine-tuning's
 DRIVER_FINETUNE_FLAGS = ("--seeds", "--pooling", "--from_scratch", "--report_last_step", "--max_seq_length")
 # 18,000 steps of 64, ended early once dev accuracy reaches 99.5%: binding arrives as a sudden jump whose timing
@@ -154,12 +155,13 @@ def cell_argv(cell: Cell) -> list[str]:
 def finished_points(plan: list[Cell], root: Path, args, argvs: dict[int, list[str]]) -> dict:
     """`(K, cell key) -> point` for the cells of `plan` finished under these arguments (`argvs`: K's fine-tuning
     arguments); runs nothing."""
-    folders = {k: PointFolder(root / f"{args.name}-K{k}", "", argvs[k], args.num_processes) for k in args.pair_list}
+    folders = {k: PointFolder(root / f"{args.name}-K{k}", "", argvs[k], args.num_processes,
+                              archive=archive_folder(args, k)) for k in args.pair_list}  # fmt: skip
     points = {}
     for cell in plan:
         if point := folders[cell.pairs].finished(cell.key, cell_argv(cell)):
             points[(cell.pairs, cell.key)] = point
-            keep_in_archive(folders[cell.pairs], args, cell.pairs, cell.key)
+            folders[cell.pairs].keep(cell.key)
     return points
 
 
@@ -167,8 +169,9 @@ def restore_archive(root: Path, args, argvs: dict[int, list[str]]) -> None:
     """The points `--archive` keeps and `--runs_dir` lacks, copied in (each K's archive checked against this
     request before, in `main`); one line a K says which."""
     for pairs in args.pair_list:
-        folder = PointFolder(root / f"{args.name}-K{pairs}", "", argvs[pairs], args.num_processes)
-        if restored := folder.restore_from(archive := archive_folder(args, pairs)):
+        archive = archive_folder(args, pairs)
+        folder = PointFolder(root / f"{args.name}-K{pairs}", "", argvs[pairs], args.num_processes, archive=archive)
+        if restored := folder.restore():
             print(f"K={pairs}: {', '.join(restored)} restored from {archive}", flush=True)
 
 
@@ -460,10 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the report of the cells finished so far (the others shown as not measured yet) "
                              "and run nothing: a map that takes hours, looked at while it runs")  # fmt: skip
     add_jobs_argument(parser, "cells")
-    parser.add_argument("--archive", default=None,
-                        help="a folder that keeps a copy of the map's points (e.g. docs/measured/recall, under version "
-                             "control: a fresh machine's Cache is empty): points found there are reused, each "
-                             "finished point is copied there")  # fmt: skip
+    add_archive_argument(parser, "map", "docs/measured/recall")
     add_report_driver_arguments(parser, "recall", "Cache/recall")
     return parser
 
@@ -509,12 +509,6 @@ def archive_folder(args, pairs: int) -> Path | None:
     return cache_path(args.archive) / f"{args.name}-K{pairs}" if args.archive else None
 
 
-def keep_in_archive(point_folder: PointFolder, args, pairs: int, key: str) -> None:
-    """The finished point `key` copied into `--archive`, when one is given."""
-    if archive := archive_folder(args, pairs):
-        point_folder.keep_in(archive, key)
-
-
 def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int, list[str]]) -> dict | None:
     """`(K, cell key) -> point` for every cell of `plan`, finished ones reused, the others measured, `--jobs` at a
     time (in `plan`'s order); None when another process holds a K's folder or a run failed (finished cells stay:
@@ -532,7 +526,8 @@ def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int
         for pairs, task in tasks.items():
             folder = root / f"{args.name}-K{pairs}"  # the name in the folder: fine-tuning runs are named after it
             tokenizer = load_tokenizer(f"recall:{max(args.keys, pairs)}:{args.values}")
-            point_folder = PointFolder(folder, task, argvs[pairs], args.num_processes, probe=False)
+            point_folder = PointFolder(folder, task, argvs[pairs], args.num_processes, probe=False,
+                                       archive=archive_folder(args, pairs))  # fmt: skip
             for cell in [c for c in plan if c.pairs == pairs]:
                 model = model_folder(folder, cell, args.preset, example_tokens(pairs), tokenizer)
                 what = f"[{plan.index(cell) + 1}/{len(plan)}] K={pairs}, {cell.label}"
@@ -543,9 +538,8 @@ def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int
 
 
 def measure_cell(point_folder: PointFolder, cell: Cell, model: Path, what: str, args) -> tuple[tuple, dict]:
-    """One cell's point, reused or measured, and copied into `--archive`; `((K, cell key), point)`."""
+    """One cell's point, reused or measured (and copied into `--archive`); `((K, cell key), point)`."""
     point = point_folder.reused_or_measured(cell.key, str(model), cell_argv(cell), {"cell": cell.__dict__}, what)
-    keep_in_archive(point_folder, args, cell.pairs, cell.key)
     return (cell.pairs, cell.key), point
 
 
@@ -571,9 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             check_finetune_argv(argvs[pairs], task, (), "recall")  # generates the task's splits into the cache
             check_reuse(root / f"{args.name}-K{pairs}", requests[pairs], [], ("cells",), record=False, **MAP_FOLDER)
             if archive := archive_folder(args, pairs):  # its points become this map's: the same request only
-                check_reuse(archive, requests[pairs], [], ("cells",), record=False, **ARCHIVE_FOLDER)
-                if problem := folder_problem(archive, "--archive"):  # written at every finished cell, report too
-                    raise ValueError(problem)
+                check_archive(archive, requests[pairs], ("cells",), noun="archived map")
         check_report_dir(args.report_dir)
         for pairs in [] if args.report_only else tasks:  # the same checks again, the folder's writability too
             check_reuse(root / f"{args.name}-K{pairs}", requests[pairs], [], ("cells",), **MAP_FOLDER)
