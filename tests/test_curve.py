@@ -106,6 +106,21 @@ def test_curve_pretrains_once_measures_each_point_and_reuses_finished_ones(launc
     resumed = load_file(run / "snapshots/step-4/model.safetensors")
     assert all(torch.equal(resumed[k], last[k]) for k in last)  # exact resume: the same step-4 weights
 
+    # a fresh machine: the points kept in --archive are restored, nothing is pretrained or fine-tuned again
+    launches.clear()
+    assert curve.main(["--archive", "kept", *argv]) == 0 and launches == []  # every point copied there
+    assert sorted(p.stem for p in Path("kept/c/points").glob("*.json")) == sorted(points)
+    table = Path("Cache/curves/c/curve.md").read_text()
+    shutil.move("Cache/curves/c", "away-points")
+    shutil.move("runs/c-concept", "away-run")
+    capsys.readouterr()
+    assert curve.main(["--archive", "kept", *argv]) == 0 and launches == []
+    assert "concept-1.024k, concept-2.048k, concept-twin restored from" in capsys.readouterr().out
+    assert Path("Cache/curves/c/curve.md").read_text() == table
+    shutil.rmtree("Cache/curves/c")
+    shutil.move("away-points", "Cache/curves/c")
+    shutil.move("away-run", "runs/c-concept")
+
     # reused only for the same request: other pretraining arguments, or a budget past the finished run, are refused
     launches.clear()
     capsys.readouterr()

@@ -48,6 +48,8 @@ from ..data.sources import source_fingerprint
 from .experiments import (
     DRIVER_FLAGS,
     PointFolder,
+    add_archive_argument,
+    check_archive,
     check_finetune_argv,
     check_reuse,
     decayed_model,
@@ -205,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--twins", type=yes_no, default=True,
                         help="also the from-scratch twin of each architecture (default true)")  # fmt: skip
     parser.add_argument("--num_processes", type=at_least(1), default=1, help="processes per run (accelerate launch)")
+    add_archive_argument(parser, "curve", "docs/measured/curves")
     return parser
 
 
@@ -221,14 +224,25 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--reference: {problem} (make reference fetches the positive control)")
         plans = [plan_architecture(a, budgets, loop_argv, args.name, args.num_processes) for a in architectures]
         check_finetune_argv(finetune_argv, args.task, [plan.loop_args[1].dataset for plan, _ in plans])
-        check_reuse(cache_path(args.curves_dir) / args.name, curve_request(args, loop_argv, finetune_argv), plans)
-    point_folder = PointFolder(cache_path(args.curves_dir) / args.name, args.task, finetune_argv, args.num_processes)
+        request = curve_request(args, loop_argv, finetune_argv)
+        archive = cache_path(args.archive) / args.name if args.archive else None
+        if archive:  # its points become this curve's: the same request only
+            check_archive(archive, request, noun="archived curve")
+        check_reuse(cache_path(args.curves_dir) / args.name, request, plans)
+    point_folder = PointFolder(cache_path(args.curves_dir) / args.name, args.task, finetune_argv, args.num_processes,
+                               archive=archive)  # fmt: skip
+    if restored := point_folder.restore():
+        print(f"{', '.join(restored)} restored from {archive}", flush=True)
     total = len(plans) * (len(budgets) + args.twins) + bool(args.reference)
     progress = iter(range(1, total + 1))
     gate_notes = {}
 
     def announce(key: str, what: str) -> None:
         print(f"[{next(progress)}/{total}] {key}: {what}", flush=True)
+
+    def reused(key: str) -> None:
+        announce(key, "finished earlier, reused")
+        point_folder.keep(key)  # into --archive, when one is given
 
     lock = exclusive(point_folder.folder, f"curve {args.name}")  # a second invocation would train the same runs
     if lock is None:
@@ -250,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     evaluated_in = run_dir
                 if point_folder.done(key):
-                    announce(key, "finished earlier, reused")
+                    reused(key)
                 elif snapshot is None or not snapshot.is_dir():
                     announce(
                         key, f"no snapshot at step {step}: {gate_notes.get(plan.architecture, 'run ended before it')}"
@@ -265,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                 first = next((run_dir / "snapshots" / f"step-{s}" for s in plan.steps
                               if (run_dir / "snapshots" / f"step-{s}").is_dir()), run_dir / "final")  # fmt: skip
                 if point_folder.done(key):
-                    announce(key, "finished earlier, reused")
+                    reused(key)
                 else:
                     announce(key, "from-scratch twin (same architecture, random weights)")
                     point_folder.measure(
@@ -274,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.reference:
             key = "reference"
             if point_folder.done(key):
-                announce(key, "finished earlier, reused")
+                reused(key)
             else:
                 announce(key, f"reference encoder {args.reference}")
                 point_folder.measure(

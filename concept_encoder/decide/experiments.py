@@ -506,7 +506,7 @@ class PointFolder:
 
     def measure(self, key: str, model: str, extra: list[str], info: dict) -> dict:
         """Fine-tune and probe `model` under the fair protocol (resuming an interrupted attempt); the point's
-        report rows and baselines go to `points/<key>.json` once all of it finished."""
+        report rows and baselines go to `points/<key>.json` once all of it finished, and into the archive (`keep`)."""
         reports = self.folder / "reports" / key
         argv = [*self.finetune_argv, "--model_name_or_path", model, "--task", self.task,
                 *(["--probe"] if self.probe else []), "--run_name", f"{self.folder.name}-{key}",
@@ -531,12 +531,13 @@ class PointFolder:
         self.point_file(key).parent.mkdir(parents=True, exist_ok=True)
         with written_aside(self.point_file(key)) as partial:  # a reader (`--report_only`) never sees half of it
             partial.write_text(json_io.dumps(point, indent=2))
+        self.keep(key)
         return point
 
     def reused_or_measured(self, key: str, model: str, extra: list[str], info: dict, what: str) -> dict:
         """The point `key`: read when measured before with the same fine-tuning arguments `extra` (e.g. a cell's
         `--seeds`), else measured (`measure`: the fine-tuning runs that match are reused, so more seeds run only the
-        new ones); one line says which. Either way it is kept in the archive (`keep`)."""
+        new ones); one line says which. Either way it is kept in the archive (`keep`, as `measure` does)."""
         if self.done(key):
             point = json.loads(self.point_file(key).read_text())
             if not (changed := point_changes(point, extra)):
@@ -547,9 +548,7 @@ class PointFolder:
                   "fine-tuning runs that match are reused)", flush=True)  # fmt: skip
         else:
             print(f"{key}: {what}", flush=True)
-        point = self.measure(key, model, extra, info)
-        self.keep(key)
-        return point
+        return self.measure(key, model, extra, info)
 
     def finished(self, key: str, extra: list[str]) -> dict | None:
         """The point `key` when it was measured under these fine-tuning arguments `extra`, else None (missing,
