@@ -507,6 +507,34 @@ def test_every_failed_job_is_named_on_the_error_raised():
     assert caught.value.__notes__ == ["another job failed too: RuntimeError: the second job failed"]
 
 
+def test_jobs_printing_at_once_print_whole_lines(capsys):
+    """`print` writes its text and its newline in two calls: two jobs printing together (`--jobs 2`) must still
+    give whole lines, each once, and a last print without its newline is ended by one; the terminal is given back
+    after."""
+    import sys
+    import threading
+
+    from concept_encoder.common import process_group
+
+    together, terminal = threading.Barrier(2), sys.stdout
+
+    def job(name):
+        def printing():
+            together.wait(30)  # both printing at the same time
+            for index in range(300):
+                print(f"{name}: line {index}, finished earlier, reused", flush=True)
+            print(f"{name}: the end", end="")
+            return name
+
+        return printing
+
+    assert process_group.run_at_once([job("A"), job("B")], workers=2) == ["A", "B"]
+    assert sys.stdout is terminal
+    printed = capsys.readouterr().out.splitlines()
+    expected = [f"{name}: line {index}, finished earlier, reused" for name in "AB" for index in range(300)]
+    assert sorted(printed) == sorted([*expected, "A: the end", "B: the end"])
+
+
 def test_a_launch_among_others_is_relayed_in_whole_lines_and_its_progress_bar_now_and_then(capfdbinary, monkeypatch):
     """Beside other launches (`--jobs`), a launch's standard error reaches the terminal in whole lines (a line cut
     across reads arrives whole), blank redraws dropped, its progress bar's redraws as one line per

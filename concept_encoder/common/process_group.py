@@ -253,6 +253,8 @@ def run_at_once(jobs: list, workers: int, grace: float = 600.0) -> list:
     import psutil  # noqa: F401 (imported now: not in the instant after a Ctrl-C)
 
     stops, pool, failed = HeldStops(), LaunchPool(), threading.Event()
+    terminal = sys.stdout
+    lines = WholeLines(terminal)  # the jobs' own prints, a whole line at a time
 
     def guarded(job):
         if failed.is_set():  # set by the job that failed, before its worker takes the next one
@@ -262,12 +264,15 @@ def run_at_once(jobs: list, workers: int, grace: float = 600.0) -> list:
         except BaseException:
             failed.set()
             raise
+        finally:
+            lines.end_line()  # a last print without its newline
 
     previous = stops.install()
     executor, futures = None, []
     try:
         stops.release()  # no launch is this thread's: a stop is raised at once
         RUNNING.pool = pool
+        sys.stdout = lines
         executor = ThreadPoolExecutor(max_workers=workers)
         futures += [executor.submit(guarded, job) for job in jobs]
         for future in futures:
@@ -288,9 +293,41 @@ def run_at_once(jobs: list, workers: int, grace: float = 600.0) -> list:
     finally:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
+        sys.stdout = terminal
         RUNNING.pool = None
         for sig, handler in previous.items():
             signal.signal(sig, handler or signal.SIG_DFL)
+
+
+class WholeLines:
+    """Standard output shared by `run_at_once`'s threads, written a whole line at a time under `RELAY_LOCK`.
+
+    Why: `print(text)` writes `text` and its newline in two calls, so two threads printing at once interleave
+    (`cell A: reusedcell B: reused`, then two newlines), and a launch's relayed lines (`relay_stderr`) can fall
+    between them. Each thread's text is held until its newline; other attributes are the wrapped stream's."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.held = threading.local()
+
+    def write(self, text: str) -> int:
+        *lines, self.held.text = (getattr(self.held, "text", "") + text).split("\n")
+        if lines:
+            with RELAY_LOCK:
+                self.stream.write("".join(line + "\n" for line in lines))
+                self.stream.flush()
+        return len(text)
+
+    def end_line(self) -> None:
+        """Write this thread's held text, ended by a newline (a job's last print without one)."""
+        if getattr(self.held, "text", ""):
+            self.write("\n")
+
+    def flush(self) -> None:
+        """Nothing to do: only whole lines are written, each flushed."""
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 def failures(futures: list) -> list[BaseException]:
