@@ -153,17 +153,19 @@ def test_a_mixer_config_saved_without_the_placement_loads_as_first_bit_for_bit(t
     assert torch.equal(logits_of(again, ids), logits_of(model, ids))
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-def test_saved_and_reloaded_with_the_mixer_also_through_the_copied_code(tmp_path, placement):
+@pytest.mark.parametrize(("placement", "decoder"), [("first", "perceiver"), ("every", "perceiver"), ("every", "mixed")])
+def test_saved_and_reloaded_with_the_mixer_also_through_the_copied_code(tmp_path, placement, decoder):
     from loop_runs import load_without_the_package
 
     torch.manual_seed(0)
-    model = ConceptEncoderForMaskedLM(config(local_mixer_width=5, local_mixer_placement=placement)).eval()
+    built = config(local_mixer_width=5, local_mixer_placement=placement, decoder_type=decoder)
+    model = ConceptEncoderForMaskedLM(built).eval()
     scramble(model)  # far from its near-identity start
     model.save_pretrained(tmp_path / "saved")
     again = ConceptEncoderForMaskedLM.from_pretrained(tmp_path / "saved").eval()
     assert (again.config.local_mixer, again.config.local_mixer_width) == ("conv", 5)
     assert again.config.local_mixer_placement == placement and len(mixers(again)) == len(mixers(model))
+    assert again.config.decoder_type == decoder
     ids = torch.arange(5, 21)[None]
     assert torch.equal(logits_of(again, ids), logits_of(model, ids))
     name, module, remote_sum = load_without_the_package(tmp_path / "saved", tmp_path, trust_remote_code=True)
@@ -174,12 +176,15 @@ def test_saved_and_reloaded_with_the_mixer_also_through_the_copied_code(tmp_path
 PLACED = [("first", False), ("every", False), ("every", True)]  # (placement, token_refinement)
 
 
+@pytest.mark.parametrize("decoder", ["perceiver", "mixed"])
 @pytest.mark.parametrize(("placement", "refine"), PLACED)
-def test_a_masked_tokens_identity_cannot_reach_the_outputs_through_its_neighbours(placement, refine):
+def test_a_masked_tokens_identity_cannot_reach_the_outputs_through_its_neighbours(placement, refine, decoder):
     """The input holds [MASK] at the masked positions and nothing upstream of the mixers sees the original: two
-    different originals there give the same logits and concepts, while a change in the input does reach them."""
+    different originals there give the same logits and concepts, while a change in the input does reach them; with
+    the decoder's queries unmixed (`perceiver`) or mixed."""
     torch.manual_seed(0)
-    model = ConceptEncoderForMaskedLM(config(local_mixer_placement=placement, token_refinement=refine)).eval()
+    built = config(local_mixer_placement=placement, token_refinement=refine, decoder_type=decoder)
+    model = ConceptEncoderForMaskedLM(built).eval()
     scramble(model)
     original = torch.randint(5, VOCAB, (2, 30))
     ids = original.clone()
@@ -195,6 +200,58 @@ def test_a_masked_tokens_identity_cannot_reach_the_outputs_through_its_neighbour
     with torch.no_grad():
         unmasked = model(original, labels=labels)
     assert not torch.allclose(unmasked.concepts, outputs[0][1])  # the input itself does reach the concepts
+
+
+def decoder_queries(model, ids, labels) -> torch.Tensor:
+    """The queries `[B,M,H]` the MLM decoder's first layer receives for `ids [B,N]` with `labels [B,N]`."""
+    seen = []
+    hook = model.mlm_decoder.layers[0].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(ids, labels=labels)
+    hook.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_mixed_decoders_queries_see_their_neighbours_and_the_perceivers_do_not(placement):
+    """`decoder_type` mixed: a masked position's query is its token as the first layer reads it, after the mixer, so
+    it changes with a neighbour inside the window and not with a token outside it; `perceiver`'s ([MASK] + position)
+    changes with neither. The sparse (labelled) path decodes what the dense one does at the labelled positions."""
+    ids = torch.randint(5, VOCAB, (2, 30))
+    ids[:, 10] = MASK
+    labels = torch.full_like(ids, -100)
+    labels[0, 10], labels[1, [4, 10]] = 7, 8
+    near, far = ids.clone(), ids.clone()
+    near[:, 11] = (ids[:, 11] + 1 - 5) % (VOCAB - 5) + 5  # the masked position's neighbour: another token
+    far[:, 14] = (ids[:, 14] + 1 - 5) % (VOCAB - 5) + 5  # outside the width-3 window
+    for decoder in ("perceiver", "mixed"):
+        torch.manual_seed(0)
+        model = ConceptEncoderForMaskedLM(config(local_mixer_placement=placement, decoder_type=decoder)).eval()
+        scramble(model)
+        queries = decoder_queries(model, ids, labels)  # [B,M,H]: sample 0's one label, sample 1's two
+        assert queries.shape == (2, 2, 64)
+        moved = (decoder_queries(model, near, labels) - queries).abs().amax(dim=-1)  # [B,M]
+        slots = torch.stack([moved[0, 0], moved[1, 1]])  # position 10's slot in each sample
+        assert (slots > 0).tolist() == [decoder == "mixed"] * 2 and moved[1, 0] == 0  # position 4: far from 11
+        assert torch.equal(decoder_queries(model, far, labels), queries)
+        with torch.no_grad():
+            sparse, dense = model(ids, labels=labels).logits, model(ids).logits  # [L,V], [B,N,V]
+        torch.testing.assert_close(sparse, dense[labels != -100])
+
+
+def test_a_mixed_decoder_without_a_mixer_or_under_tsdae_is_refused_in_one_line():
+    from concept_encoder.training.args import parse_args
+
+    refused = [
+        (lambda: config(local_mixer="none", decoder_type="mixed"), "decoder_type=mixed .* set local_mixer conv"),
+        (lambda: parse_args(["--preset", "micro", "--decoder_type", "mixed"]), "local_mixer='none' has none"),
+        (lambda: parse_args(["--preset", "micro", "--local_mixer", "conv", "--decoder_type", "mixed", "--objective",
+                             "tsdae"]), "tsdae with --decoder_type mixed would hand the decoder the deleted tokens"),
+    ]  # fmt: skip
+    for build, message in refused:
+        with pytest.raises(ValueError, match=message) as raised:
+            build()
+        assert "\n" not in str(raised.value)
 
 
 @pytest.mark.parametrize(("placement", "refine"), PLACED)
@@ -215,10 +272,10 @@ def test_padding_is_never_mixed_into_real_tokens(placement, refine):
     assert not torch.allclose(unmasked[:, 27:30], alone[:, 27:30])
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-def test_a_forward_on_the_meta_device_gives_the_shapes(placement):
+@pytest.mark.parametrize(("placement", "decoder"), [("first", "perceiver"), ("every", "perceiver"), ("first", "mixed")])
+def test_a_forward_on_the_meta_device_gives_the_shapes(placement, decoder):
     with torch.device("meta"):
-        model = ConceptEncoderForMaskedLM(config(local_mixer_placement=placement))
+        model = ConceptEncoderForMaskedLM(config(local_mixer_placement=placement, decoder_type=decoder))
         ids = torch.randint(5, VOCAB, (2, 40))
         out = model(ids, attention_mask=torch.ones_like(ids), padded=True)
     assert out.logits.shape == (2, 40, VOCAB) and out.logits.device.type == "meta"
@@ -226,10 +283,14 @@ def test_a_forward_on_the_meta_device_gives_the_shapes(placement):
 
 
 @pytest.mark.parametrize(
-    ("width", "refine", "placement"), [(3, False, "first"), (5, True, "first"), (3, False, "every"), (5, True, "every")]
-)
-def test_parameter_count_and_training_flops_equal_the_built_model(width, refine, placement):
-    cfg = config(local_mixer_width=width, token_refinement=refine, local_mixer_placement=placement)
+    ("width", "refine", "placement", "decoder"),
+    [(3, False, "first", "perceiver"), (5, True, "first", "mixed"), (3, False, "every", "mixed"),
+     (5, True, "every", "perceiver")],
+)  # fmt: skip
+def test_parameter_count_and_training_flops_equal_the_built_model(width, refine, placement, decoder):
+    cfg = config(
+        local_mixer_width=width, token_refinement=refine, local_mixer_placement=placement, decoder_type=decoder
+    )
     model = ConceptEncoderForMaskedLM(cfg)
     count = LAYERS if placement == "every" else 1
     counts = parameter_count(**cfg.to_dict())

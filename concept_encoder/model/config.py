@@ -16,6 +16,7 @@ from .constants import (
     CLASSIFIER_POOLINGS,
     DECODER_TYPES,
     local_mixer_problem,
+    mixed_decoder_problem,
     token_kv_groups,
     token_refinement_problem,
 )
@@ -51,7 +52,9 @@ class ConceptEncoderConfig(PretrainedConfig):
         initializer_range: std of the normal initialisation of weights and concepts.
         layer_norm_eps: epsilon of every LayerNorm.
         decoder_type: MLM decoder: `perceiver` (queries = position + token embedding,
-            cross-attend to concepts), `posonly` (queries = position embedding only) or
+            cross-attend to concepts), `mixed` (as perceiver, but the queries are the tokens after the
+            local mixer, as the first layer reads them: a masked position's query sees its neighbours, as BERT's
+            does; needs `local_mixer` conv; docs/model.md), `posonly` (queries = position embedding only) or
             `weighted` (learned per-position softmax mixture of concepts).
         num_decoder_layers: cross-attention blocks in the `perceiver`/`posonly` decoders.
         token_kv_sharing: `none` (each encoder layer projects the tokens to its own keys/values, 4·N·H²
@@ -71,7 +74,7 @@ class ConceptEncoderConfig(PretrainedConfig):
             itself and its neighbours, then a LayerNorm (`LocalMixer`, O(N·H·w)), so a concept can read a token
             bound to the tokens beside it (a key to its value). Padded positions are zeroed before the convolution,
             so padding never reaches a real token. The MLM decoder's queries keep the unmixed embeddings
-            (docs/model.md, "Local token mixer").
+            unless `decoder_type` is `mixed` (docs/model.md, "Local token mixer").
         local_mixer_width: the convolution's window w, odd (3: a token and one neighbour on each side).
         local_mixer_placement: where the `conv` mixer acts. `first` (the default, and what a saved config without
             the key loads as): once, on the embeddings before the first layer. `every`: each layer has a mixer of
@@ -159,6 +162,8 @@ class ConceptEncoderConfig(PretrainedConfig):
         if problem := local_mixer_problem(
             self.local_mixer, self.local_mixer_width, self.local_mixer_placement, self.token_kv_sharing
         ):
+            raise ValueError(problem)
+        if problem := mixed_decoder_problem(self.decoder_type, self.local_mixer):
             raise ValueError(problem)
         if self.classifier_pooling == "cls" and not self.token_refinement:
             raise ValueError(

@@ -11,7 +11,10 @@ IGNORE_INDEX = -100  # label of positions that are not predicted (transformers' 
 # this many elements (16-bit compute only); the memory model counts the same chunk.
 VOCAB_CHUNK_ELEMENTS = 2**24
 
-DECODER_TYPES = ("perceiver", "posonly", "weighted")
+DECODER_TYPES = ("perceiver", "mixed", "posonly", "weighted")
+# Decoders whose query at a position holds the token there (`[MASK]` at a masked one), not only its position:
+# `perceiver` its embedding, `mixed` its state after the local mixer (it sees its neighbours; heads.py)
+TOKEN_QUERY_DECODERS = ("perceiver", "mixed")
 CLASSIFIER_POOLINGS = ("weighted", "mean", "cls")  # cls: the [CLS] token's refined state (token_refinement)
 LOCAL_MIXERS = ("none", "conv")  # conv: a residual depthwise convolution over the token embeddings (modeling.py)
 # Where the mixer acts: `first`, once on the embeddings before the first layer; `every`, a mixer of its own before
@@ -67,6 +70,17 @@ def local_mixer_count(local_mixer: str, local_mixer_placement: str, num_layers: 
     if local_mixer != "conv":
         return 0
     return num_layers if local_mixer_placement == "every" else 1
+
+
+def mixed_decoder_problem(decoder_type: str, local_mixer: str) -> str | None:
+    """Why `decoder_type` cannot go with `local_mixer`, else None: the `mixed` decoder's queries are the tokens
+    after the local mixer, so it needs one."""
+    if decoder_type == "mixed" and local_mixer != "conv":
+        return (
+            f"decoder_type=mixed queries the tokens after the local mixer, and local_mixer={local_mixer!r} has none; "
+            "set local_mixer conv, or use decoder_type perceiver (queries the unmixed embeddings)"
+        )
+    return None
 
 
 def local_mixer_problem(

@@ -4,7 +4,7 @@ MLM decoding, with shapes (sparse path, used whenever `labels` are given)::
 
     concepts [B,C,H]
     labelled positions gathered per sample ──▶ ids, positions [B,M]   (M = max labelled per sample)
-    decoder(concepts, ids, positions) ──────▶ hidden [B,M,H]
+    decoder(concepts, ids, positions) ──────▶ hidden [B,M,H]   (`mixed`: queries gathered from the mixed tokens)
     keep the real labelled slots (rows [L]) ▶ hidden [L,H]            (L = labelled positions in the batch)
     LM head ────────────────────────────────▶ logits [L,V] → cross-entropy
 
@@ -31,7 +31,7 @@ from transformers.utils import ModelOutput
 
 from .attention import ReadingLayer
 from .config import ConceptEncoderConfig
-from .constants import IGNORE_INDEX
+from .constants import IGNORE_INDEX, TOKEN_QUERY_DECODERS
 from .modeling import ConceptEncoder, ConceptEncoderPreTrainedModel, TokenEmbeddings, check_sequence_length
 from .vocab_projection import VocabProjection
 
@@ -59,7 +59,8 @@ class ConceptMaskedLMOutput(ModelOutput):
 
 
 class CrossAttentionDecoder(nn.Module):
-    """`perceiver` (queries = token + position embedding) or `posonly` (queries = position embedding)."""
+    """`perceiver` (queries = token + position embedding), `mixed` (queries = the tokens after the local mixer,
+    `mixed_tokens`) or `posonly` (queries = position embedding)."""
 
     def __init__(self, config: ConceptEncoderConfig, token_queries: bool):
         super().__init__()
@@ -73,12 +74,18 @@ class CrossAttentionDecoder(nn.Module):
         input_ids: torch.Tensor | None,
         position_ids: torch.Tensor,
         embeddings: TokenEmbeddings,
+        mixed_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`concepts [B,C,H]`, `input_ids [B,M]` (None for `posonly`), `position_ids [B,M]` → `[B,M,H]`.
+        """`concepts [B,C,H]`, `input_ids [B,M]` (None for `posonly`), `position_ids [B,M]`, `mixed_tokens [B,N,H]`
+        (the `mixed` decoder's, else None) → `[B,M,H]`.
 
-        `embeddings` is the encoder's (shared) embedding module, passed rather than owned.
+        `embeddings` is the encoder's (shared) embedding module, passed rather than owned. `position_ids` are the
+        positions 0..N-1 of the input the queries sit at (the labelled ones in training), so `mixed` gathers them.
         """
-        if self.token_queries:
+        if mixed_tokens is not None:
+            index = position_ids.unsqueeze(-1).expand(-1, -1, mixed_tokens.shape[-1])  # [B,M,H]
+            queries = mixed_tokens.gather(1, index)  # [B,M,H]
+        elif self.token_queries:
             queries = embeddings(input_ids, position_ids)
         else:
             queries = embeddings.position_embeddings(position_ids)
@@ -101,8 +108,10 @@ class WeightedDecoder(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         embeddings: TokenEmbeddings,
+        mixed_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`concepts [B,C,H]`, `position_ids [B,M]` → `[B,M,H]` (`input_ids`, `embeddings` unused)."""
+        """`concepts [B,C,H]`, `position_ids [B,M]` → `[B,M,H]` (`input_ids`, `embeddings`, `mixed_tokens`
+        unused)."""
         weights = self.mixture_logits(position_ids).softmax(dim=-1)  # [B,M,C]
         return torch.bmm(weights.to(concepts.dtype), concepts)
 
@@ -110,7 +119,7 @@ class WeightedDecoder(nn.Module):
 def build_decoder(config: ConceptEncoderConfig) -> nn.Module:
     if config.decoder_type == "weighted":
         return WeightedDecoder(config)
-    return CrossAttentionDecoder(config, token_queries=config.decoder_type == "perceiver")
+    return CrossAttentionDecoder(config, token_queries=config.decoder_type in TOKEN_QUERY_DECODERS)
 
 
 class MaskedLMHead(nn.Module):
@@ -183,7 +192,8 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
 
     def __init__(self, config: ConceptEncoderConfig):
         super().__init__(config)
-        self.encoder = ConceptEncoder(config, returns_tokens=False)  # the decoder reads the concepts alone
+        # The decoder reads the concepts (and, `mixed`, the first layer's mixed tokens as its queries)
+        self.encoder = ConceptEncoder(config, returns_tokens=False, returns_mixed=config.decoder_type == "mixed")
         self.mlm_decoder = build_decoder(config)
         self.lm_head = MaskedLMHead(config)
         self.post_init()
@@ -229,19 +239,20 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
             `logits [L,V]` at the L labelled positions (None when `return_logits=False`); without labels,
             `logits [B,N,V]` at every position. Always `concepts [B,C,H]`.
         """
-        concepts = self.encoder(input_ids, attention_mask, padded=padded).last_hidden_state  # [B,C,H]
-        # The decoder's queries read the unmixed embeddings, never the `local_mixer`'s output: a masked position's
-        # query holds [MASK] and its position only, so it cannot copy a neighbour's identity past the concepts
-        # (docs/model.md, "Local token mixer").
+        encoded = self.encoder(input_ids, attention_mask, padded=padded)
+        concepts, mixed = encoded.last_hidden_state, encoded.mixed_tokens  # [B,C,H], [B,N,H] (`mixed`) or None
+        # `perceiver`'s queries read the unmixed embeddings, never the `local_mixer`'s output: a masked position's
+        # query holds [MASK] and its position only, so it cannot copy a neighbour's identity past the concepts.
+        # `mixed`'s read the mixed tokens: its neighbours, as BERT's do (docs/model.md, "Local token mixer").
         embeddings = self.encoder.embeddings
         if labels is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-            hidden = self.mlm_decoder(concepts, input_ids, position_ids, embeddings)  # [B,N,H]
+            hidden = self.mlm_decoder(concepts, input_ids, position_ids, embeddings, mixed)  # [B,N,H]
             return ConceptMaskedLMOutput(logits=self.lm_head(hidden), concepts=concepts)
 
         check_sequence_length(self.config, labels.shape[1])
         if labels.shape != input_ids.shape and (
-            labels.shape[0] != input_ids.shape[0] or self.config.decoder_type == "perceiver"
+            labels.shape[0] != input_ids.shape[0] or self.config.decoder_type in TOKEN_QUERY_DECODERS
         ):
             raise ValueError(
                 f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}; only a "
@@ -251,7 +262,7 @@ class ConceptEncoderForMaskedLM(ConceptEncoderPreTrainedModel):
         positions, rows = labelled_slots(labels) if labelled_positions is None else (labelled_positions, labelled_rows)
         torch._check(positions.shape[1] >= 1)  # for torch.compile: M is unbacked (`objectives.model_inputs`)
         ids = input_ids.gather(1, positions) if self.config.decoder_type == "perceiver" else None  # token queries
-        hidden = self.mlm_decoder(concepts, ids, positions, embeddings)  # [B,M,H]
+        hidden = self.mlm_decoder(concepts, ids, positions, embeddings, mixed)  # [B,M,H]
         targets = labelled_rows_of(labels, positions, rows)  # [L]
         weights = None if label_weights is None else labelled_rows_of(label_weights, positions, rows)  # [L]
         states = hidden.flatten(0, 1).index_select(0, rows)  # [L,H]

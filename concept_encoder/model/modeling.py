@@ -83,9 +83,11 @@ class LocalMixer(nn.Module):
 @dataclass
 class ConceptEncoderOutput(BaseModelOutput):
     """`last_hidden_state`: the concepts `[B,C,H]`; `token_states`: the refined tokens `[B,N,H]` under
-    `token_refinement` (after a final LayerNorm), else None."""
+    `token_refinement` (after a final LayerNorm), else None; `mixed_tokens`: the tokens `[B,N,H]` after the first
+    local mixer, as the first layer reads them, when the encoder returns them (`returns_mixed`), else None."""
 
     token_states: torch.FloatTensor | None = None
+    mixed_tokens: torch.FloatTensor | None = None
 
 
 class ConceptLayer(GradientCheckpointingLayer):
@@ -157,12 +159,14 @@ def check_sequence_length(config: ConceptEncoderConfig, seq_len: int) -> None:
 class ConceptEncoder(ConceptEncoderPreTrainedModel):
     """Token embeddings → `concept_num` learned concepts refined by `num_hidden_layers` concept layers."""
 
-    def __init__(self, config: ConceptEncoderConfig, returns_tokens: bool | None = None):
+    def __init__(self, config: ConceptEncoderConfig, returns_tokens: bool | None = None, returns_mixed: bool = False):
         """`returns_tokens`: whether the refined tokens are an output (`token_states`), which only then need
         the last layer's token update and the final token norm; by default when the config pools `cls`. The MLM
         model passes False: its decoder reads the concepts alone, so a last token update would be dead weight
-        that no gradient reaches (DDP and ZeRO need one for every parameter)."""
+        that no gradient reaches (DDP and ZeRO need one for every parameter). `returns_mixed`: whether the tokens
+        after the first local mixer are an output (`mixed_tokens`: the `mixed` MLM decoder's queries)."""
         super().__init__(config)
+        self.returns_mixed = returns_mixed
         self.embeddings = TokenEmbeddings(config)
         mixing = config.local_mixer == "conv"
         every = mixing and config.local_mixer_placement == "every"
@@ -207,7 +211,8 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
 
         Returns:
             `ConceptEncoderOutput`: `last_hidden_state` the concepts `[B,C,H]`; `token_states` the refined tokens
-            `[B,N,H]` under `token_refinement` when they are an output (`returns_tokens`), else None.
+            `[B,N,H]` under `token_refinement` when they are an output (`returns_tokens`), else None;
+            `mixed_tokens` `[B,N,H]` the tokens after the first local mixer when they are (`returns_mixed`).
         """
         batch, seq_len = input_ids.shape
         check_sequence_length(self.config, seq_len)
@@ -217,12 +222,14 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
         mixer_mask = None if padded is False else attention_mask  # [B,N] or None: padding zeroed before each conv
         if self.local_mixer is not None:  # placement first: each token sees its neighbours (never padding), once
             tokens = self.local_mixer(tokens, mixer_mask)  # [B,N,H]
+        mixed_tokens = tokens  # [B,N,H]; placement every: replaced by the first layer's mixed tokens below
         token_mask = padding_mask(attention_mask, padded)  # [B,N] or None
         concepts = self.concepts.unsqueeze(0).repeat(batch, 1, 1)  # [B,C,H], a real copy per sample
         shared_kv: dict[int, torch.Tensor] = {}  # group → the tokens' keys/values [B,N,2H], computed once
         for index, layer in enumerate(self.layers):
             if self.local_mixers is not None:  # placement every: this layer's mixer, on the tokens it reads
                 tokens = self.local_mixers[index](tokens, mixer_mask)  # [B,N,H]; kept: the next layer mixes again
+                mixed_tokens = tokens if index == 0 else mixed_tokens
             context = tokens
             if self.token_kv is not None:
                 group = token_kv_group(index, len(self.token_kv), len(self.layers))
@@ -233,4 +240,7 @@ class ConceptEncoder(ConceptEncoderPreTrainedModel):
             if layer.token_update is not None:  # refined: the next layer reads the updated tokens
                 tokens = read
         token_states = None if self.token_norm is None else self.token_norm(tokens)
-        return ConceptEncoderOutput(last_hidden_state=self.norm(concepts), token_states=token_states)
+        mixed_tokens = mixed_tokens if self.returns_mixed else None
+        return ConceptEncoderOutput(
+            last_hidden_state=self.norm(concepts), token_states=token_states, mixed_tokens=mixed_tokens
+        )

@@ -54,7 +54,9 @@ from ..model.constants import (
     LOCAL_MIXER_PLACEMENTS,
     LOCAL_MIXERS,
     POSITION_EXTENSIONS,
+    TOKEN_QUERY_DECODERS,
     local_mixer_problem,
+    mixed_decoder_problem,
     token_kv_groups,
     token_refinement_problem,
 )
@@ -206,7 +208,10 @@ class ModelArguments:
     )
     decoder_type: str | None = field(
         default=None,
-        metadata={"help": f"MLM decoder: one of {DECODER_TYPES} (default: posonly for tsdae, else perceiver)"},
+        metadata={
+            "help": f"MLM decoder: one of {DECODER_TYPES} (default: posonly for tsdae, else perceiver); mixed "
+            "queries the tokens after the local mixer (needs --local_mixer conv; docs/model.md)"
+        },
     )
     concept_num: int | None = field(default=None, metadata={"help": "override the preset's number of concepts"})
     hidden_dropout_prob: float | None = field(
@@ -257,6 +262,8 @@ class ModelArguments:
             self.local_mixer, self.local_mixer_width, self.local_mixer_placement, self.token_kv_sharing
         ):
             raise ValueError(problem)
+        if self.model_name_or_path is None and (problem := mixed_decoder_problem(self.decoder_type, self.local_mixer)):
+            raise ValueError(problem)  # before any data loads (the config would refuse it only at the model)
         if self.hidden_dropout_prob is not None and not 0 <= self.hidden_dropout_prob < 1:
             raise ValueError(f"hidden_dropout_prob={self.hidden_dropout_prob} must be in [0, 1)")
 
@@ -806,10 +813,11 @@ def check_pretraining_combination(model_args: ModelArguments, data_args: DataArg
                 "--local_mixer and --local_mixer_placement apply to --architecture concept only: drop them for bert"
             )
         return
-    if args.objective == "tsdae" and model_args.decoder_type == "perceiver":
+    if args.objective == "tsdae" and model_args.decoder_type in TOKEN_QUERY_DECODERS:
         raise ValueError(
-            "--objective tsdae with --decoder_type perceiver would hand the decoder the deleted tokens it must "
-            "reconstruct (its queries are the input tokens): use --decoder_type posonly (the default) or weighted"
+            f"--objective tsdae with --decoder_type {model_args.decoder_type} would hand the decoder the deleted "
+            "tokens it must reconstruct (its queries are the input tokens): use --decoder_type posonly (the "
+            "default) or weighted"
         )
     parse_gates(args.gate, pretraining_metric_names(args.objective, model_args.architecture), "loops/mlm.py")
     if args.concept_losses is None:

@@ -10,7 +10,7 @@ from ..data.tokenizer import check_tokenizer
 from ..finetuning.chunked import pooler_problem
 from ..model.bert_baseline import BertForSparseMaskedLM, bert_config
 from ..model.config import ConceptEncoderConfig
-from ..model.constants import CLASSIFIER_POOLINGS
+from ..model.constants import CLASSIFIER_POOLINGS, TOKEN_QUERY_DECODERS
 from ..model.construct import construct
 from ..model.heads import ConceptEncoderForMaskedLM
 from ..model.positions import extend_position_tables
@@ -70,9 +70,9 @@ def build_model(model_args, data_args, tokenizer, objective: str = "mlm", seed: 
     check_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
     if data_args.max_seq_length > model.config.max_position_embeddings:
         raise ValueError(beyond_positions(data_args.max_seq_length, model.config.max_position_embeddings))
-    if objective == "tsdae" and getattr(model.config, "decoder_type", None) == "perceiver":
+    if objective == "tsdae" and (decoder := getattr(model.config, "decoder_type", None)) in TOKEN_QUERY_DECODERS:
         raise ValueError(
-            f"{model_args.model_name_or_path} has a perceiver decoder, which --objective tsdae cannot train (its "
+            f"{model_args.model_name_or_path} has a {decoder} decoder, which --objective tsdae cannot train (its "
             "queries are the tokens to reconstruct); start from a posonly or weighted model, or a fresh preset"
         )
     if model_args.gradient_checkpointing:
