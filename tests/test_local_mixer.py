@@ -385,14 +385,15 @@ def test_the_loop_builds_it_and_the_plan_checker_and_ablate_vary_it(capsys):
     assert [p[2]["model_args.local_mixer"] for p in plans] == ["none", "conv"]
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize(("placement", "decoder"), [("first", "perceiver"), ("every", "perceiver"), ("every", "mixed")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_under_autocast_the_mixer_computes_what_float32_does_and_its_gradients_stay_float32(placement, dtype):
+def test_under_autocast_the_mixer_computes_what_float32_does_and_its_gradients_stay_float32(placement, decoder, dtype):
     """The bf16 and fp16 paths of a GPU run, on the CPU: fp32 weights under `torch.autocast`, the loss scaled by a
     real `GradScaler` for fp16. The mixer's convolution runs in the low precision, its LayerNorm in float32; the
-    logits stay close to float32's and every mixer's gradients are float32, finite and point where float32's do."""
+    logits stay close to float32's and every mixer's gradients are float32, finite and point where float32's do;
+    also when the decoder's queries are the mixed tokens (`mixed`)."""
     torch.manual_seed(0)
-    model = ConceptEncoderForMaskedLM(config(local_mixer_placement=placement)).train()
+    model = ConceptEncoderForMaskedLM(config(local_mixer_placement=placement, decoder_type=decoder)).train()
     scramble(model, std=0.3)
     ids = torch.randint(5, VOCAB, (2, 24))
     ids[:, 3] = MASK
