@@ -550,8 +550,20 @@ def test_a_launch_among_others_is_relayed_in_whole_lines_and_its_progress_bar_no
         os.write(write, piece)
     os.close(write)
     with os.fdopen(read, "rb") as stream:
-        process_group.relay_stderr(stream, threading.Event(), among_others=True)
+        process_group.relay_stderr(stream, threading.Event(), in_lines=True)
     assert capfdbinary.readouterr().err == b"step 1 1%\na log line\nthe end\n"
+
+
+def test_one_launch_into_a_log_file_has_its_progress_bar_as_lines_now_and_then(capfdbinary, monkeypatch):
+    """A driver's one launch whose standard error is a file (`nohup ... > log`, here pytest's capture) relays the
+    progress bar's redraws as one line per `PROGRESS_EVERY` seconds, not every redraw; the log lines whole."""
+    from concept_encoder.common import process_group
+
+    monkeypatch.setattr(process_group, "PROGRESS_EVERY", 1e9)
+    text = "".join(f"bar {step}%\r" for step in range(200)) + "a log line\n" + "bar 200%\r"
+    launch = [sys.executable, "-c", f"import sys; sys.stderr.write({text!r})"]
+    assert process_group.call_interrupting_ranks(launch) == 0
+    assert capfdbinary.readouterr().err == b"bar 0%\na log line\n"
 
 
 @pytest.mark.alone

@@ -110,7 +110,7 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
     alone and leave the launch, in its own session, training on. A stop while the launch starts is held until it
     is in hand (`HeldStops`). Called from a worker thread of `run_at_once` (signals reach the main thread only),
     the launch is that pool's to stop. The launch's standard error is relayed as it comes (`relay_stderr`; beside
-    the pool's other launches, in whole lines)."""
+    the pool's other launches, or when the tool's standard error is not a terminal, in whole lines)."""
     import psutil  # noqa: F401 (imported now, not in the instant after a Ctrl-C: `interrupt_ranks`)
 
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
@@ -123,7 +123,8 @@ def call_interrupting_ranks(command: list[str], grace: float = 600.0) -> int:
             process = start(command, stderr=subprocess.PIPE)
         else:
             process = pool.start(command, interrupted, stderr=subprocess.PIPE)
-        relay = threading.Thread(target=relay_stderr, args=(process.stderr, interrupted, pool is not None), daemon=True)
+        in_lines = pool is not None or not sys.stderr.isatty()  # beside other launches, or into a log file
+        relay = threading.Thread(target=relay_stderr, args=(process.stderr, interrupted, in_lines), daemon=True)
         relay.start()
         stops.release()  # a stop that came while the launch started is raised here, with the launch in hand
         code = process.wait()
@@ -376,14 +377,15 @@ PROGRESS_EVERY = 30.0  # seconds between a launch's progress-bar lines when seve
 RELAY_LOCK = threading.Lock()  # one launch's lines at a time on the shared terminal
 
 
-def relay_stderr(stream, interrupted, among_others: bool = False) -> None:
+def relay_stderr(stream, interrupted, in_lines: bool = False) -> None:
     """Copy a launch's standard error (its ranks write there too) to this process's, as it comes (progress bars
     included). Once the tool was interrupted only the loops' own lines pass (`LOOP_LINES`): the launcher's report
     of ranks that ended by the interrupt (torch's multi-process launcher prints a traceback and a FAILED table for
-    ranks stopped before training) is not an error of the user's. A launch `among_others` (`run_at_once`'s) is
-    relayed in whole lines, one launch's at a time, and its progress bar (redrawn in place, ended by a carriage
-    return) as one line every `PROGRESS_EVERY` seconds: two bars redrawn in place on one terminal overwrite each
-    other, and their pieces interleave."""
+    ranks stopped before training) is not an error of the user's. `in_lines` (a launch beside others,
+    `run_at_once`'s, or a tool writing to a log file) relays whole lines, one launch's at a time, and the progress
+    bar (redrawn in place, ended by a carriage return) as one line every `PROGRESS_EVERY` seconds: two bars
+    redrawn in place on one terminal overwrite each other and their pieces interleave, and in a file every redraw
+    stays (a map's log under `nohup` grew by a bar some 20 times a second)."""
     out = getattr(sys.stderr, "buffer", None)
 
     def write(data: bytes) -> None:
@@ -398,7 +400,7 @@ def relay_stderr(stream, interrupted, among_others: bool = False) -> None:
 
     pending, last_bar = b"", None
     while chunk := os.read(stream.fileno(), 65536):
-        if not among_others and not interrupted.is_set():
+        if not in_lines and not interrupted.is_set():
             write(chunk)
             continue
         *pieces, pending = re.split(rb"([\r\n])", pending + chunk)
@@ -414,5 +416,5 @@ def relay_stderr(stream, interrupted, among_others: bool = False) -> None:
             if keep:
                 lines.append(text + b"\n")
         write(b"".join(lines))
-    if among_others and not interrupted.is_set() and pending.strip():
+    if in_lines and not interrupted.is_set() and pending.strip():
         write(pending + b"\n")  # a last line without its newline
