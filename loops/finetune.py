@@ -130,11 +130,13 @@ def model_tag(path: str, from_scratch: bool) -> str:
     return f"{name}{'-scratch' if from_scratch else ''}"
 
 
-def make_loaders(splits, tokenizer, model, args, seed: int, shuffle_train: bool = True,
+def make_loaders(splits, tokenizer, model, args, seed: int, *, shuffle_train: bool = True,
                  bucket_by_length: bool = False, pad_to_multiple_of: int | None = None) -> dict[str, DataLoader]:  # fmt: skip
     """split → DataLoader, padded per batch (its length rounded up to `pad_to_multiple_of`), with only the keys
-    `model.forward` accepts (the row `id` stays out); `bucket_by_length`: the training batches hold examples of
-    similar length (`LengthBucketedBatches`)."""
+    `model.forward` accepts (the row `id` stays out); the training split shuffled in an order drawn from `seed`
+    (`shuffle_train`), and with `bucket_by_length` in batches of examples of similar length
+    (`LengthBucketedBatches`). The options are keyword-only: passed by position, `bucket_by_length` once landed on
+    `shuffle_train`, and every fine-tuning run trained on its split in file order, the same for every seed."""
     accepted = set(inspect.signature(model.forward).parameters)
     pad = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
 
@@ -203,7 +205,8 @@ def fine_tune(
     logger.info("model %s (seed %d, lr %g): %s", model_path, seed, rate, note)
     counts = log_model_info(model, {"task": task.name, "seed": seed, "learning_rate": rate})
     loaders = make_loaders({k: splits[k] for k in ("train", "dev")}, tokenizer, model, args, seed,
-                           fargs.bucket_by_length, fargs.pad_to_multiple_of)  # not validation  # fmt: skip
+                           bucket_by_length=fargs.bucket_by_length,
+                           pad_to_multiple_of=fargs.pad_to_multiple_of)  # not validation  # fmt: skip
     # 8. attention-kernel probe (main process, attention calls of the model's shape)
     probe_attention_kernels(model.config, next(iter(loaders["dev"])), state, compute_dtype(args.mixed_precision),
                             decoder=False)  # fmt: skip
@@ -446,7 +449,7 @@ def probe_model(state, model_path: str, task, splits, tokenizer, fargs, task_arg
             model, _ = classifier(model_path, task, fargs, task_args)
             model.to(state.device)
             loaders = make_loaders(
-                splits, tokenizer, model, args, seed, False, pad_to_multiple_of=fargs.pad_to_multiple_of
+                splits, tokenizer, model, args, seed, shuffle_train=False, pad_to_multiple_of=fargs.pad_to_multiple_of
             )
             for features, fit in linear_probe(model, loaders, splits, task, state.device).items():
                 results.append({"model": model_tag(model_path, fargs.from_scratch), "method": f"probe: {features}",

@@ -127,6 +127,33 @@ def test_each_task_type_trains_and_reports_every_seed(workdir, concept_model, ki
         assert Path(run["run_dir"], "final", "config.json").exists()
 
 
+@pytest.mark.loop
+def test_each_seed_trains_in_its_own_shuffled_order_and_bucketing_buckets(workdir, concept_model, monkeypatch):
+    """The training split is shuffled in an order drawn from the seed: two seeds, two first batches. With
+    `--bucket_by_length` the batches come from `LengthBucketedBatches`. (Passed by position, the bucketing flag once
+    landed on the shuffle: every run trained in the file's order, the same for every seed.)"""
+    from concept_encoder.training import batches
+
+    first_batches, samplers = [], []
+    original = batches.positioned_windows
+
+    def spy(loader, *args, **kwargs):
+        samplers.append(loader.batch_sampler)
+        for index, (window, position) in enumerate(original(loader, *args, **kwargs)):
+            if index == 0:
+                first_batches.append(window[0]["input_ids"].tolist())
+            yield window, position
+
+    monkeypatch.setattr(batches, "positioned_windows", spy)
+    task = write_tasks(workdir / "tasks")["single"]
+    argv = ["--model_name_or_path", str(concept_model), "--task", str(task), *COMMON, "--max_steps", "1"]
+    assert finetune.main([*argv, "--seeds", "2", "--run_name", "orders"]) == 0
+    assert len(first_batches) == 2 and first_batches[0] != first_batches[1]
+    assert not any(isinstance(sampler, batches.LengthBucketedBatches) for sampler in samplers)
+    assert finetune.main([*argv, "--run_name", "buckets", "--bucket_by_length", "true"]) == 0
+    assert isinstance(samplers[-1], batches.LengthBucketedBatches)
+
+
 def test_embedded_task_is_deterministic_real_and_not_trivial():
     first, second = load_task(TaskArguments(task="embedded")), load_task(TaskArguments(task="embedded"))
     assert first.train["text_a"] == second.train["text_a"] and first.validation["label"] == second.validation["label"]
