@@ -130,6 +130,11 @@ def model_tag(path: str, from_scratch: bool) -> str:
     return f"{name}{'-scratch' if from_scratch else ''}"
 
 
+# How a run orders its training split, in its settings: runs trained in the file's order (182148a to d6798c1, every
+# seed alike) record no order and are never reused or resumed as runs of this one
+TRAIN_ORDER = "shuffled per seed"
+
+
 def make_loaders(splits, tokenizer, model, args, seed: int, *, shuffle_train: bool = True,
                  bucket_by_length: bool = False, pad_to_multiple_of: int | None = None) -> dict[str, DataLoader]:  # fmt: skip
     """split → DataLoader, padded per batch (its length rounded up to `pad_to_multiple_of`), with only the keys
@@ -177,7 +182,7 @@ def fine_tune(
     settings = {"model": model_path, "model_sha256": model_digest(model_path, weights=not fargs.from_scratch),
                 "from_scratch": fargs.from_scratch, "extend_positions": fargs.extend_positions,
                 "chunk_length": fargs.chunk_length, "bucket_by_length": fargs.bucket_by_length,
-                "pad_to_multiple_of": fargs.pad_to_multiple_of, "task": task.name,
+                "pad_to_multiple_of": fargs.pad_to_multiple_of, "train_order": TRAIN_ORDER, "task": task.name,
                 "task_sha256": task_digest(task), "seed": seed, "learning_rate": rate, "pooling": fargs.pooling,
                 "max_steps": args.max_steps, "world_size": state.num_processes,
                 "per_device_train_batch_size": args.per_device_train_batch_size,

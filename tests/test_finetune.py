@@ -131,7 +131,8 @@ def test_each_task_type_trains_and_reports_every_seed(workdir, concept_model, ki
 def test_each_seed_trains_in_its_own_shuffled_order_and_bucketing_buckets(workdir, concept_model, monkeypatch):
     """The training split is shuffled in an order drawn from the seed: two seeds, two first batches. With
     `--bucket_by_length` the batches come from `LengthBucketedBatches`. (Passed by position, the bucketing flag once
-    landed on the shuffle: every run trained in the file's order, the same for every seed.)"""
+    landed on the shuffle: every run trained in the file's order, the same for every seed.) The order is a setting
+    of the run: a finished run that records none is not reused."""
     from concept_encoder.training import batches
 
     first_batches, samplers = [], []
@@ -152,6 +153,13 @@ def test_each_seed_trains_in_its_own_shuffled_order_and_bucketing_buckets(workdi
     assert not any(isinstance(sampler, batches.LengthBucketedBatches) for sampler in samplers)
     assert finetune.main([*argv, "--run_name", "buckets", "--bucket_by_length", "true"]) == 0
     assert isinstance(samplers[-1], batches.LengthBucketedBatches)
+    # a run that records no order (trained in the file's order, before the fix) is not reused as one of these
+    [summary] = Path("Cache/finetune").glob("orders-*-seed42/summary.json")
+    done = json.loads(summary.read_text())
+    del done["settings"]["train_order"]
+    summary.write_text(json.dumps(done))
+    with pytest.raises(finetune.CheckpointError, match="train_order: finished run None, this run 'shuffled per seed'"):
+        finetune.main([*argv, "--seeds", "2", "--run_name", "orders", "--resume_from_checkpoint", "auto"])
 
 
 def test_embedded_task_is_deterministic_real_and_not_trivial():
