@@ -385,7 +385,7 @@ def relay_stderr(stream, interrupted, in_lines: bool = False) -> None:
     `run_at_once`'s, or a tool writing to a log file) relays whole lines, one launch's at a time, and the progress
     bar (redrawn in place, ended by a carriage return) as one line every `PROGRESS_EVERY` seconds: two bars
     redrawn in place on one terminal overwrite each other and their pieces interleave, and in a file every redraw
-    stays (a map's log under `nohup` grew by a bar some 20 times a second)."""
+    stays (a map's log under `nohup` grew by some 8 bar redraws a second)."""
     out = getattr(sys.stderr, "buffer", None)
 
     def write(data: bytes) -> None:
