@@ -89,7 +89,7 @@ from concept_encoder.tasks.metrics import (
     metric_sign,
     predictions_from_logits,
 )
-from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, parse_args
+from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS, PER_SEED, parse_args, seed_model
 from concept_encoder.training.attention_probe import compute_dtype, probe_attention_kernels
 from concept_encoder.training.batches import LengthBucketedBatches, accumulation_windows, unpadded_or_marked
 from concept_encoder.training.deepspeed_setup import adamw_class, fill_deepspeed_auto_values, launched_zero_stage
@@ -121,8 +121,8 @@ logger = logging.getLogger("concept_encoder")
 
 def model_tag(path: str, from_scratch: bool) -> str:
     """A short name for a model folder in run names and the report (`<run>/final` → `<run>`,
-    `<run>/snapshots/step-N` → `<run>-step-N`)."""
-    folder = Path(path)
+    `<run>/snapshots/step-N` → `<run>-step-N`; `{seed}`, one model per seed, → `S`)."""
+    folder = Path(path.replace(PER_SEED, "S"))
     name = folder.parent.name if folder.name == "final" else folder.name
     if folder.parent.name == "snapshots":
         name = f"{folder.parent.parent.name}-{folder.name}"
@@ -175,6 +175,7 @@ def fine_tune(
     a checkpoint). The chosen step's weights are saved to `<run>/final`; the validation split is not touched."""
     started = time.perf_counter()
     tag = model_tag(model_path, fargs.from_scratch)
+    model_path = seed_model(model_path, seed)  # this seed's own model where the path names one per seed
     run_args = dataclasses.replace(
         args, run_name=f"{run_base}-{tag}-lr{rate:g}-seed{seed}", seed=seed, learning_rate=rate
     )
@@ -444,14 +445,15 @@ def fine_tune_model(state, model_path: str, task, splits, tokenizer, fargs, task
 
 def probe_model(state, model_path: str, task, splits, tokenizer, fargs, task_args, args) -> list[dict]:
     """Linear probes on the frozen features of `model_path` (main process; the others wait): one run for
-    pretrained weights (the features are deterministic), one per seed for `--from_scratch` (random weights)."""
+    pretrained weights (the features are deterministic), one per seed for `--from_scratch` (random weights) and for a
+    model per seed (`{seed}` in its path)."""
     results = []
     if state.is_main_process:
-        seeds = range(args.seed, args.seed + (fargs.seeds if fargs.from_scratch else 1))
+        seeds = range(args.seed, args.seed + (fargs.seeds if fargs.from_scratch or PER_SEED in model_path else 1))
         for seed in seeds:
             started = time.perf_counter()
             set_seed(seed)
-            model, _ = classifier(model_path, task, fargs, task_args)
+            model, _ = classifier(seed_model(model_path, seed), task, fargs, task_args)
             model.to(state.device)
             loaders = make_loaders(
                 splits, tokenizer, model, args, seed, shuffle_train=False, pad_to_multiple_of=fargs.pad_to_multiple_of
@@ -476,8 +478,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(state, name="finetune")
     # 3. arguments: the model and seeds, the task, the shared optimisation/run settings
     fargs, task_args, args = parse_args(argv, classes=FINETUNE_ARGUMENT_CLASSES, defaults=FINETUNE_DEFAULTS)
-    # 4. preflight (every model folder, output folder, precision), seed, system info
-    for path in fargs.models:
+    # 4. preflight (every model folder: one per seed where a path holds {seed}; output folder, precision), seed, system
+    # info
+    seed_folders = {path: fargs.seed_folders(path, args.seed) for path in fargs.models}
+    every_folder = [folder for folders in seed_folders.values() for folder in folders]
+    for path in every_folder:
         preflight(
             dataclasses.replace(fargs, model_name_or_path=path), task_args, args, cuda=state.device.type == "cuda"
         )
@@ -505,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                 "another name"
             )
         tags[tag], folders[folder] = path, path
-    for path in fargs.models:  # each folder what it claims, --pooling one its head has, a tokenizer: before training
+    for path in every_folder:  # each folder what it claims, --pooling one its head has, a tokenizer: before training
         check_model_folder(path, weights=not fargs.from_scratch)
         config = AutoConfig.from_pretrained(path)
         check_pooling(config, fargs.pooling, path)
@@ -516,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     log_system_info(state)
     # 5-6. the task's splits (train, dev carved with a fixed seed, validation), sizes logged; its baselines
     task = load_task(task_args)
-    for path in [] if fargs.from_scratch else fargs.models:  # pretrained on task text held out here: refused
+    for path in [] if fargs.from_scratch else every_folder:  # pretrained on task text held out here: refused
         if problem := pretraining_overlap(path, AutoConfig.from_pretrained(path), task):
             raise ValueError(problem)
     parse_gates(args.gate, task.metric_names, f"task {task.name}'s dev split")  # the task's own metrics
@@ -536,8 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     run_base = args.run_name or f"ft-{slug(task.name)}-{stamp[0]}"  # recall:4 → recall_4: a folder name
     results = []
     for model_path in fargs.models:
-        tokenizer = AutoTokenizer.from_pretrained(model_tokenizer_folder(model_path, fargs.tokenizer))
-        check_vocab_covers(tokenizer, AutoConfig.from_pretrained(model_path).vocab_size)
+        first = seed_folders[model_path][0]  # a model per seed: one tokenizer, every seed's vocabulary covered
+        tokenizer = AutoTokenizer.from_pretrained(model_tokenizer_folder(first, fargs.tokenizer))
+        for folder in seed_folders[model_path]:
+            check_vocab_covers(tokenizer, AutoConfig.from_pretrained(folder).vocab_size)
         splits = encode_splits(task, tokenizer, task_args.max_seq_length)
         if fargs.probe:
             results += probe_model(state, model_path, task, splits, tokenizer, fargs, task_args, args)

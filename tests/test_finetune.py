@@ -162,6 +162,33 @@ def test_each_seed_trains_in_its_own_shuffled_order_and_bucketing_buckets(workdi
         finetune.main([*argv, "--seeds", "2", "--run_name", "orders", "--resume_from_checkpoint", "auto"])
 
 
+def test_a_path_with_seed_starts_each_seed_from_its_own_model(workdir, concept_model, monkeypatch):
+    """`{seed}` in --model_name_or_path: each seed loads its own folder (a curriculum: seed 42 continues the earlier
+    stage's seed-42 run), recorded in its run's settings; a seed without its folder is refused before any run."""
+    task = str(write_tasks(workdir / "tasks")["single"])
+    argv = ["--task", task, *COMMON, "--max_steps", "2", "--eval_steps", "1", "--seeds", "2"]
+    assert finetune.main(["--model_name_or_path", str(concept_model), *argv, "--run_name", "stage1"]) == 0
+    [tag] = {p.name.removeprefix("stage1-").rsplit("-seed", 1)[0] for p in Path("Cache/finetune").glob("stage1-*")}
+    per_seed = str(Path("Cache/finetune").resolve() / f"stage1-{tag}-seed{{seed}}" / "final")
+    loaded = []
+    original = finetune.classifier
+    monkeypatch.setattr(finetune, "classifier", lambda path, *a: loaded.append(path) or original(path, *a))
+    assert finetune.main(["--model_name_or_path", per_seed, *argv, "--run_name", "stage2"]) == 0
+    assert loaded == [per_seed.format(seed=42), per_seed.format(seed=43)]
+    digests = set()
+    for seed in (42, 43):
+        [summary] = Path("Cache/finetune").glob(f"stage2-*-seed{seed}/summary.json")
+        settings = json.loads(summary.read_text())["settings"]
+        assert settings["model"] == per_seed.format(seed=seed)
+        digests.add(settings["model_sha256"])
+    assert len(digests) == 2  # two models, not one read twice
+    assert "seedS" in summary.parent.name  # the run names name the template, not one seed's folder
+    loaded.clear()
+    with pytest.raises(ValueError, match=f"stage1-{tag}-seed44/final is not a folder"):
+        finetune.main(["--model_name_or_path", per_seed, *argv, "--seeds", "3", "--run_name", "stage3"])
+    assert loaded == [] and not list(Path("Cache/finetune").glob("stage3-*"))
+
+
 def test_embedded_task_is_deterministic_real_and_not_trivial():
     first, second = load_task(TaskArguments(task="embedded")), load_task(TaskArguments(task="embedded"))
     assert first.train["text_a"] == second.train["text_a"] and first.validation["label"] == second.validation["label"]

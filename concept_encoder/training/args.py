@@ -564,6 +564,15 @@ class TrainingArguments:
 
 
 DEFAULT_LEARNING_RATES = "5e-5,1e-4,3e-4,1e-3"  # the dev split picks one per model (BERT's paper used a grid too)
+PER_SEED = "{seed}"  # in a model path: each fine-tuning seed starts from its own model (`seed_model`)
+
+
+def seed_model(path: str, seed: int) -> str:
+    """The model folder fine-tuning seed `seed` starts from: `path` with `{seed}` replaced by the seed (a curriculum:
+    each seed continues its own run of an earlier stage, `<run>-seed{seed}/final`); a path without it, as given."""
+    return path.replace(PER_SEED, str(seed))
+
+
 POOLINGS = ("auto", *CLASSIFIER_POOLINGS)  # auto: the model's own; the others where the model has that choice
 
 
@@ -572,14 +581,20 @@ class FinetuneArguments:
     """Which model to fine-tune (`loops/finetune.py`), how often, and what to put beside it."""
 
     model_name_or_path: str | None = field(
-        default=None, metadata={"help": "a save_pretrained folder: a Concept Encoder run's final/ or any HF encoder"}
-    )
+        default=None,
+        metadata={"help": "a save_pretrained folder: a Concept Encoder run's final/ or any HF encoder; {seed} in it "
+                  "(e.g. Cache/finetune/<run>-seed{seed}/final): each seed starts from its own model"},
+    )  # fmt: skip
     from_scratch: bool = field(
         default=False, metadata={"help": "same architecture, random weights: the control for pretraining"}
     )
     seeds: int = field(default=3, metadata={"help": "fine-tuning runs per model (seeds seed, seed+1, ...)"})
     compare_to: str | None = field(
-        default=None, metadata={"help": "comma-separated further model folders, fine-tuned under the same protocol"}
+        default=None,
+        metadata={
+            "help": "comma-separated further model folders ({seed} as in --model_name_or_path), fine-tuned "
+            "under the same protocol"
+        },
     )
     learning_rates: str = field(
         default=DEFAULT_LEARNING_RATES,
@@ -671,7 +686,13 @@ class FinetuneArguments:
 
     @property
     def models(self) -> list[str]:
+        """The model paths as given (`{seed}` kept: `seed_folders` gives the folders)."""
         return [self.model_name_or_path, *[m.strip() for m in (self.compare_to or "").split(",") if m.strip()]]
+
+    def seed_folders(self, path: str, first_seed: int) -> list[str]:
+        """The folders `path` names for this invocation's seeds (`first_seed` on): one per seed with `{seed}` in
+        it, else `path` alone."""
+        return list(dict.fromkeys(seed_model(path, seed) for seed in range(first_seed, first_seed + self.seeds)))
 
 
 # What a fresh Concept Encoder pretrains with unless told otherwise: the configuration of the decision table
