@@ -218,6 +218,17 @@ def test_goals_name_where_the_map_falls_short():
     assert waiting[1].endswith("before every layer at C=64 holds >= 95% up to K=32: not yet decided (held at "
                                "K=32; K=16 not measured)")  # fmt: skip
     assert not any("every" in g for g in recall.goal_lines([row(32, 64, "conv", 0.40)]))
+    # a curriculum's rows are read apart from the same model's rows from scratch, BERT's and the plain ones too
+    grown = [{**row(k, 64, "conv", 0.99), "start": 4} for k in (8, 16, 32)]
+    grown += [{**row(8, None, "none", 0.99, "bert"), "start": 4}, {**row(8, 64, "none", 0.30), "start": 4}]
+    curriculum = recall.goal_lines([row(4, 64, "conv", 0.99), row(32, 64, "conv", 0.40), *grown])
+    assert curriculum[0].endswith("missed (K=32 40.00%)") and curriculum[1] == (
+        "- the mixer, each seed from its own K=4 model, at C=64 holds >= 95% up to K=32: met (held at K=8, 16, 32)"
+    )
+    assert "- C=64, mixer conv from K=4: holds 95% up to K=32 (0.50 pairs per concept), at every K measured" in (
+        curriculum
+    )
+    assert curriculum[2].endswith("2 points: C=64 K=8 from K=4") and "K=8 from K=4" in curriculum[3]
     # a report of the map so far: a K missing between measured ones leaves the goal and the capacity open
     so_far = recall.goal_lines([row(4, 64, "conv", 0.99), row(32, 64, "conv", 0.96), row(8, 16, "conv", 0.99)],
                                {"8": ["C=64, conv"], "4": ["C=16, conv"]})  # fmt: skip
@@ -312,3 +323,111 @@ def test_a_point_keeps_its_model_config_and_one_without_it_or_its_model_is_a_cle
     assert point_config({"key": "a", "model": str(model)}) == {"hidden_size": 8}  # written before points kept it
     with pytest.raises(ValueError, match="point a keeps no model config and its model .* is gone"):
         point_config({"key": "a", "model": str(tmp_path / "elsewhere"), "model_config": None})
+
+
+CURRICULUM = ["--pairs", "2,3", "--concepts", "4", "--mixers", "conv", "--main_concepts", "4", "--main_pairs", "2,3",
+              "--seeds", "2", "--train", "200", "--starts", "2", "--finetune_args", TINY[-1]]  # fmt: skip
+
+
+@pytest.mark.loop
+def test_a_curriculum_starts_each_seed_from_its_own_model_at_the_smaller_k(in_process, capsys):
+    """`--starts 2`: the cells at K = 3 fine-tune each seed from the K = 2 cell's model of that seed (not from
+    scratch), their own rows, panel and goal line; a start whose models are gone is refused before any run."""
+    assert recall.main(CURRICULUM) == 0
+    [report] = Path("Cache/reports").glob("recall_*.json")
+    data = json.loads(report.read_text())
+    assert [(r["pairs"], r["key"], r["start"]) for r in data["rows"]] == [
+        (2, "C4-conv", None), (2, "bert", None), (3, "C4-conv-from2", 2), (3, "bert-from2", 2)]  # fmt: skip
+    later = [c for c in in_process if "--from_scratch" not in c]
+    assert len(later) == 2 and len(in_process) == 4  # the K = 3 cells alone load weights
+    for key in ("C4-conv", "bert"):
+        start = json.loads(Path(f"Cache/recall/recall-K2/points/{key}.json").read_text())
+        finals = {run["seed"]: str(Path(run["run_dir"]) / "final") for run in start["runs"]}
+        point = json.loads(Path(f"Cache/recall/recall-K3/points/{key}-from2.json").read_text())
+        assert point["model"].replace("{seed}", "42") == finals[42]  # one path, a model per seed
+        loaded = {run["seed"]: run["settings"]["model"] for run in point["runs"]}
+        assert loaded == finals and len(finals) == 2  # seed 42 from seed 42's model, seed 43 from 43's
+    markdown = report.with_suffix(".md").read_text()
+    assert "| C=4, conv from K=2 | - | " in markdown and "| BERT from K=2 | - | " in markdown
+    assert "(rows `from K=2`: each seed from its K=2 cell's model)" in markdown
+    assert any(g.startswith("- C=4, mixer conv from K=2: ") for g in data["goals"])  # its own capacity line
+    assert report.with_suffix(".png").is_file()
+    # a start's model gone (a point restored from an archive keeps results, not models): refused before any run
+    Path("Cache/recall/recall-K3/points/C4-conv-from2.json").unlink()
+    start = json.loads(Path("Cache/recall/recall-K2/points/C4-conv.json").read_text())
+    gone = Path(next(r["run_dir"] for r in start["runs"] if r["seed"] == 43)) / "final"
+    shutil.rmtree(gone)
+    launched = len(in_process)
+    with pytest.raises(ValueError, match="C4-conv-from2 at K=3 starts from K=2's cell C4-conv's model of seed 43"):
+        recall.main(CURRICULUM)
+    assert len(in_process) == launched
+
+
+def test_a_curriculum_cell_waits_for_its_start_and_fails_with_it(monkeypatch):
+    """Under --jobs a curriculum cell may start while the cell it starts from still runs: it waits for that point,
+    and when the start fails it fails too (never waits for ever)."""
+    import threading
+    from concurrent.futures import Future
+
+    class Folder:  # a PointFolder's measuring, recorded
+        def __init__(self, fail=False):
+            self.measured, self.fail = [], fail
+
+        def reused_or_measured(self, key, model, extra, info, what):
+            if self.fail and "from" not in key:
+                raise RuntimeError("the start failed")
+            self.measured.append((key, model))
+            return {"key": key}
+
+    monkeypatch.setattr(recall, "start_models", lambda point, cell: f"{point['key']}-seed{{seed}}")
+    start = recall.Cell(2, "concept", 4, "conv", seeds=2, main=True, keys=64)
+    later = recall.Cell(3, "concept", 4, "conv", seeds=2, main=True, keys=64, start=2)
+    assert later.start_cell == start and later.key == "C4-conv-from2" and later.label.endswith("from its K=2 model")
+    for fail in (False, True):
+        folder, started, outcome = Folder(fail), {(2, "C4-conv"): Future()}, []
+
+        def wait(folder=folder, started=started, outcome=outcome):
+            try:
+                outcome.append(recall.measure_cell(folder, later, None, "K=3", started))
+            except RuntimeError as error:
+                outcome.append(error)
+
+        waiting = threading.Thread(target=wait)
+        waiting.start()
+        waiting.join(0.3)
+        assert waiting.is_alive() and folder.measured == []  # nothing measured before its start's point
+        if fail:
+            with pytest.raises(RuntimeError, match="the start failed"):
+                recall.measure_cell(folder, start, Path("m"), "K=2", started)
+        else:
+            recall.measure_cell(folder, start, Path("m"), "K=2", started)
+        waiting.join(5)
+        assert not waiting.is_alive()
+        if fail:
+            assert folder.measured == [] and str(outcome[0]) == "the start failed"
+        else:
+            assert folder.measured == [("C4-conv", "m"), ("C4-conv-from2", "C4-conv-seed{seed}")]
+            assert outcome == [((3, "C4-conv-from2"), {"key": "C4-conv-from2"})]
+
+
+def test_a_curriculum_is_refused_where_it_cannot_start(in_process, capsys):
+    for extra, message in (
+        (["--pairs", "4,8", "--starts", "2"], "--starts 2: the curriculum starts from the cells at K=2"),
+        (["--pairs", "4,8", "--starts", "8"], "--starts 8: the curriculum starts from the cells at K=8"),
+        (["--pairs", "4,8", "--starts", "4,8"], "give scratch and/or one K of --pairs"),
+        (["--pairs", "4,8", "--starts", "first"], "give scratch and/or one K of --pairs"),
+        (["--pairs", "4,128", "--starts", "4"], "K=128 draws its keys from 128 symbols, K=4 from 64"),
+        (["--pairs", "4,8", "--main_pairs", "8", "--starts", "4"], "K=4 is not a main K (--sweep_seeds 1); add 4"),
+    ):
+        with pytest.raises(SystemExit):
+            recall.main(extra)
+        assert message in capsys.readouterr().err
+    assert in_process == []
+    args = recall.build_parser().parse_args(["--pairs", "4,8,16", "--concepts", "64", "--starts", "scratch,4"])
+    recall.check_arguments(args)
+    assert [c.key for c in recall.cells(args) if c.pairs == 8] == [
+        "C64-none", "C64-conv", "bert", "C64-none-from4", "C64-conv-from4", "bert-from4"]  # fmt: skip
+    args = recall.build_parser().parse_args(["--pairs", "4,8", "--concepts", "64", "--starts", "4", "--keys", "128"])
+    recall.check_arguments(args)
+    assert [c.key for c in recall.cells(args)] == ["C64-none", "C64-conv", "bert", "C64-none-from4",
+                                                   "C64-conv-from4", "bert-from4"]  # fmt: skip

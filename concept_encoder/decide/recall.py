@@ -6,6 +6,7 @@ Encoder at several widths C, without and with the local token mixer, beside BERT
     python -m concept_encoder recall --archive docs/measured/recall   (points kept under version control too)
     python -m concept_encoder recall --placements first,every         (the mixer once, and before every layer)
     python -m concept_encoder recall --jobs 2                         (two cells at a time: 1.57x the steps on 2 cores)
+    python -m concept_encoder recall --starts scratch,4               (also each K > 4 from its K = 4 cell's models)
     make recall RECALL_ARGS="--pairs 4,8 --concepts 16"      (a smaller map)
 
 Each cell is one model fine-tuned from scratch by `loops/finetune.py` on `recall:<K>` under the fair protocol (its
@@ -14,6 +15,11 @@ of the point folder `Cache/recall/<name>-K<K>/` (resumable: a finished cell is r
 from its checkpoint). The main cells (C in `--main_concepts`, K in `--main_pairs`, and BERT at those K) run
 `--seeds` seeds; the others one (`--sweep_seeds`), marked in the report. K above `--keys` draws its keys from K
 symbols (a key appears once an example), marked too.
+
+`--starts` adds a curriculum: with a K0 in it (`--starts scratch,4`), every cell at K > K0 is measured a second time,
+each seed fine-tuned not from scratch but from its K0 cell's model of the same seed (the rate chosen on dev as
+everywhere; cells `<cell>-from<K0>`, their own rows, heat-map panel and goal line). Binding learned where the jump
+comes early (K = 4) carries to K = 32 within a few hundred steps where from scratch no seed binds (docs/results.md).
 
 Why it is the right measurement: the task is binding and nothing else. The value most frequent in the example
 (`tasks.recall.no_binding_line`) is what a model scores without binding any key to its value; chance is 1/values.
@@ -26,11 +32,14 @@ and K), accuracy against K with the no-binding line, each cell's wall-clock, and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checkpoints.model_folder import model_folder_problem
 from ..common.cli_types import at_least
 from ..common.paths import cache_path
 from ..common.report_files import check_report_dir
@@ -42,6 +51,7 @@ from ..model.constants import LOCAL_MIXER_PLACEMENTS, LOCAL_MIXERS
 from ..model.presets import PRESETS
 from ..tasks.arguments import TaskArguments
 from ..tasks.recall import RecallSettings, no_binding_line, parse_recall, recall_splits
+from ..training.args import PER_SEED
 from .experiments import (
     PointFolder,
     add_archive_argument,
@@ -94,38 +104,56 @@ class Cell:
     main: bool
     keys: int
     placement: str = "first"  # the conv mixer once before the first layer, or before every layer (`every`)
+    start: int | None = None  # from scratch, or (a curriculum) from the cell at this K, each seed from its own model
 
     @property
     def key(self) -> str:
         """The point's name inside its K's point folder (`C64-conv`; `C64-conv-every` for the mixer before every
-        layer: the maps measured before the placement axis keep their names)."""
-        if self.architecture == "bert":
-            return "bert"
-        return f"C{self.concept_num}-{self.mixer}" + ("-every" if self.placement == "every" else "")
+        layer: the maps measured before the placement axis keep their names; `C64-conv-from4` from the K = 4 cell)."""
+        key = "bert" if self.architecture == "bert" else f"C{self.concept_num}-{self.mixer}"
+        key += "-every" if self.architecture != "bert" and self.placement == "every" else ""
+        return key + (f"-from{self.start}" if self.start else "")
 
     @property
     def label(self) -> str:
-        if self.architecture == "bert":
-            return "BERT, full attention"
         mixer = {"none": "", "first": ", local mixer", "every": ", local mixer before every layer"}
-        return f"Concept Encoder C={self.concept_num}" + mixer["none" if self.mixer == "none" else self.placement]
+        label = ("BERT, full attention" if self.architecture == "bert" else f"Concept Encoder C={self.concept_num}"
+                 + mixer["none" if self.mixer == "none" else self.placement])  # fmt: skip
+        return label + (f", from its K={self.start} model" if self.start else "")
+
+    @property
+    def start_cell(self) -> Cell | None:
+        """The cell a curriculum cell starts from: the same model at K = `start`, from scratch (None: this cell
+        starts from scratch)."""
+        return dataclasses.replace(self, pairs=self.start, start=None) if self.start else None
 
 
 def cells(args) -> list[Cell]:
     """The map's cells in the order they run: K ascending; at each K every width, mixer and placement (the
-    mixer's; none has one cell), then BERT."""
+    mixer's; none has one cell), then BERT; from scratch first, then from the curriculum's start (`--starts`: its
+    K's cells from scratch are always planned, they are what the others start from)."""
     out = []
     for pairs in args.pair_list:
-        keys = max(args.keys, pairs)
-        for concepts in args.concept_list if "concept" in args.architecture_list else []:
-            for mixer in args.mixer_list:
-                main = concepts in args.main_concept_list and pairs in args.main_pair_list
-                seeds = args.seeds if main else args.sweep_seeds
-                for placement in ["first"] if mixer == "none" else args.placement_list:
-                    out.append(Cell(pairs, "concept", concepts, mixer, seeds, main, keys, placement))
-        if "bert" in args.architecture_list:
-            main = pairs in args.main_pair_list
-            out.append(Cell(pairs, "bert", None, "none", args.seeds if main else args.sweep_seeds, main, keys))
+        starts = [None] if "scratch" in args.start_list or pairs == args.curriculum else []
+        starts += [args.curriculum] if args.curriculum and pairs > args.curriculum else []
+        for start in starts:
+            out += cells_at(pairs, start, args)
+    return out
+
+
+def cells_at(pairs: int, start: int | None, args) -> list[Cell]:
+    """The cells at K = `pairs` starting from `start` (None: from scratch), in the map's order."""
+    out, keys = [], max(args.keys, pairs)
+    for concepts in args.concept_list if "concept" in args.architecture_list else []:
+        for mixer in args.mixer_list:
+            main = concepts in args.main_concept_list and pairs in args.main_pair_list
+            seeds = args.seeds if main else args.sweep_seeds
+            for placement in ["first"] if mixer == "none" else args.placement_list:
+                out.append(Cell(pairs, "concept", concepts, mixer, seeds, main, keys, placement, start))
+    if "bert" in args.architecture_list:
+        main = pairs in args.main_pair_list
+        out.append(Cell(pairs, "bert", None, "none", args.seeds if main else args.sweep_seeds, main, keys,
+                        start=start))  # fmt: skip
     return out
 
 
@@ -149,7 +177,8 @@ def task_name(pairs: int, args) -> str:
 
 def cell_argv(cell: Cell) -> list[str]:
     """The fine-tuning arguments a cell adds to the map's (`extra` of its point: a change re-measures it)."""
-    return ["--seeds", str(cell.seeds), "--pooling", "mean", "--from_scratch", "--report_last_step", "true"]
+    fresh = [] if cell.start else ["--from_scratch"]  # a curriculum cell loads its start's weights, head and all
+    return ["--seeds", str(cell.seeds), "--pooling", "mean", *fresh, "--report_last_step", "true"]
 
 
 def finished_points(plan: list[Cell], root: Path, args, argvs: dict[int, list[str]]) -> dict:
@@ -190,7 +219,7 @@ def cell_row(point: dict, cell: Cell, line: float) -> dict:
     grid_runs = len(row["rate_grid"]) - 1 if "grid_seconds" in row else 0  # the grid's other rates, when timed
     return {"key": cell.key, "label": cell.label, "pairs": cell.pairs, "keys": cell.keys,
             "architecture": cell.architecture, "concept_num": cell.concept_num, "mixer": cell.mixer,
-            "placement": cell.placement, "main": cell.main, "seeds": row["seeds"], "accuracy": row["accuracy_mean"],
+            "placement": cell.placement, "start": cell.start, "main": cell.main, "seeds": row["seeds"], "accuracy": row["accuracy_mean"],
             "accuracy_std": row["accuracy_std"], "accuracy_last": row.get("last_step_accuracy_mean"),
             "learning_rate": row["learning_rate"], "rate_edge": grid_edge(row), "best_steps": row["best_steps"],
             "still_improving": row.get("still_improving"), "no_binding_line": line,
@@ -212,7 +241,7 @@ def capacity_lines(rows: list[dict], pending: dict[str, list[str]]) -> list[str]
     capacity law, where accuracy falls with K. A K held again past the break is named (a one-seed cell can dip)."""
     lines = []
     names = {row_name(r) for r in rows} | {name for names in pending.values() for name in names}
-    widths = {name: int(name.split(",")[0].removeprefix("C=")) for name in names - {"BERT"}}
+    widths = {name: int(name.split(",")[0].removeprefix("C=")) for name in names if not name.startswith("BERT")}
     for model in sorted(widths, key=lambda name: (widths[name], name)):
         concepts, mixer = widths[model], model.split(", ")[1]
         sequence = sorted([(r["pairs"], r["accuracy"]) for r in rows if row_name(r) == model]
@@ -264,15 +293,16 @@ def goal_lines(rows: list[dict], pending: dict[str, list[str]] | None = None) ->
     pending = pending or {}
     lines = [goal_line(rows, pending, mixer) for mixer in goal_mixers(rows, pending)]
     plain = [r for r in rows if r["architecture"] == "concept" and r["mixer"] == "none"]
-    crossed = [f"C={r['concept_num']} K={r['pairs']}" for r in plain if r["accuracy"] > r["no_binding_line"] + 0.02]
+    crossed = [f"C={r['concept_num']} K={r['pairs']}{start_suffix(r)}" for r in plain
+               if r["accuracy"] > r["no_binding_line"] + 0.02]  # fmt: skip
     later = pending_ks(pending, ", none")
     if plain or later:  # a map without any model of that kind has no such line
         lines.append("- without the mixer, above the no-binding line by more than 2 points: "
                      + (", ".join(crossed) or "none" if plain else f"not measured yet (K={later})")
                      + (f"; K={later} not measured yet" if plain and later else ""))  # fmt: skip
     bert = [r for r in rows if r["architecture"] == "bert"]
-    solved = [f"K={r['pairs']}" for r in bert if r["accuracy"] >= GOAL_ACCURACY]
-    unsolved = [f"K={r['pairs']} {percent(r['accuracy'])}% at lr {r['learning_rate']} ({why_unsolved(r)})"
+    solved = [f"K={r['pairs']}{start_suffix(r)}" for r in bert if r["accuracy"] >= GOAL_ACCURACY]
+    unsolved = [f"K={r['pairs']}{start_suffix(r)} {percent(r['accuracy'])}% at lr {r['learning_rate']} ({why_unsolved(r)})"
                 for r in bert if r["accuracy"] < GOAL_ACCURACY]  # fmt: skip
     later = pending_ks(pending, "BERT")
     if bert or later:
@@ -284,11 +314,13 @@ def goal_lines(rows: list[dict], pending: dict[str, list[str]] | None = None) ->
 
 
 def goal_mixers(rows: list[dict], pending: dict[str, list[str]]) -> list[str]:
-    """The mixers the goal is read for: `conv` (once, before the first layer) and `conv every` where the map has
-    that placement at the goal's width, measured or pending."""
-    every = f"C={GOAL_CONCEPTS}, conv every"
-    planned = any(row_name(r) == every for r in rows) or any(every in models for models in pending.values())
-    return ["conv", "conv every"] if planned else ["conv"]
+    """The mixers the goal is read for: `conv` (once, before the first layer), and each other variant of it the map
+    has at the goal's width, measured or pending: `conv every` (before every layer), `conv from K=4` (a
+    curriculum's)."""
+    prefix = f"C={GOAL_CONCEPTS}, "
+    names = [row_name(r) for r in rows] + [name for names in pending.values() for name in names]
+    variants = {name.removeprefix(prefix) for name in names if name.startswith(prefix + "conv")}
+    return ["conv", *sorted(variants - {"conv"})]
 
 
 def goal_line(rows: list[dict], pending: dict[str, list[str]], mixer: str) -> str:
@@ -310,19 +342,28 @@ def goal_line(rows: list[dict], pending: dict[str, list[str]], mixer: str) -> st
                    "not measured)")  # fmt: skip
     else:  # every K measured up to the goal's held; which they are, since a map may plan only some
         verdict = f"met (held at K={', '.join(map(str, measured))})"
-    where = " before every layer" if mixer == "conv every" else ""
+    where = " before every layer" if mixer.startswith("conv every") else ""
+    where += f", each seed from its own{mixer.partition(' from')[2]} model," if " from " in mixer else ""
     return f"- the mixer{where} at C={GOAL_CONCEPTS} holds >= {GOAL_ACCURACY:.0%} up to K={GOAL_PAIRS}: {verdict}"
 
 
 def mixer_name(row: dict) -> str:
     """`none`, `conv` (once, before the first layer) or `conv every` (before every layer) of a row or cell (rows
-    written before the placement axis have no placement: `first`)."""
+    written before the placement axis have no placement: `first`), then where its models start (`conv from K=4`:
+    a curriculum's; rows written before it start from scratch)."""
     every = row["mixer"] != "none" and row.get("placement", "first") == "every"
-    return f"{row['mixer']} every" if every else row["mixer"]
+    return (f"{row['mixer']} every" if every else row["mixer"]) + start_suffix(row)
+
+
+def start_suffix(row: dict) -> str:
+    """` from K=4` for a row or cell of a curriculum starting at K = 4, else ''."""
+    return f" from K={row['start']}" if row.get("start") else ""
 
 
 def row_name(row: dict) -> str:
-    return "BERT" if row["architecture"] == "bert" else f"C={row['concept_num']}, {mixer_name(row)}"
+    if row["architecture"] == "bert":
+        return "BERT" + start_suffix(row)
+    return f"C={row['concept_num']}, {mixer_name(row)}"
 
 
 def format_markdown(report: dict) -> str:
@@ -380,11 +421,13 @@ def plot(report: dict, path: Path) -> None:
     models = report.get("models", rows)  # every model planned: one not measured yet is an empty row
     pairs = sorted(int(k) for k in report["lines"])  # every K planned: a K not measured yet is an empty column
     variants = [*LOCAL_MIXERS, *(f"{m} every" for m in LOCAL_MIXERS if m != "none")]  # mixer, placement
-    panels = [v for v in variants if any(mixer_name(r) == v and r["architecture"] == "concept" for r in models)]
-    bert = [r for r in rows if r["architecture"] == "bert"]
-    bert_planned = any(m["architecture"] == "bert" for m in models)
+    planned = {mixer_name(m) for m in models if m["architecture"] == "concept"}  # a curriculum's: `conv from K=4`
+    panels = sorted(planned, key=lambda v: (" from " in v, variants.index(v.split(" from ")[0])))
     figure, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 4.5), squeeze=False)
     for axis, mixer in zip(axes[0], panels, strict=False):
+        start = mixer[mixer.index(" from ") :] if " from " in mixer else ""  # BERT's row: the same start's
+        bert = [r for r in rows if r["architecture"] == "bert" and start_suffix(r) == start]
+        bert_planned = any(m["architecture"] == "bert" and start_suffix(m) == start for m in models)
         widths = sorted({m["concept_num"] for m in models if m["architecture"] == "concept"
                          and mixer_name(m) == mixer})  # fmt: skip
         found = {(r["concept_num"], r["pairs"]): r["accuracy"] for r in rows if mixer_name(r) == mixer
@@ -439,6 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"where the conv mixer acts, from {LOCAL_MIXER_PLACEMENTS}: once before the first layer "
                              "(first) and/or before every layer (every, cells C<C>-conv-every)")  # fmt: skip
     parser.add_argument("--architectures", default="concept,bert", help="concept and/or bert")
+    parser.add_argument("--starts", default="scratch",
+                        help="where each cell's models start: scratch, and/or a K0 of --pairs (a curriculum: every "
+                             "cell at K > K0 also measured from its K0 cell's model of each seed, cells <cell>-from<K0>; "
+                             "the K0 cells from scratch always run)")  # fmt: skip
     parser.add_argument("--preset", default="micro", help="the model shape (one preset)")
     parser.add_argument(
         "--main_concepts",
@@ -500,8 +547,34 @@ def check_arguments(args) -> None:
     if args.seeds < 1 or args.sweep_seeds < 1:
         raise ValueError("--seeds and --sweep_seeds must be >= 1")
     check_jobs(args)
+    check_starts(args)
     for pairs in args.pair_list:  # every task's settings, before the first run (parse_recall names the fix)
         parse_recall(task_name(pairs, args))
+
+
+def check_starts(args) -> None:
+    """`--starts` parsed (`args.start_list`, `args.curriculum`: the K0 or None) and checked: one K0, a K of --pairs
+    below another, its cells run at least the seeds of the cells starting from them, and its vocabulary theirs."""
+    args.start_list = parse_list(args.starts, "--starts")
+    ks = [s for s in args.start_list if s != "scratch"]
+    if any(not k.isdigit() for k in ks) or len(ks) > 1:
+        raise ValueError(f"--starts {args.starts!r}: give scratch and/or one K of --pairs to start a curriculum from, "
+                         "e.g. scratch,4")  # fmt: skip
+    args.curriculum = int(ks[0]) if ks else None
+    if args.curriculum is None:
+        return
+    start = args.curriculum
+    if start not in args.pair_list or start == max(args.pair_list):
+        raise ValueError(f"--starts {start}: the curriculum starts from the cells at K={start} and measures the larger "
+                         f"K: give --pairs {start} and a larger K (now --pairs {args.pairs})")  # fmt: skip
+    if (larger := max(args.keys, max(args.pair_list))) > max(args.keys, start):
+        raise ValueError(f"--starts {start}: K={max(args.pair_list)} draws its keys from {larger} symbols, K={start} "
+                         f"from {max(args.keys, start)}: the K={start} models' embeddings cannot read them; pass "
+                         f"--keys {larger} (every K then draws from {larger} keys)")  # fmt: skip
+    if start not in args.main_pair_list and any(k > start for k in args.main_pair_list):
+        raise ValueError(f"--starts {start}: the main cells at K={','.join(map(str, args.main_pair_list))} run "
+                         f"--seeds {args.seeds} seeds, each from its own K={start} model, but K={start} is not a main "
+                         f"K (--sweep_seeds {args.sweep_seeds}); add {start} to --main_pairs")  # fmt: skip
 
 
 def archive_folder(args, pairs: int) -> Path | None:
@@ -522,25 +595,77 @@ def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int
             return None
         locks.append(lock)
     with holding(*locks) as outcome:
+        # the name in the folder: fine-tuning runs are named after it
+        folders = {pairs: PointFolder(root / f"{args.name}-K{pairs}", task, argvs[pairs], args.num_processes,
+                                      probe=False, archive=archive_folder(args, pairs))
+                   for pairs, task in tasks.items()}  # fmt: skip
+        check_start_models(plan, folders)
+        # a curriculum cell waits for the point it starts from (earlier in the plan: running, or done, under --jobs)
+        started = {(c.start, c.start_cell.key): Future() for c in plan if c.start}
         jobs, pending = [], 0
-        for pairs, task in tasks.items():
-            folder = root / f"{args.name}-K{pairs}"  # the name in the folder: fine-tuning runs are named after it
-            tokenizer = load_tokenizer(f"recall:{max(args.keys, pairs)}:{args.values}")
-            point_folder = PointFolder(folder, task, argvs[pairs], args.num_processes, probe=False,
-                                       archive=archive_folder(args, pairs))  # fmt: skip
-            for cell in [c for c in plan if c.pairs == pairs]:
-                model = model_folder(folder, cell, args.preset, example_tokens(pairs), tokenizer)
-                what = f"[{plan.index(cell) + 1}/{len(plan)}] K={pairs}, {cell.label}"
-                jobs.append(functools.partial(measure_cell, point_folder, cell, model, what, args))
-                pending += not point_folder.done(cell.key)
+        for cell in plan:
+            folder = folders[cell.pairs]
+            tokenizer = load_tokenizer(f"recall:{cell.keys}:{args.values}")
+            model = None if cell.start else model_folder(folder.folder, cell, args.preset, example_tokens(cell.pairs),
+                                                         tokenizer)  # fmt: skip
+            what = f"[{plan.index(cell) + 1}/{len(plan)}] K={cell.pairs}, {cell.label}"
+            jobs.append(functools.partial(measure_cell, folder, cell, model, what, started))
+            pending += not folder.done(cell.key)
         points = dict(measure_at_once(jobs, args, "cells", pending))
     return None if outcome.failed else points
 
 
-def measure_cell(point_folder: PointFolder, cell: Cell, model: Path, what: str, args) -> tuple[tuple, dict]:
-    """One cell's point, reused or measured (and copied into `--archive`); `((K, cell key), point)`."""
-    point = point_folder.reused_or_measured(cell.key, str(model), cell_argv(cell), {"cell": cell.__dict__}, what)
-    return (cell.pairs, cell.key), point
+def measure_cell(point_folder: PointFolder, cell: Cell, model: Path | None, what: str,
+                 started: dict[tuple, Future]) -> tuple[tuple, dict]:  # fmt: skip
+    """One cell's point, reused or measured (and copied into `--archive`); `((K, cell key), point)`. A curriculum
+    cell (`model` None) first waits for its start's point in `started`; a cell others start from sets it there."""
+    key = (cell.pairs, cell.key)
+    try:
+        if cell.start:
+            model = start_models(started[(cell.start, cell.start_cell.key)].result(), cell)
+        point = point_folder.reused_or_measured(cell.key, str(model), cell_argv(cell), {"cell": cell.__dict__}, what)
+    except BaseException as error:  # the cells waiting for this one fail with it, not wait for ever
+        if key in started:
+            started[key].set_exception(error)
+        raise
+    if key in started:
+        started[key].set_result(point)
+    return key, point
+
+
+def start_models(point: dict, cell: Cell) -> str:
+    """The models a curriculum cell fine-tunes, one per seed, as a `{seed}` path (`loops/finetune.py` reads each
+    seed's own): the `final` folders of its start cell's runs at the rate chosen there. ValueError naming the
+    seeds the start lacks, or a folder that is not on this machine (a point restored from `--archive` keeps
+    results, not models)."""
+    _, runs = chosen_runs(point)
+    folders = {run["seed"]: Path(run["run_dir"]) / "final" for run in runs}
+    first = min(folders)
+    head, _, tail = str(folders[first]).rpartition(f"seed{first}")  # `<run>-seed42/final`
+    template = f"{head}seed{PER_SEED}{tail}"
+    seeds = range(first, first + cell.seeds)
+    where = f"K={cell.start}'s cell {point['key']}"
+    if missing := [seed for seed in seeds if seed not in folders]:
+        raise ValueError(f"{cell.key} at K={cell.pairs}: {where} has no run for seed(s) {missing}, which this cell's "
+                         f"seeds start from; measure {where} with as many seeds (--main_pairs)")  # fmt: skip
+    for seed in seeds:
+        if str(folders[seed]) != template.replace(PER_SEED, str(seed)):
+            raise ValueError(f"{where}: its runs' folders are not named one per seed ({folders[seed]})")
+        if problem := model_folder_problem(folders[seed]):
+            raise ValueError(f"{cell.key} at K={cell.pairs} starts from {where}'s model of seed {seed}, which is not "
+                             f"here: {problem}. A point restored from --archive keeps results, not models: measure the "
+                             f"curriculum where {where} ran, or under a new --name here")  # fmt: skip
+    return template
+
+
+def check_start_models(plan: list[Cell], folders: dict[int, PointFolder]) -> None:
+    """Every curriculum cell still to measure whose start is measured: its start's models are here (`start_models`),
+    before any run."""
+    for cell in plan:
+        if cell.start and not folders[cell.pairs].done(cell.key):
+            start = cell.start_cell
+            if point := folders[start.pairs].finished(start.key, cell_argv(start)):
+                start_models(point, cell)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -591,9 +716,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {"name": args.name, "rows": rows, "lines": lines, "tfidf": tfidf, "chance": 1 / args.values, "tasks": {str(k): t for k, t in tasks.items()},
               "goals": goal_lines(rows, missing), "cells": len(plan), "not_measured": missing,
               "models": [{"architecture": c.architecture, "concept_num": c.concept_num, "mixer": c.mixer,
-                          "placement": c.placement}
+                          "placement": c.placement, "start": c.start}
                          for c in {row_name(c.__dict__): c for c in plan}.values()],
-              "settings_line": f"Preset {args.preset}, fine-tuned from scratch, mean pooling: "
+              "settings_line": f"Preset {args.preset}, fine-tuned from scratch"
+                               + (f" (rows `from K={args.curriculum}`: each seed from its K={args.curriculum} cell's "
+                                  "model)" if args.curriculum else "") + ", mean pooling: "
                                f"{' '.join(finetune_argv)}; tasks {', '.join(tasks.values())} (2K+4 tokens an "
                                f"example, never cut: --max_seq_length past {DEFAULT_MAX_SEQ_LENGTH} where longer); "
                                f"{args.values} values, keys max({args.keys}, K); "
