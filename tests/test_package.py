@@ -393,6 +393,45 @@ def test_ctrl_c_in_a_tool_stops_the_launched_ranks_at_a_checkpoint_not_the_launc
     assert process.returncode == exit_code
 
 
+RANK_NOT_LISTENING_YET = """
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a rank still importing, under a tool run by `nohup ... &`
+print("rank: started", flush=True)
+time.sleep(1.0)
+
+
+def stop(signum, frame):
+    print("rank: checkpoint saved", flush=True)
+    sys.exit(130)
+
+
+signal.signal(signal.SIGINT, stop)  # the loop's handler, installed once the model is built
+time.sleep(60)
+"""
+
+
+def test_a_rank_that_missed_the_stop_gets_it_again_and_checkpoints_before_the_grace_ends(monkeypatch, tmp_path):
+    """A stop that reaches a rank before it listens (SIGINT ignored, as a `nohup` tool's ranks inherit, while it
+    imports or between two fine-tuning seeds) is sent again while the launch runs: the rank checkpoints within
+    seconds, not trains on until the grace period ends and the launch is killed."""
+    import time
+
+    from concept_encoder.common import process_group
+
+    monkeypatch.setattr(process_group, "RESEND_EVERY", 0.2)
+    rank = tmp_path / "rank.py"
+    rank.write_text(RANK_NOT_LISTENING_YET)
+    launcher = f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, {str(rank)!r}]))"
+    launch = process_group.start([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    assert launch.stdout.readline().strip() == "rank: started"
+    began = time.monotonic()
+    ranks = process_group.interrupt_ranks([launch])  # ignored: the rank does not listen yet
+    assert len(ranks[launch]) == 1
+    process_group.wait_for_launches(ranks, grace=30)
+    assert time.monotonic() - began < 15  # not the 30 s grace
+    assert launch.stdout.read().strip() == "rank: checkpoint saved" and launch.returncode == 130
+
+
 def test_a_stop_while_the_launch_starts_is_held_until_the_launch_is_in_hand(monkeypatch):
     """SIGTERM in the instant between `Popen` and the wait: held, then raised as `Terminated` with the launch in
     hand, which ends; never the caller's handler (by default: the tool ends alone, the launch trains on)."""

@@ -180,15 +180,27 @@ def stop_launches(interrupt, previous: dict, grace: float) -> None:
     wait_for_launches(ranks, grace)
 
 
+# While a stopped launch has not ended, its ranks get SIGINT again this often: a rank that had not yet installed its
+# handler when the first came (still importing, or between two fine-tuning seeds) ignored it where SIGINT is
+# ignored (a tool run by `nohup ... &`: the ranks inherit that) and would train on until `grace` ran out and the
+# launch was killed, its steps since the last checkpoint lost; a rank already stopping logs the repeat and goes on
+RESEND_EVERY = 5.0
+
+
 def wait_for_launches(ranks: dict, grace: float) -> None:
-    """Up to `grace` seconds, for all of them together, for the launches `interrupt_ranks` signalled to end; then
-    whatever is left of each is ended (`end_group`)."""
+    """Up to `grace` seconds, for all of them together, for the launches `interrupt_ranks` signalled to end (their
+    ranks signalled again every `RESEND_EVERY` seconds while they run); then whatever is left of each is ended
+    (`end_group`)."""
     deadline = time.monotonic() + grace
     for process, started in ranks.items():
-        try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()) if started else 0.1)
-        except subprocess.TimeoutExpired:
-            pass
+        while True:
+            try:  # a launcher that had started nothing is given a moment only
+                process.wait(timeout=max(0.0, min(RESEND_EVERY, deadline - time.monotonic())) if started else 0.1)
+                break
+            except subprocess.TimeoutExpired:
+                if not started or time.monotonic() >= deadline:
+                    break
+                interrupt_ranks([process])  # again, to the ranks it runs now
         end_group(process)  # whatever is left (a launcher that started nothing yet)
 
 
