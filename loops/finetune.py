@@ -480,12 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     fargs, task_args, args = parse_args(argv, classes=FINETUNE_ARGUMENT_CLASSES, defaults=FINETUNE_DEFAULTS)
     # 4. preflight (every model folder: one per seed where a path holds {seed}; output folder, precision), seed, system
     # info
+    for each in fargs.per_folder(args.seed):
+        preflight(each, task_args, args, cuda=state.device.type == "cuda")
     seed_folders = {path: fargs.seed_folders(path, args.seed) for path in fargs.models}
     every_folder = [folder for folders in seed_folders.values() for folder in folders]
-    for path in every_folder:
-        preflight(
-            dataclasses.replace(fargs, model_name_or_path=path), task_args, args, cuda=state.device.type == "cuda"
-        )
     if launched_zero_stage() == 3:  # checked before any run folder is written
         raise ValueError(
             "fine-tuning keeps the weights of the step chosen on dev, which ZeRO-3 partitions across ranks; "

@@ -70,12 +70,20 @@ def launch_in_process(commands: list):
     from concept_encoder.decide import experiments
 
     def in_process(command):
+        from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS
+        from concept_encoder.training.preflight import fail_fast
+
         commands.append(command)
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
         script = next(c for c in command if c.endswith(".py"))
         loop = mlm if script == str(experiments.MLM_SCRIPT) else finetune
-        return 1 if loop.main(command[command.index(script) + 1 :]) else 0  # as `accelerate launch` reports it
+        argv = command[command.index(script) + 1 :]
+        try:  # the script's own check before torch loads, as the launched script runs it
+            fail_fast(argv) if loop is mlm else fail_fast(argv, FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS)
+        except SystemExit as stop:
+            return stop.code
+        return 1 if loop.main(argv) else 0  # as `accelerate launch` reports it
 
     return in_process
 

@@ -25,6 +25,7 @@ from concept_encoder.checkpoints.checkpoint import write_manifest
 from concept_encoder.data import DataSourceError, load_tokenizer
 from concept_encoder.tasks import TaskArguments, load_task
 from concept_encoder.training.args import FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS
+from concept_encoder.training.preflight import fail_fast
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,7 +163,7 @@ def test_each_seed_trains_in_its_own_shuffled_order_and_bucketing_buckets(workdi
         finetune.main([*argv, "--seeds", "2", "--run_name", "orders", "--resume_from_checkpoint", "auto"])
 
 
-def test_a_path_with_seed_starts_each_seed_from_its_own_model(workdir, concept_model, monkeypatch):
+def test_a_path_with_seed_starts_each_seed_from_its_own_model(workdir, concept_model, monkeypatch, capsys):
     """`{seed}` in --model_name_or_path: each seed loads its own folder (a curriculum: seed 42 continues the earlier
     stage's seed-42 run), recorded in its run's settings; a seed without its folder is refused before any run."""
     task = str(write_tasks(workdir / "tasks")["single"])
@@ -187,6 +188,12 @@ def test_a_path_with_seed_starts_each_seed_from_its_own_model(workdir, concept_m
     with pytest.raises(ValueError, match=f"stage1-{tag}-seed44/final is not a folder"):
         finetune.main(["--model_name_or_path", per_seed, *argv, "--seeds", "3", "--run_name", "stage3"])
     assert loaded == [] and not list(Path("Cache/finetune").glob("stage3-*"))
+    # the launched script's check before torch loads (`fail_fast`) reads every seed's folder the same way
+    fail_fast(["--model_name_or_path", per_seed, *argv], FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS)
+    with pytest.raises(SystemExit):
+        fail_fast(["--model_name_or_path", per_seed, *argv, "--seeds", "3"], FINETUNE_ARGUMENT_CLASSES,
+                  FINETUNE_DEFAULTS)  # fmt: skip
+    assert f"stage1-{tag}-seed44/final is not a folder" in capsys.readouterr().err
 
 
 def test_embedded_task_is_deterministic_real_and_not_trivial():

@@ -16,6 +16,7 @@ there too, with the same message.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 import sys
@@ -693,6 +694,12 @@ class FinetuneArguments:
         """The folders `path` names for this invocation's seeds (`first_seed` on): one per seed with `{seed}` in
         it, else `path` alone."""
         return list(dict.fromkeys(seed_model(path, seed) for seed in range(first_seed, first_seed + self.seeds)))
+
+    def per_folder(self, first_seed: int) -> list[FinetuneArguments]:
+        """These arguments once per model folder they name (each model's, each seed's where a path holds `{seed}`),
+        as `model_name_or_path`: what `preflight` checks one at a time."""
+        folders = [folder for path in self.models for folder in self.seed_folders(path, first_seed)]
+        return [dataclasses.replace(self, model_name_or_path=folder) for folder in folders]
 
 
 # What a fresh Concept Encoder pretrains with unless told otherwise: the configuration of the decision table

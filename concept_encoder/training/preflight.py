@@ -285,5 +285,6 @@ def fail_fast(argv: list[str], classes=ARGUMENT_CLASSES, defaults: dict | None =
     line and exit 1, as the loop would, seconds earlier."""
     with one_line_errors():
         model_args, data_args, training_args = parse_args(argv, classes=classes, defaults=defaults)
-        preflight(model_args, data_args, training_args, cuda=cuda_present())
+        for each in model_args.per_folder(training_args.seed) if hasattr(model_args, "per_folder") else [model_args]:
+            preflight(each, data_args, training_args, cuda=cuda_present())  # fine-tuning: every folder, every seed's
         resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, training_args.run_name)
