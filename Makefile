@@ -156,7 +156,8 @@ listops: install  ## LRA ListOps: Concept Encoder widths, token refinement, BERT
 # without and with the local mixer, beside BERT of the same shape; resumable, one cell a point.
 #   make recall RECALL_ARGS="--pairs 4,8,16,32 --concepts 16,64" RECALL_FT="--max_steps 3000"
 #   RECALL_ARCHIVE=docs/measured/recall keeps the points under version control too (docs/recall.md);
-#   RECALL_ARGS="--jobs 2" measures two cells at a time (1.57 times the steps on 2 cores)
+#   RECALL_ARGS="--jobs 2" measures two cells at a time (1.57 times the steps on 2 cores);
+#   RECALL_ARGS="--starts scratch,4" adds a curriculum: each K > 4 also fine-tuned from its K = 4 cell's models
 RECALL_NAME ?= recall
 RECALL_ARGS ?=
 RECALL_FT   ?=
