@@ -431,3 +431,26 @@ def test_a_curriculum_is_refused_where_it_cannot_start(in_process, capsys):
     recall.check_arguments(args)
     assert [c.key for c in recall.cells(args)] == ["C64-none", "C64-conv", "bert", "C64-none-from4",
                                                    "C64-conv-from4", "bert-from4"]  # fmt: skip
+
+
+def test_cells_that_would_wait_for_their_start_are_measured_last():
+    """Jobs run in order: a curriculum cell whose start is still to measure goes after every other (under --jobs it
+    would hold a worker while it waits), and never before its start."""
+    args = recall.build_parser().parse_args(["--pairs", "4,8,16", "--concepts", "16,64", "--mixers", "conv",
+                                             "--architectures", "concept", "--starts", "4"])  # fmt: skip
+    recall.check_arguments(args)
+
+    class Folder:
+        def __init__(self, done):
+            self.finished = done
+
+        def done(self, key):
+            return key in self.finished
+
+    folders = {4: Folder({"C16-conv"}), 8: Folder(set()), 16: Folder(set())}  # C=16's start measured, C=64's not
+    order = [(c.pairs, c.key) for c in recall.job_order(recall.cells(args), folders)]
+    assert order == [(4, "C16-conv"), (4, "C64-conv"), (8, "C16-conv-from4"), (16, "C16-conv-from4"),
+                     (8, "C64-conv-from4"), (16, "C64-conv-from4")]  # fmt: skip
+    assert [(c.pairs, c.key) for c in recall.cells(args)] == [
+        (4, "C16-conv"), (4, "C64-conv"), (8, "C16-conv-from4"), (8, "C64-conv-from4"), (16, "C16-conv-from4"),
+        (16, "C64-conv-from4")]  # the map's own order: the report's  # fmt: skip

@@ -603,7 +603,7 @@ def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int
         # a curriculum cell waits for the point it starts from (earlier in the plan: running, or done, under --jobs)
         started = {(c.start, c.start_cell.key): Future() for c in plan if c.start}
         jobs, pending = [], 0
-        for cell in plan:
+        for cell in job_order(plan, folders):
             folder = folders[cell.pairs]
             tokenizer = load_tokenizer(f"recall:{cell.keys}:{args.values}")
             model = None if cell.start else model_folder(folder.folder, cell, args.preset, example_tokens(cell.pairs),
@@ -613,6 +613,13 @@ def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int
             pending += not folder.done(cell.key)
         points = dict(measure_at_once(jobs, args, "cells", pending))
     return None if outcome.failed else points
+
+
+def job_order(plan: list[Cell], folders: dict[int, PointFolder]) -> list[Cell]:
+    """The order the cells are measured in: the map's, but the curriculum cells whose start is not measured yet
+    last. Jobs are taken in order, so under `--jobs` a cell waiting for its start would hold a worker that another
+    cell could use, and with one worker a cell before its start would wait for ever."""
+    return sorted(plan, key=lambda c: bool(c.start) and not folders[c.start].done(c.start_cell.key))
 
 
 def measure_cell(point_folder: PointFolder, cell: Cell, model: Path | None, what: str,
