@@ -332,7 +332,8 @@ CURRICULUM = ["--pairs", "2,3", "--concepts", "4", "--mixers", "conv", "--main_c
 @pytest.mark.loop
 def test_a_curriculum_starts_each_seed_from_its_own_model_at_the_smaller_k(in_process, capsys):
     """`--starts 2`: the cells at K = 3 fine-tune each seed from the K = 2 cell's model of that seed (not from
-    scratch), their own rows, panel and goal line; a start whose models are gone is refused before any run."""
+    scratch), their own rows, panel and goal line; a start whose models are gone (restored from an archive) has its
+    runs at the chosen rate made again first, and its curriculum starts from them only if they reproduce its point."""
     assert recall.main(CURRICULUM) == 0
     [report] = Path("Cache/reports").glob("recall_*.json")
     data = json.loads(report.read_text())
@@ -352,15 +353,31 @@ def test_a_curriculum_starts_each_seed_from_its_own_model_at_the_smaller_k(in_pr
     assert "(rows `from K=2`: each seed from its K=2 cell's model)" in markdown
     assert any(g.startswith("- C=4, mixer conv from K=2: ") for g in data["goals"])  # its own capacity line
     assert report.with_suffix(".png").is_file()
-    # a start's model gone (a point restored from an archive keeps results, not models): refused before any run
+    # a start's model gone (a point restored from an archive keeps results, not models): its runs at the rate chosen
+    # there are made again first, and must reproduce the point, else its curriculum does not start
     Path("Cache/recall/recall-K3/points/C4-conv-from2.json").unlink()
-    start = json.loads(Path("Cache/recall/recall-K2/points/C4-conv.json").read_text())
-    gone = Path(next(r["run_dir"] for r in start["runs"] if r["seed"] == 43)) / "final"
-    shutil.rmtree(gone)
+    start_file = Path("Cache/recall/recall-K2/points/C4-conv.json")
+    original = start_file.read_text()
+    start = json.loads(original)
+    shutil.rmtree(Path(next(r["run_dir"] for r in start["runs"] if r["seed"] == 43)) / "final")
+    [row] = [r for r in start["rows"] if r["method"] == "fine-tune"]
+    row["accuracy_seeds"] = [round(1 - a, 6) for a in row["accuracy_seeds"]]  # a point these runs cannot reproduce
+    start_file.write_text(json.dumps(start))
     launched = len(in_process)
-    with pytest.raises(ValueError, match="C4-conv-from2 at K=3 starts from K=2's cell C4-conv's model of seed 43"):
+    with pytest.raises(ValueError, match="K=2's cell C4-conv made again here does not reproduce its restored point"):
         recall.main(CURRICULUM)
-    assert len(in_process) == launched
+    assert "its 2 run(s) at the rate chosen there" in capsys.readouterr().out  # named before any run
+    [remake] = in_process[launched:]  # the start's runs again, at its chosen rate alone; the K = 3 cell not started
+    assert remake[remake.index("--run_name") + 1] == "recall-K2-C4-conv-models"
+    assert remake[len(remake) - 1 - remake[::-1].index("--learning_rates") + 1] == f"{row['learning_rate']:g}"
+    start_file.write_text(original)
+    assert recall.main(CURRICULUM) == 0  # the made-again models reused: they reproduce the point
+    assert len(in_process) == launched + 2
+    again = json.loads(Path("Cache/recall/recall-K2/points/C4-conv-models.json").read_text())
+    finals = {run["seed"]: str(Path(run["run_dir"]) / "final") for run in again["runs"]}
+    point = json.loads(Path("Cache/recall/recall-K3/points/C4-conv-from2.json").read_text())
+    assert {run["seed"]: run["settings"]["model"] for run in point["runs"]} == finals and len(finals) == 2
+    assert all(Path(folder).is_dir() for folder in finals.values())
 
 
 def test_a_curriculum_cell_waits_for_its_start_and_fails_with_it(monkeypatch):
@@ -385,10 +402,11 @@ def test_a_curriculum_cell_waits_for_its_start_and_fails_with_it(monkeypatch):
     assert later.start_cell == start and later.key == "C4-conv-from2" and later.label.endswith("from its K=2 model")
     for fail in (False, True):
         folder, started, outcome = Folder(fail), {(2, "C4-conv"): Future()}, []
+        followers = {(2, "C4-conv"): later}
 
-        def wait(folder=folder, started=started, outcome=outcome):
+        def wait(folder=folder, started=started, outcome=outcome, followers=followers):
             try:
-                outcome.append(recall.measure_cell(folder, later, None, "K=3", started))
+                outcome.append(recall.measure_cell(folder, later, None, "K=3", started, followers))
             except RuntimeError as error:
                 outcome.append(error)
 
@@ -398,9 +416,9 @@ def test_a_curriculum_cell_waits_for_its_start_and_fails_with_it(monkeypatch):
         assert waiting.is_alive() and folder.measured == []  # nothing measured before its start's point
         if fail:
             with pytest.raises(RuntimeError, match="the start failed"):
-                recall.measure_cell(folder, start, Path("m"), "K=2", started)
+                recall.measure_cell(folder, start, Path("m"), "K=2", started, followers)
         else:
-            recall.measure_cell(folder, start, Path("m"), "K=2", started)
+            recall.measure_cell(folder, start, Path("m"), "K=2", started, followers)
         waiting.join(5)
         assert not waiting.is_alive()
         if fail:
@@ -433,7 +451,7 @@ def test_a_curriculum_is_refused_where_it_cannot_start(in_process, capsys):
                                                    "C64-conv-from4", "bert-from4"]  # fmt: skip
 
 
-def test_cells_that_would_wait_for_their_start_are_measured_last():
+def test_cells_that_would_wait_for_their_start_are_measured_last(monkeypatch):
     """Jobs run in order: a curriculum cell whose start is still to measure goes after every other (under --jobs it
     would hold a worker while it waits), and never before its start."""
     args = recall.build_parser().parse_args(["--pairs", "4,8,16", "--concepts", "16,64", "--mixers", "conv",
@@ -442,15 +460,24 @@ def test_cells_that_would_wait_for_their_start_are_measured_last():
 
     class Folder:
         def __init__(self, done):
-            self.finished = done
+            self.measured = done
 
         def done(self, key):
-            return key in self.finished
+            return key in self.measured
 
+        def finished(self, key, extra):
+            return {"key": key} if key in self.measured else None
+
+    here = {"C16-conv"}  # the starts whose models are on this machine
+    monkeypatch.setattr(recall, "models_here", lambda point, cell: point["key"] in here)
     folders = {4: Folder({"C16-conv"}), 8: Folder(set()), 16: Folder(set())}  # C=16's start measured, C=64's not
     order = [(c.pairs, c.key) for c in recall.job_order(recall.cells(args), folders)]
     assert order == [(4, "C16-conv"), (4, "C64-conv"), (8, "C16-conv-from4"), (16, "C16-conv-from4"),
                      (8, "C64-conv-from4"), (16, "C64-conv-from4")]  # fmt: skip
+    here.clear()  # C=16's start restored from an archive without its models: its cells wait for them too
+    order = [(c.pairs, c.key) for c in recall.job_order(recall.cells(args), folders)]
+    assert order == [(4, "C16-conv"), (4, "C64-conv"), (8, "C16-conv-from4"), (8, "C64-conv-from4"),
+                     (16, "C16-conv-from4"), (16, "C64-conv-from4")]  # fmt: skip
     assert [(c.pairs, c.key) for c in recall.cells(args)] == [
         (4, "C16-conv"), (4, "C64-conv"), (8, "C16-conv-from4"), (8, "C64-conv-from4"), (16, "C16-conv-from4"),
         (16, "C64-conv-from4")]  # the map's own order: the report's  # fmt: skip

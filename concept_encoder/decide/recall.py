@@ -602,6 +602,7 @@ def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int
         check_start_models(plan, folders)
         # a curriculum cell waits for the point it starts from (earlier in the plan: running, or done, under --jobs)
         started = {(c.start, c.start_cell.key): Future() for c in plan if c.start}
+        followers = {(c.start, c.start_cell.key): c for c in plan if c.start}
         jobs, pending = [], 0
         for cell in job_order(plan, folders):
             folder = folders[cell.pairs]
@@ -609,42 +610,59 @@ def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int
             model = None if cell.start else model_folder(folder.folder, cell, args.preset, example_tokens(cell.pairs),
                                                          tokenizer)  # fmt: skip
             what = f"[{plan.index(cell) + 1}/{len(plan)}] K={cell.pairs}, {cell.label}"
-            jobs.append(functools.partial(measure_cell, folder, cell, model, what, started))
+            jobs.append(functools.partial(measure_cell, folder, cell, model, what, started, followers))
             pending += not folder.done(cell.key)
         points = dict(measure_at_once(jobs, args, "cells", pending))
     return None if outcome.failed else points
 
 
 def job_order(plan: list[Cell], folders: dict[int, PointFolder]) -> list[Cell]:
-    """The order the cells are measured in: the map's, but the curriculum cells whose start is not measured yet
-    last. Jobs are taken in order, so under `--jobs` a cell waiting for its start would hold a worker that another
-    cell could use, and with one worker a cell before its start would wait for ever."""
-    return sorted(plan, key=lambda c: bool(c.start) and not folders[c.start].done(c.start_cell.key))
+    """The order the cells are measured in: the map's, but the curriculum cells whose start's models are not here
+    yet (its point still to measure, or restored without them: `remade_start`) last. Jobs are taken in order, so
+    under `--jobs` a cell waiting for its start would hold a worker that another cell could use, and with one
+    worker a cell before its start would wait for ever."""
+
+    def waits(cell: Cell) -> bool:
+        start = cell.start_cell
+        point = folders[cell.start].finished(start.key, cell_argv(start)) if start else None
+        return bool(start) and (point is None or not models_here(point, cell))
+
+    return sorted(plan, key=waits)
 
 
 def measure_cell(point_folder: PointFolder, cell: Cell, model: Path | None, what: str,
-                 started: dict[tuple, Future]) -> tuple[tuple, dict]:  # fmt: skip
+                 started: dict[tuple, Future], followers: dict[tuple, Cell]) -> tuple[tuple, dict]:  # fmt: skip
     """One cell's point, reused or measured (and copied into `--archive`); `((K, cell key), point)`. A curriculum
-    cell (`model` None) first waits for its start's point in `started`; a cell others start from sets it there."""
+    cell (`model` None) first waits in `started` for the point holding its start's models; a cell others start
+    from sets it there: its own, or, restored without its models, `remade_start`'s (`followers`: a cell starting
+    from it, by its `(K, key)`)."""
     key = (cell.pairs, cell.key)
     try:
         if cell.start:
             model = start_models(started[(cell.start, cell.start_cell.key)].result(), cell)
         point = point_folder.reused_or_measured(cell.key, str(model), cell_argv(cell), {"cell": cell.__dict__}, what)
+        if key in started and (follower := followers.get(key)) and not models_here(point, follower):
+            models = remade_start(point_folder, cell, point, model, follower)
+        else:
+            models = point
     except BaseException as error:  # the cells waiting for this one fail with it, not wait for ever
         if key in started:
             started[key].set_exception(error)
         raise
     if key in started:
-        started[key].set_result(point)
+        started[key].set_result(models)
     return key, point
+
+
+class StartModelsGone(ValueError):
+    """A curriculum's start point is here but its models are not (a point restored from `--archive` keeps results,
+    not models): `remade_start` makes them again."""
 
 
 def start_models(point: dict, cell: Cell) -> str:
     """The models a curriculum cell fine-tunes, one per seed, as a `{seed}` path (`loops/finetune.py` reads each
     seed's own): the `final` folders of its start cell's runs at the rate chosen there. ValueError naming the
-    seeds the start lacks, or a folder that is not on this machine (a point restored from `--archive` keeps
-    results, not models)."""
+    seeds the start lacks; `StartModelsGone` for a folder that is not on this machine."""
     _, runs = chosen_runs(point)
     folders = {run["seed"]: Path(run["run_dir"]) / "final" for run in runs}
     first = min(folders)
@@ -659,20 +677,61 @@ def start_models(point: dict, cell: Cell) -> str:
         if str(folders[seed]) != template.replace(PER_SEED, str(seed)):
             raise ValueError(f"{where}: its runs' folders are not named one per seed ({folders[seed]})")
         if problem := model_folder_problem(folders[seed]):
-            raise ValueError(f"{cell.key} at K={cell.pairs} starts from {where}'s model of seed {seed}, which is not "
-                             f"here: {problem}. A point restored from --archive keeps results, not models: measure the "
-                             f"curriculum where {where} ran, or under a new --name here")  # fmt: skip
+            raise StartModelsGone(f"{cell.key} at K={cell.pairs} starts from {where}'s model of seed {seed}, which "
+                                  f"is not here: {problem}")  # fmt: skip
     return template
 
 
+def models_here(point: dict, cell: Cell) -> bool:
+    """Whether the models `cell` (a curriculum cell) starts from are on this machine (`start_models`; its other
+    problems raised)."""
+    try:
+        start_models(point, cell)
+    except StartModelsGone:
+        return False
+    return True
+
+
 def check_start_models(plan: list[Cell], folders: dict[int, PointFolder]) -> None:
-    """Every curriculum cell still to measure whose start is measured: its start's models are here (`start_models`),
-    before any run."""
+    """Every curriculum cell still to measure whose start is measured: its start's models are usable
+    (`start_models`), before any run; a start whose models are not here is named once, with what will make them
+    (`remade_start`)."""
+    named = set()
     for cell in plan:
         if cell.start and not folders[cell.pairs].done(cell.key):
             start = cell.start_cell
-            if point := folders[start.pairs].finished(start.key, cell_argv(start)):
-                start_models(point, cell)
+            point = folders[start.pairs].finished(start.key, cell_argv(start))
+            if point and not models_here(point, cell) and start.key not in named:
+                named.add(start.key)
+                row, runs = chosen_runs(point)
+                print(f"K={start.pairs}'s cell {start.key}: its models are not on this machine (a point restored "
+                      f"from --archive keeps results, not models): its {len(runs)} run(s) at the rate chosen there "
+                      f"({row['learning_rate']:g}) run again first, as point {start.key}{REMADE}, and must "
+                      "reproduce its test accuracy and best-dev step at every seed", flush=True)  # fmt: skip
+
+
+REMADE = "-models"  # the point of a start's runs made again on this machine (`remade_start`)
+
+
+def remade_start(folder: PointFolder, start: Cell, point: dict, model: Path, follower: Cell) -> dict:
+    """The start cell's models made again where its point was restored without them: its runs at the rate chosen
+    there, every seed, as point `<start>-models` of its K's folder (reused while its models are here). Seeded
+    runs reproduce on the CPU, so each seed's test accuracy and best-dev step must equal the restored point's:
+    else ValueError naming both, and the curriculum cells do not start from models its row does not describe."""
+    key, (row, _) = start.key + REMADE, chosen_runs(point)
+    extra = [*cell_argv(start), "--learning_rates", f"{row['learning_rate']:g}"]
+    again = folder.finished(key, extra)
+    if again is None or not models_here(again, follower):
+        what = f"K={start.pairs}, {start.label}: its models made again here (the rate chosen there alone)"
+        print(f"{key}: {what}", flush=True)
+        again = folder.measure(key, str(model), extra, {"cell": start.__dict__, "remakes": start.key})
+    (was, _), (now, _) = chosen_runs(point), chosen_runs(again)
+    if (was["accuracy_seeds"], was["best_steps"]) != (now["accuracy_seeds"], now["best_steps"]):
+        raise ValueError(f"K={start.pairs}'s cell {start.key} made again here does not reproduce its restored point "
+                         f"(test accuracy per seed {was['accuracy_seeds']}, best-dev steps {was['best_steps']}; "
+                         f"here {now['accuracy_seeds']}, {now['best_steps']}): its curriculum cannot start from "
+                         f"models its row does not describe; measure the curriculum under a new --name")  # fmt: skip
+    return again
 
 
 def main(argv: list[str] | None = None) -> int:
