@@ -602,7 +602,7 @@ def measure_map(plan: list[Cell], tasks: dict, root: Path, args, argvs: dict[int
         check_start_models(plan, folders)
         # a curriculum cell waits for the point it starts from (earlier in the plan: running, or done, under --jobs)
         started = {(c.start, c.start_cell.key): Future() for c in plan if c.start}
-        followers = {(c.start, c.start_cell.key): c for c in plan if c.start}
+        followers = {(c.start, c.start_cell.key): c for c in plan if c.start and not folders[c.pairs].done(c.key)}
         jobs, pending = [], 0
         for cell in job_order(plan, folders):
             folder = folders[cell.pairs]
@@ -633,12 +633,12 @@ def job_order(plan: list[Cell], folders: dict[int, PointFolder]) -> list[Cell]:
 def measure_cell(point_folder: PointFolder, cell: Cell, model: Path | None, what: str,
                  started: dict[tuple, Future], followers: dict[tuple, Cell]) -> tuple[tuple, dict]:  # fmt: skip
     """One cell's point, reused or measured (and copied into `--archive`); `((K, cell key), point)`. A curriculum
-    cell (`model` None) first waits in `started` for the point holding its start's models; a cell others start
-    from sets it there: its own, or, restored without its models, `remade_start`'s (`followers`: a cell starting
-    from it, by its `(K, key)`)."""
+    cell (`model` None) still to measure first waits in `started` for the point holding its start's models; a cell
+    others start from sets it there: its own, or, restored without its models, `remade_start`'s (`followers`: a
+    cell still to measure starting from it, by its `(K, key)`; none: a finished map needs no models)."""
     key = (cell.pairs, cell.key)
     try:
-        if cell.start:
+        if cell.start and not point_folder.finished(cell.key, cell_argv(cell)):  # a finished one needs no model
             model = start_models(started[(cell.start, cell.start_cell.key)].result(), cell)
         point = point_folder.reused_or_measured(cell.key, str(model), cell_argv(cell), {"cell": cell.__dict__}, what)
         if key in started and (follower := followers.get(key)) and not models_here(point, follower):
