@@ -369,7 +369,8 @@ def test_a_curriculum_starts_each_seed_from_its_own_model_at_the_smaller_k(in_pr
     assert "its 2 run(s) at the rate chosen there" in capsys.readouterr().out  # named before any run
     [remake] = in_process[launched:]  # the start's runs again, at its chosen rate alone; the K = 3 cell not started
     assert remake[remake.index("--run_name") + 1] == "recall-K2-C4-conv-models"
-    assert remake[len(remake) - 1 - remake[::-1].index("--learning_rates") + 1] == f"{row['learning_rate']:g}"
+    last_rates = max(i for i, arg in enumerate(remake) if arg == "--learning_rates")  # the last one given wins
+    assert remake[last_rates + 1] == f"{row['learning_rate']:g}"
     start_file.write_text(original)
     assert recall.main(CURRICULUM) == 0  # the made-again models reused: they reproduce the point
     assert len(in_process) == launched + 2

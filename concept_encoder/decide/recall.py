@@ -623,9 +623,7 @@ def job_order(plan: list[Cell], folders: dict[int, PointFolder]) -> list[Cell]:
     worker a cell before its start would wait for ever."""
 
     def waits(cell: Cell) -> bool:
-        start = cell.start_cell
-        point = folders[cell.start].finished(start.key, cell_argv(start)) if start else None
-        return bool(start) and (point is None or not models_here(point, cell))
+        return bool(cell.start) and ((point := start_point(cell, folders)) is None or not models_here(point, cell))
 
     return sorted(plan, key=waits)
 
@@ -682,6 +680,12 @@ def start_models(point: dict, cell: Cell) -> str:
     return template
 
 
+def start_point(cell: Cell, folders: dict[int, PointFolder]) -> dict | None:
+    """The point of the cell a curriculum cell starts from, when it is finished (None: still to measure)."""
+    start = cell.start_cell
+    return folders[start.pairs].finished(start.key, cell_argv(start))
+
+
 def models_here(point: dict, cell: Cell) -> bool:
     """Whether the models `cell` (a curriculum cell) starts from are on this machine (`start_models`; its other
     problems raised)."""
@@ -699,8 +703,7 @@ def check_start_models(plan: list[Cell], folders: dict[int, PointFolder]) -> Non
     named = set()
     for cell in plan:
         if cell.start and not folders[cell.pairs].done(cell.key):
-            start = cell.start_cell
-            point = folders[start.pairs].finished(start.key, cell_argv(start))
+            start, point = cell.start_cell, start_point(cell, folders)
             if point and not models_here(point, cell) and start.key not in named:
                 named.add(start.key)
                 row, runs = chosen_runs(point)
@@ -725,10 +728,10 @@ def remade_start(folder: PointFolder, start: Cell, point: dict, model: Path, fol
         what = f"K={start.pairs}, {start.label}: its models made again here (the rate chosen there alone)"
         print(f"{key}: {what}", flush=True)
         again = folder.measure(key, str(model), extra, {"cell": start.__dict__, "remakes": start.key})
-    (was, _), (now, _) = chosen_runs(point), chosen_runs(again)
-    if (was["accuracy_seeds"], was["best_steps"]) != (now["accuracy_seeds"], now["best_steps"]):
+    now, _ = chosen_runs(again)
+    if (row["accuracy_seeds"], row["best_steps"]) != (now["accuracy_seeds"], now["best_steps"]):
         raise ValueError(f"K={start.pairs}'s cell {start.key} made again here does not reproduce its restored point "
-                         f"(test accuracy per seed {was['accuracy_seeds']}, best-dev steps {was['best_steps']}; "
+                         f"(test accuracy per seed {row['accuracy_seeds']}, best-dev steps {row['best_steps']}; "
                          f"here {now['accuracy_seeds']}, {now['best_steps']}): its curriculum cannot start from "
                          f"models its row does not describe; measure the curriculum under a new --name")  # fmt: skip
     return again
