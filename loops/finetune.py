@@ -318,6 +318,7 @@ def fine_tune(
                   "pooling": pooling, "parameters": counts["total"], "best_step": best.step, "steps": progress.step,
                   "still_improving": still_improving, "dev": best.dev, "memory": memory_stats(accelerator.device),
                   "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir), "settings": settings,
+                  "cpu_threads": torch.get_num_threads(),  # the finishing invocation's: CPU sums depend on it
                   **({"gates": gates.summary(), "stopped_by_gate": gate_stopped} if args.gate else {}),
                   **({"stopped_at_dev": reached} if fargs.stop_at_dev is not None else {})}  # fmt: skip
         last = model_state_dict(accelerator, model) if fargs.report_last_step else None  # collective

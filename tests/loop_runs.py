@@ -1,5 +1,6 @@
 """Shared by the loop's test modules: the tiny run's arguments, in-process runs, their records, a finished run."""
 
+import itertools
 import math
 import os
 import signal
@@ -83,7 +84,20 @@ def launch_in_process(commands: list):
             fail_fast(argv) if loop is mlm else fail_fast(argv, FINETUNE_ARGUMENT_CLASSES, FINETUNE_DEFAULTS)
         except SystemExit as stop:
             return stop.code
-        return 1 if loop.main(argv) else 0  # as `accelerate launch` reports it
+        # `env NAME=value ... <launcher>`: the launch's own environment, this run's alone
+        pinned = dict(c.split("=", 1) for c in itertools.takewhile(lambda c: "=" in c, command[1:]))
+        pinned = pinned if command[0] == "env" else {}
+        saved, threads = {name: os.environ.get(name) for name in pinned}, torch.get_num_threads()
+        os.environ.update(pinned)
+        try:
+            return 1 if loop.main(argv) else 0  # as `accelerate launch` reports it
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name)
+                else:
+                    os.environ[name] = value
+            torch.set_num_threads(threads)  # a count pinned for the run ends with it
 
     return in_process
 

@@ -285,6 +285,8 @@ def test_each_process_gets_its_share_of_the_cores_on_a_gpu_machine(monkeypatch, 
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(8)))
     assert runtime.cpu_threads() == threads
+    # what a driver expects a 2-process launch's ranks to use: the count they apply (torch follows a chosen OMP's)
+    assert runtime.launch_threads(2) == (threads or int(environment["OMP_NUM_THREADS"]))
     torch.set_num_threads(2 if threads != 2 else 3)
     before = torch.get_num_threads()
     assert runtime.use_cpu_cores() == (threads or before) == torch.get_num_threads()

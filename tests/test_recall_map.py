@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from loop_runs import TwoAtATime, in_process  # noqa: F401 (fixture)
 
 from concept_encoder.data.tokenizer import load_tokenizer
@@ -362,26 +363,37 @@ def test_a_curriculum_starts_each_seed_from_its_own_model_at_the_smaller_k(in_pr
     shutil.rmtree(Path(next(r["run_dir"] for r in start["runs"] if r["seed"] == 43)) / "final")
     [row] = [r for r in start["rows"] if r["method"] == "fine-tune"]
     row["accuracy_seeds"] = [round(1 - a, 6) for a in row["accuracy_seeds"]]  # a point these runs cannot reproduce
-    start_file.write_text(json.dumps(start))
+    threads = {run.pop("cpu_threads") for run in start["runs"]}  # each run records its CPU threads
+    assert threads == {torch.get_num_threads()}
+    start_file.write_text(json.dumps(start))  # as a point from before runs recorded them
     launched = len(in_process)
-    with pytest.raises(ValueError, match="K=2's cell C4-conv made again here does not reproduce its restored point"):
-        recall.main(CURRICULUM)
-    assert "its 2 run(s) at the rate chosen there" in capsys.readouterr().out  # named before any run
+    assert recall.main(CURRICULUM) == 1
+    out, err = capsys.readouterr()
+    assert "its 2 run(s) at the rate chosen there" in out  # named before any run
+    assert "error: K=2's cell C4-conv made again here does not reproduce its restored point" in err
+    assert "Its runs recorded no thread count" in err and "rerun with CPU_THREADS=<the count they ran with>" in err
     [remake] = in_process[launched:]  # the start's runs again, at its chosen rate alone; the K = 3 cell not started
-    assert remake[remake.index("--run_name") + 1] == "recall-K2-C4-conv-models"
+    (count,) = threads
+    assert remake[:2] == ["env", f"CPU_THREADS={count}"]  # this machine's count, pinned for that launch alone
+    assert remake[remake.index("--run_name") + 1] == f"recall-K2-C4-conv-models-t{count}"  # named for its count
     last_rates = max(i for i, arg in enumerate(remake) if arg == "--learning_rates")  # the last one given wins
     assert remake[last_rates + 1] == f"{row['learning_rate']:g}"
-    start_file.write_text(original)
-    assert recall.main(CURRICULUM) == 0  # the made-again models reused: they reproduce the point
-    assert len(in_process) == launched + 2
+    # what did not reproduce is set aside, not reused and not archived
+    assert not Path("Cache/recall/recall-K2/points/C4-conv-models.json").exists()
+    assert len(list(Path("Cache/recall/recall-K2/set_aside").glob("C4-conv-models-*.json"))) == 1
+    start_file.write_text(original)  # recorded threads: the remake runs with them, and its runs are reused
+    assert recall.main(CURRICULUM) == 0  # the made-again models reproduce the point
+    assert in_process[launched + 1][:2] == ["env", f"CPU_THREADS={count}"]
+    assert len(in_process) == launched + 3  # the remake (its finished runs reused) and the K = 3 cell
     again = json.loads(Path("Cache/recall/recall-K2/points/C4-conv-models.json").read_text())
+    assert {run["cpu_threads"] for run in again["runs"]} == {count}
     finals = {run["seed"]: str(Path(run["run_dir"]) / "final") for run in again["runs"]}
     point = json.loads(Path("Cache/recall/recall-K3/points/C4-conv-from2.json").read_text())
     assert {run["seed"]: run["settings"]["model"] for run in point["runs"]} == finals and len(finals) == 2
     assert all(Path(folder).is_dir() for folder in finals.values())
     for folder in [*finals.values(), *(str(Path(r["run_dir"]) / "final") for r in start["runs"])]:
         shutil.rmtree(folder, ignore_errors=True)  # a finished curriculum on a fresh machine: no models needed
-    assert recall.main(CURRICULUM) == 0 and len(in_process) == launched + 2
+    assert recall.main(CURRICULUM) == 0 and len(in_process) == launched + 3
 
 
 def test_a_curriculum_cell_waits_for_its_start_and_fails_with_it(monkeypatch):

@@ -315,8 +315,9 @@ def extension_problem(plan: ArchitecturePlan, run_dir: Path, finished: int) -> s
 
 REQUEST = "request.json"  # in a point folder: what its points and pretraining runs were measured under
 # all a point folder holds: what the drivers write (the long-context driver keeps its fine-tuning runs in `finetune/`)
+SET_ASIDE = "set_aside"  # points moved out of `points` (`PointFolder.set_aside`)
 FOLDER_ENTRIES = {REQUEST, ".lock", "points", "reports", "finetune", "tasks", "models", "curve.md", "curve.png",
-                 "curve.json"}  # fmt: skip
+                  "curve.json", SET_ASIDE}  # fmt: skip
 
 
 def check_reuse(
@@ -504,17 +505,23 @@ class PointFolder:
             return False
         return True
 
-    def measure(self, key: str, model: str, extra: list[str], info: dict) -> dict:
+    def measure(self, key: str, model: str, extra: list[str], info: dict, threads: int | None = None,
+                keep: bool = True) -> dict:  # fmt: skip
         """Fine-tune and probe `model` under the fair protocol (resuming an interrupted attempt); the point's
-        report rows and baselines go to `points/<key>.json` once all of it finished, and into the archive (`keep`)."""
+        report rows and baselines go to `points/<key>.json` once all of it finished, and into the archive (`keep`).
+        `threads`: each rank's CPU threads pinned (`CPU_THREADS` for this launch alone, set through `env` so launches
+        beside it keep theirs) and the runs named for it (`<name>-<key>-t<threads>`), so runs of two counts, whose
+        CPU sums differ, are never taken for each other."""
         reports = self.folder / "reports" / key
+        run_name = f"{self.folder.name}-{key}" + (f"-t{threads}" if threads else "")
         argv = [*self.finetune_argv, "--model_name_or_path", model, "--task", self.task,
-                *(["--probe"] if self.probe else []), "--run_name", f"{self.folder.name}-{key}",
-                "--report_dir", str(reports), *extra]  # fmt: skip
+                *(["--probe"] if self.probe else []), "--run_name", run_name, "--report_dir", str(reports),
+                *extra]  # fmt: skip
         earlier = report_stamps(reports)  # a report left by an earlier attempt is not this one's
+        pinned = ["env", f"CPU_THREADS={threads}"] if threads else []
         # auto: a fresh start the first time; after an interruption, finished seeds reused, the cut one resumed
         code = run_command(
-            [*local_launcher(FINETUNE_SCRIPT, self.processes), *argv, "--resume_from_checkpoint", "auto"]
+            [*pinned, *local_launcher(FINETUNE_SCRIPT, self.processes), *argv, "--resume_from_checkpoint", "auto"]
         )
         found = sorted((p for p, stamp in report_stamps(reports).items() if earlier.get(p) != stamp),
                        key=lambda p: p.stat().st_mtime_ns)  # written by this run, the newest last  # fmt: skip
@@ -531,8 +538,17 @@ class PointFolder:
         self.point_file(key).parent.mkdir(parents=True, exist_ok=True)
         with written_aside(self.point_file(key)) as partial:  # a reader (`--report_only`) never sees half of it
             partial.write_text(json_io.dumps(point, indent=2))
-        self.keep(key)
+        if keep:
+            self.keep(key)
         return point
+
+    def set_aside(self, key: str) -> Path:
+        """Move the point `key` out of the points (never deleted, never archived) to `set_aside/<key>-<time>.json`,
+        so the next invocation measures it again; its new path."""
+        target = self.folder / SET_ASIDE / f"{key}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.point_file(key).replace(target)
+        return target
 
     def reused_or_measured(self, key: str, model: str, extra: list[str], info: dict, what: str) -> dict:
         """The point `key`: read when measured before with the same fine-tuning arguments `extra` (e.g. a cell's

@@ -716,24 +716,54 @@ def check_start_models(plan: list[Cell], folders: dict[int, PointFolder]) -> Non
 REMADE = "-models"  # the point of a start's runs made again on this machine (`remade_start`)
 
 
+class StartNotReproduced(RuntimeError):
+    """A start made again (`remade_start`) whose runs do not reproduce its restored point: the driver stops with one
+    line (a RuntimeError), the cells after it not started."""
+
+
+def recorded_threads(runs: list[dict]) -> int | None:
+    """The CPU threads a point's runs recorded (`cpu_threads`, the same count for every run), else None: runs
+    finished before they recorded it, or under different counts."""
+    counts = {run.get("cpu_threads") for run in runs}
+    return counts.pop() if len(counts) == 1 and None not in counts else None
+
+
 def remade_start(folder: PointFolder, start: Cell, point: dict, model: Path, follower: Cell) -> dict:
     """The start cell's models made again where its point was restored without them: its runs at the rate chosen
-    there, every seed, as point `<start>-models` of its K's folder (reused while its models are here). Seeded
-    runs reproduce on the CPU, so each seed's test accuracy and best-dev step must equal the restored point's:
-    else ValueError naming both, and the curriculum cells do not start from models its row does not describe."""
-    key, (row, _) = start.key + REMADE, chosen_runs(point)
+    there, every seed, as point `<start>-models` of its K's folder (reused while its models are here). Seeded runs
+    reproduce on the CPU under the same thread count (a sum over other threads rounds differently, and a model that
+    binds suddenly can amplify the last bit into another result: docs/recall.md), so the runs are made with the
+    threads the point's runs recorded (where they recorded none, this machine's, and the runs are named for it), and
+    each seed's test accuracy and best-dev step must equal the restored point's. Else `StartNotReproduced` naming
+    both; the point made here is set aside (`PointFolder.set_aside`, not archived) and the curriculum cells do not
+    start from models its row does not describe. The point is archived once it reproduces."""
+    from ..training.runtime import launch_threads  # torch loads only where a start is made again
+
+    key, (row, runs) = start.key + REMADE, chosen_runs(point)
     extra = [*cell_argv(start), "--learning_rates", f"{row['learning_rate']:g}"]
+    recorded = recorded_threads(runs)
+    threads = recorded or launch_threads(folder.processes)
     again = folder.finished(key, extra)
     if again is None or not models_here(again, follower):
-        what = f"K={start.pairs}, {start.label}: its models made again here (the rate chosen there alone)"
-        print(f"{key}: {what}", flush=True)
-        again = folder.measure(key, str(model), extra, {"cell": start.__dict__, "remakes": start.key})
+        whose = "as its runs recorded" if recorded else "its runs recorded none: this machine's"
+        print(f"{key}: K={start.pairs}, {start.label}: its models made again here (the rate chosen there alone, "
+              f"{threads} CPU thread(s) a rank, {whose})", flush=True)  # fmt: skip
+        again = folder.measure(key, str(model), extra, {"cell": start.__dict__, "remakes": start.key},
+                               threads=threads, keep=False)  # fmt: skip
     now, _ = chosen_runs(again)
     if (row["accuracy_seeds"], row["best_steps"]) != (now["accuracy_seeds"], now["best_steps"]):
-        raise ValueError(f"K={start.pairs}'s cell {start.key} made again here does not reproduce its restored point "
-                         f"(test accuracy per seed {row['accuracy_seeds']}, best-dev steps {row['best_steps']}; "
-                         f"here {now['accuracy_seeds']}, {now['best_steps']}): its curriculum cannot start from "
-                         f"models its row does not describe; measure the curriculum under a new --name")  # fmt: skip
+        aside = folder.set_aside(key)
+        retry = ("rerun with CPU_THREADS=<the count they ran with> (the runs of each count are kept apart), or "
+                 if not recorded else "")  # fmt: skip
+        raise StartNotReproduced(
+            f"K={start.pairs}'s cell {start.key} made again here does not reproduce its restored point (test accuracy "
+            f"per seed {row['accuracy_seeds']}, best-dev steps {row['best_steps']}; here, with {threads} CPU "
+            f"thread(s) a rank, {now['accuracy_seeds']}, {now['best_steps']}; set aside as {aside}). "
+            + (f"Its runs recorded {recorded} thread(s): " if recorded else "Its runs recorded no thread count: ")
+            + f"on the CPU a result depends on it. Its curriculum cannot start from models its row does not "
+            f"describe: {retry}measure the curriculum under a new --name"
+        )  # fmt: skip
+    folder.keep(key)
     return again
 
 

@@ -120,12 +120,28 @@ def cpu_threads() -> int | None:
        check's CPU forward pass, a distillation teacher on the CPU and CPU Adam under offload would each run on one
        core. To pin one thread, set `CPU_THREADS=1`.
     """
-    if explicit := int(os.environ.get("CPU_THREADS", 0) or 0):
-        return explicit
-    if os.environ.get("OMP_NUM_THREADS", "1").strip() not in ("", "1"):
-        return None
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    return max(1, usable_cores() // max(local, 1))
+    if not explicit_threads() and os.environ.get("OMP_NUM_THREADS", "1").strip() not in ("", "1"):
+        return None  # torch follows OMP_NUM_THREADS itself
+    return launch_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
+
+
+def explicit_threads() -> int:
+    """`CPU_THREADS`, 0 when unset."""
+    return int(os.environ.get("CPU_THREADS", 0) or 0)
+
+
+def omp_threads() -> int:
+    """The threads an OMP_NUM_THREADS someone chose gives torch (its first level's count; other than 1: see
+    `cpu_threads`), else 0."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and first != "1" else 0
+
+
+def launch_threads(processes: int) -> int:
+    """The CPU threads each rank of a `processes`-process launch started now will use (`cpu_threads` as the launched
+    loop applies it: `CPU_THREADS`, else an OMP_NUM_THREADS other than 1 the launcher passes on, else the usable
+    cores split between the ranks)."""
+    return explicit_threads() or omp_threads() or max(1, usable_cores() // max(processes, 1))
 
 
 def usable_cores() -> int:
