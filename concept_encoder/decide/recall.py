@@ -759,9 +759,10 @@ def remade_start(folder: PointFolder, start: Cell, point: dict, model: Path, fol
             f"K={start.pairs}'s cell {start.key} made again here does not reproduce its restored point (test accuracy "
             f"per seed {row['accuracy_seeds']}, best-dev steps {row['best_steps']}; here, with {threads} CPU "
             f"thread(s) a rank, {now['accuracy_seeds']}, {now['best_steps']}; set aside as {aside}). "
-            + (f"Its runs recorded {recorded} thread(s): " if recorded else "Its runs recorded no thread count: ")
-            + f"on the CPU a result depends on it. Its curriculum cannot start from models its row does not "
-            f"describe: {retry}measure the curriculum under a new --name"
+            + (f"Its runs recorded {recorded} thread(s), as here: another CPU or library version differs. "
+               if recorded else "Its runs recorded no thread count, and on the CPU a result depends on it. ")
+            + f"Its curriculum cannot start from models its row does not describe: {retry}measure the curriculum "
+            "under a new --name"
         )  # fmt: skip
     folder.keep(key)
     return again
