@@ -85,8 +85,8 @@ def launch_in_process(commands: list):
         except SystemExit as stop:
             return stop.code
         # `env NAME=value ... <launcher>`: the launch's own environment, this run's alone
-        pinned = dict(c.split("=", 1) for c in itertools.takewhile(lambda c: "=" in c, command[1:]))
-        pinned = pinned if command[0] == "env" else {}
+        pinned = dict(c.split("=", 1) for c in itertools.takewhile(lambda c: "=" in c, command[1:])) if (
+            command[0] == "env") else {}  # fmt: skip
         saved, threads = {name: os.environ.get(name) for name in pinned}, torch.get_num_threads()
         os.environ.update(pinned)
         try:

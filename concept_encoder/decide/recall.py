@@ -753,17 +753,19 @@ def remade_start(folder: PointFolder, start: Cell, point: dict, model: Path, fol
     now, _ = chosen_runs(again)
     if (row["accuracy_seeds"], row["best_steps"]) != (now["accuracy_seeds"], now["best_steps"]):
         aside = folder.set_aside(key)
-        retry = ("rerun with CPU_THREADS=<the count they ran with> (the runs of each count are kept apart), or "
-                 if not recorded else "")  # fmt: skip
+        why, retry = (
+            (f"Its runs recorded {recorded} thread(s), as here: another CPU or library version differs", "")
+            if recorded else ("Its runs recorded no thread count, and on the CPU a result depends on it",
+                              "rerun with CPU_THREADS=<the count they ran with> (the runs of each count are kept "
+                              "apart), or ")
+        )  # fmt: skip
         raise StartNotReproduced(
             f"K={start.pairs}'s cell {start.key} made again here does not reproduce its restored point (test accuracy "
             f"per seed {row['accuracy_seeds']}, best-dev steps {row['best_steps']}; here, with {threads} CPU "
-            f"thread(s) a rank, {now['accuracy_seeds']}, {now['best_steps']}; set aside as {aside}). "
-            + (f"Its runs recorded {recorded} thread(s), as here: another CPU or library version differs. "
-               if recorded else "Its runs recorded no thread count, and on the CPU a result depends on it. ")
-            + f"Its curriculum cannot start from models its row does not describe: {retry}measure the curriculum "
-            "under a new --name"
-        )  # fmt: skip
+            f"thread(s) a rank, {now['accuracy_seeds']}, {now['best_steps']}; set aside as {aside}). {why}. Its "
+            f"curriculum cannot start from models its row does not describe: {retry}measure the curriculum under a "
+            "new --name"
+        )
     folder.keep(key)
     return again
 

@@ -141,7 +141,12 @@ def launch_threads(processes: int) -> int:
     """The CPU threads each rank of a `processes`-process launch started now will use (`cpu_threads` as the launched
     loop applies it: `CPU_THREADS`, else an OMP_NUM_THREADS other than 1 the launcher passes on, else the usable
     cores split between the ranks)."""
-    return explicit_threads() or omp_threads() or max(1, usable_cores() // max(processes, 1))
+    return explicit_threads() or omp_threads() or cores_each(processes)
+
+
+def cores_each(processes: int) -> int:
+    """The usable cores split between `processes` processes, at least 1 each."""
+    return max(1, usable_cores() // max(processes, 1))
 
 
 def usable_cores() -> int:
@@ -160,7 +165,7 @@ def cores_shared(processes: int) -> Iterator[int]:
     if given := os.environ.get("CPU_THREADS"):
         yield int(given)
         return
-    os.environ["CPU_THREADS"] = str(max(1, usable_cores() // max(processes, 1)))
+    os.environ["CPU_THREADS"] = str(cores_each(processes))
     try:
         yield int(os.environ["CPU_THREADS"])
     finally:
