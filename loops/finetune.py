@@ -60,6 +60,7 @@ from concept_encoder.checkpoints.checkpoint import (
     TrainState,
     disk_full,
     load_checkpoint,
+    record_cpu_threads,
     resolve_resume,
     save_checkpoint,
 )
@@ -257,6 +258,7 @@ def fine_tune(
             started -= progress.seconds  # the run's wall-clock counts its earlier invocations too
             gates.load_state_dict({"outcomes": progress.gates})
             logger.info("resumed from %s at step %d", resume, progress.step)
+        threads = record_cpu_threads(progress, accelerator.device.type)  # CPU sums depend on the count: in checkpoints
         metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
         if metrics:
             metrics.drop_after(progress.step)
@@ -318,7 +320,7 @@ def fine_tune(
                   "pooling": pooling, "parameters": counts["total"], "best_step": best.step, "steps": progress.step,
                   "still_improving": still_improving, "dev": best.dev, "memory": memory_stats(accelerator.device),
                   "seconds": round(time.perf_counter() - started, 1), "run_dir": str(run_dir), "settings": settings,
-                  "cpu_threads": torch.get_num_threads(),  # the finishing invocation's: CPU sums depend on it
+                  "cpu_threads": threads,  # one count, or each invocation's where a resume changed it
                   **({"gates": gates.summary(), "stopped_by_gate": gate_stopped} if args.gate else {}),
                   **({"stopped_at_dev": reached} if fargs.stop_at_dev is not None else {})}  # fmt: skip
         last = model_state_dict(accelerator, model) if fargs.report_last_step else None  # collective

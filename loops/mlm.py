@@ -53,6 +53,7 @@ from concept_encoder.checkpoints.checkpoint import (
     TrainState,
     disk_full,
     load_checkpoint,
+    record_cpu_threads,
     resolve_resume,
     save_checkpoint,
     saved_train_state,
@@ -408,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         progress_state = load_checkpoint(accelerator, resume, per_rank, shared, run_dir)
         gates.load_state_dict({"outcomes": progress_state.gates})
         logger.info("resumed from %s at step %d", resume, progress_state.step)
+    threads = record_cpu_threads(progress_state, accelerator.device.type)  # CPU sums depend on the count
     run_clock = time.perf_counter() - progress_state.seconds  # the run's wall-clock counts earlier invocations
 
     metrics = MetricsWriter(run_dir / "metrics.jsonl", wandb_run) if accelerator.is_main_process else None
@@ -548,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 13. final save + W&B finish (main process)
     probe_ids = torch.as_tensor(first_validation_example["input_ids"], dtype=torch.long)[None]  # [1,N]
-    notes = {"divergence": divergence.detected} if divergence.detected else {}
+    notes = {"cpu_threads": threads, **({"divergence": divergence.detected} if divergence.detected else {})}
     if unlabelled_steps:
         notes["steps_without_masked_tokens"] = unlabelled_steps
     if args.gate:

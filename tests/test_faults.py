@@ -303,6 +303,8 @@ def test_a_checkpoint_runs_no_code_and_lacks_no_state(finished_run, tmp_path, st
         ("train_state.json", '{"step": 4, "seconds": -1.5}', r"train_state.json holds values a loop does not write \(seconds\)"),
         ("train_state.json", '{"step": 4, "seconds": NaN}', r"train_state.json holds values a loop does not write \(seconds\)"),
         ("train_state.json", '{"step": 4, "seconds": "1 h"}', r"train_state.json holds values a loop does not write \(seconds\)"),
+        ("train_state.json", '{"step": 4, "cpu_threads": 2}', r"train_state.json holds values a loop does not write \(cpu_threads\)"),
+        ("train_state.json", '{"step": 4, "cpu_threads": [0]}', r"train_state.json holds values a loop does not write \(cpu_threads\)"),
         ("train_state.json", "[4]", "train_state.json is not a JSON object"),
         ("resume_settings.json", "[]", "resume_settings.json does not hold the run's settings"),
         ("manifest.json", '["model.safetensors"]', "manifest.json is not a list of files and sizes"),

@@ -689,7 +689,9 @@ def test_sigterm_checkpoints_and_auto_resume_continues_exactly(workdir, concept_
     cut = interrupted / "checkpoints" / "step_0000025"  # its wall-clock so far, as if it had taken 10,000 s
     state = json.loads((cut / "train_state.json").read_text())
     assert state["seconds"] > 0
-    (cut / "train_state.json").write_text(json.dumps({**state, "seconds": 10000.0}))
+    threads = torch.get_num_threads()
+    assert state["cpu_threads"] == [threads]  # ... and begun with one thread more
+    (cut / "train_state.json").write_text(json.dumps({**state, "seconds": 10000.0, "cpu_threads": [threads + 1]}))
     write_manifest(cut)
     monkeypatch.setattr(finetune, "train_step", real_step)
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -698,6 +700,7 @@ def test_sigterm_checkpoints_and_auto_resume_continues_exactly(workdir, concept_
     for key in ("best_step", "dev", "validation"):
         assert [run[key] for run in resumed["runs"]] == [run[key] for run in whole["runs"]], key
     assert [10000 <= run["seconds"] < 10600 for run in resumed["runs"]] == [False, True]  # the cut run: both parts
+    assert [run["cpu_threads"] for run in resumed["runs"]] == [threads, [threads + 1, threads]]  # each count
 
     def train_losses(folder):
         return [

@@ -275,6 +275,14 @@ def test_a_cells_wall_clock_counts_the_grids_other_rates():
     assert (older["cell_seconds"], older["runs"]) == (21.0, 2)
 
 
+def test_a_points_thread_count_is_the_one_every_run_recorded():
+    assert recall.recorded_threads([{"cpu_threads": 2}, {"cpu_threads": 2}]) == 2
+    for runs in ([{"cpu_threads": 2}, {"cpu_threads": 1}],  # counts differ between runs
+                 [{"cpu_threads": [2, 1]}, {"cpu_threads": [2, 1]}],  # within a run: resumed under another count
+                 [{"cpu_threads": 2}, {}], [{}], []):  # fmt: skip
+        assert recall.recorded_threads(runs) is None, runs
+
+
 def test_an_archive_restores_only_whole_points_of_this_request(in_process, capsys, tmp_path):
     from concept_encoder.decide.experiments import PointFolder
 
@@ -381,6 +389,13 @@ def test_a_curriculum_starts_each_seed_from_its_own_model_at_the_smaller_k(in_pr
     # what did not reproduce is set aside, not reused and not archived
     assert not Path("Cache/recall/recall-K2/points/C4-conv-models.json").exists()
     assert len(list(Path("Cache/recall/recall-K2/set_aside").glob("C4-conv-models-*.json"))) == 1
+    start["runs"][0]["cpu_threads"] = [count, count + 1]  # a run resumed under another count records both
+    start_file.write_text(json.dumps(start))
+    assert recall.main(CURRICULUM) == 1
+    assert f"Its runs ran under different thread counts ([{count}, {count + 1}]), which no one count" in (
+        capsys.readouterr().err)  # fmt: skip
+    assert len(in_process) == launched + 2 and in_process[-1][:2] == ["env", f"CPU_THREADS={count}"]
+    launched += 1  # that remake set aside as well
     start_file.write_text(original)  # recorded threads: the remake runs with them, and its runs are reused
     assert recall.main(CURRICULUM) == 0  # the made-again models reproduce the point
     assert in_process[launched + 1][:2] == ["env", f"CPU_THREADS={count}"]

@@ -45,22 +45,47 @@ def test_resuming_another_runs_checkpoint_continues_in_the_new_run_and_leaves_it
     assert [p.name for p in Path("runs/b/checkpoints").iterdir()] == ["step_0000006"]
 
 
-def test_a_resumed_runs_wall_clock_counts_its_earlier_invocations(finished_run, tmp_path):
+def test_a_resumed_run_counts_its_earlier_invocations_wall_clock_and_cpu_threads(finished_run, tmp_path, capsys):
     """A checkpoint keeps the run's wall-clock so far (`seconds`) and a resume adds its own time to it: the summary's
-    `train_seconds` is the whole run's, not the last invocation's."""
+    `train_seconds` is the whole run's, not the last invocation's. It keeps the CPU threads each invocation ran with
+    as well: a resume under another count (CPU sums round differently) is warned about and recorded as both."""
     from concept_encoder.checkpoints.checkpoint import write_manifest
 
+    threads = torch.get_num_threads()
+    assert json.loads(Path("runs/a/summary.json").read_text())["cpu_threads"] == threads  # one count: the number
     source = finished_run / "checkpoints/step_0000004"
     state = json.loads((source / "train_state.json").read_text())
-    assert state["seconds"] > 0
+    assert state["seconds"] > 0 and state["cpu_threads"] == [threads]
     earlier = tmp_path / "earlier" / "checkpoints" / "step_0000004"  # as if the first 4 steps had taken 10,000 s
-    shutil.copytree(source, earlier)
-    (earlier / "train_state.json").write_text(json.dumps({**state, "seconds": 10000.0}))
+    shutil.copytree(source, earlier)  # ... with one thread more
+    (earlier / "train_state.json").write_text(json.dumps({**state, "seconds": 10000.0, "cpu_threads": [threads + 1]}))
     write_manifest(earlier)
-    run("--run_name", "later", "--max_steps", "6", "--resume_from_checkpoint", str(earlier))
+    run("--run_name", "later", "--max_steps", "6", "--save_steps", "6", "--resume_from_checkpoint", str(earlier))
     summary = json.loads(Path("runs/later/summary.json").read_text())
     assert 10000 <= summary["train_seconds"] < 10000 + 600
     assert json.loads(Path("runs/a/summary.json").read_text())["train_seconds"] < 600
+    assert summary["cpu_threads"] == [threads + 1, threads]
+    assert f"resumed with {threads} CPU thread(s) where the run ran with {threads + 1} until step 4" in (
+        capsys.readouterr().out)  # fmt: skip
+    assert json.loads((Path("runs/later/checkpoints/step_0000006/train_state.json")).read_text())["cpu_threads"] == [
+        threads + 1, threads]  # fmt: skip
+
+
+def test_cpu_threads_are_recorded_once_per_count_and_warned_about_on_the_cpu_only(caplog):
+    from concept_encoder.checkpoints.checkpoint import TrainState, record_cpu_threads
+
+    threads = torch.get_num_threads()
+    state = TrainState()
+    assert record_cpu_threads(state, "cpu") == threads  # a fresh run
+    state.step = 8
+    assert record_cpu_threads(state, "cpu") == threads and state.cpu_threads == [threads]  # resumed, same count
+    assert not caplog.records
+    moved = TrainState(step=8, cpu_threads=[threads + 1])
+    assert record_cpu_threads(moved, "cuda") == [threads + 1, threads] and not caplog.records  # GPU math: no warning
+    legacy = TrainState(step=8)  # a checkpoint written before counts were kept: its invocations' count unknown
+    assert record_cpu_threads(legacy, "cpu") == [None, threads] and not caplog.records  # nothing known to differ
+    assert record_cpu_threads(moved, "cpu") == [threads + 1, threads]  # already recorded: not added twice
+    assert not caplog.records  # warned about when the count changes, i.e. at the resume that changed it only
 
 
 def test_a_rollback_sets_the_later_history_aside_and_the_run_keeps_one_history(workdir, capsys):

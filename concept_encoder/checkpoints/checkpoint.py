@@ -41,6 +41,29 @@ class TrainState:
     bad_steps: int = 0  # consecutive non-finite losses
     gates: list = field(default_factory=list)  # decision gates' outcomes so far (`gates.GateMonitor`)
     seconds: float = 0.0  # the run's wall-clock up to this position, over every invocation (a resume adds its own)
+    cpu_threads: list = field(default_factory=list)  # torch's CPU threads in each invocation (`record_cpu_threads`)
+
+
+def record_cpu_threads(state: TrainState, device_type: str) -> int | list:
+    """Add this invocation's CPU thread count (`torch.get_num_threads()`) to the run's `state.cpu_threads`, and
+    return the run's record: the one count every invocation used, else the counts in the order they came (None for
+    the invocations of a checkpoint written before counts were kept). Seeded runs whose math is on the CPU are
+    bit-exact only under one count (a sum split over other threads rounds differently), so a resume under another
+    count is warned about there: its run will not equal one made under either count alone."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if state.step and not state.cpu_threads:  # resumed from a checkpoint that kept no count
+        state.cpu_threads.append(None)
+    known = [count for count in state.cpu_threads if count is not None]
+    if known and threads not in known and device_type == "cpu":
+        logger.warning("resumed with %d CPU thread(s) where the run ran with %s until step %d: CPU sums round "
+                       "differently under another count, so this run will not equal one made under a single count; "
+                       "resume with CPU_THREADS=<that count> to keep it exact", threads,
+                       "/".join(map(str, known)), state.step)  # fmt: skip
+    if threads not in state.cpu_threads:
+        state.cpu_threads.append(threads)
+    return state.cpu_threads[0] if len(state.cpu_threads) == 1 else list(state.cpu_threads)
 
 
 def step_of(checkpoint: Path) -> int:
@@ -96,17 +119,27 @@ def json_or_none(path: Path):
         return None
 
 
+def whole_number(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+TRAIN_STATE_VALUES = {  # what a loop writes in each field of `TrainState` other than the whole numbers
+    "gates": lambda value: isinstance(value, list) and all(isinstance(g, dict) and "passed" in g for g in value),
+    "seconds": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf,
+    "cpu_threads": lambda value: isinstance(value, list) and all(c is None or whole_number(c) and c > 0 for c in value),
+}
+
+
 def train_state_problem(checkpoint: Path) -> str | None:
     """Why `<checkpoint>/train_state.json` is not a loop position (`TrainState`: whole numbers >= 0, finite seconds
-    >= 0 and a list of gate outcomes), else None: checked before anything compares or resumes from its values."""
+    >= 0, a list of gate outcomes and one of thread counts), else None: checked before anything compares or resumes
+    from its values."""
     state = json_or_none(checkpoint / TRAIN_STATE)
-    special = {"gates": (list,), "seconds": (int, float)}
-    kinds = {name: special.get(name, (int,)) for name in TrainState.__dataclass_fields__}
     if not isinstance(state, dict):
         return f"{TRAIN_STATE} is not a JSON object"
-    wrong = sorted(key for key, value in state.items() if key not in kinds or not isinstance(value, kinds[key])
-                   or isinstance(value, bool) or kinds[key] != (list,) and not 0 <= value < math.inf
-                   or kinds[key] == (list,) and not all(isinstance(g, dict) and "passed" in g for g in value))  # fmt: skip
+    fields = TrainState.__dataclass_fields__
+    wrong = sorted(key for key, value in state.items()
+                   if key not in fields or not TRAIN_STATE_VALUES.get(key, whole_number)(value))  # fmt: skip
     if wrong:
         return f"{TRAIN_STATE} holds values a loop does not write ({', '.join(wrong)})"
     return None

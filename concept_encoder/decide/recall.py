@@ -723,9 +723,11 @@ class StartNotReproduced(RuntimeError):
 
 def recorded_threads(runs: list[dict]) -> int | None:
     """The CPU threads a point's runs recorded (`cpu_threads`, the same count for every run), else None: runs
-    finished before they recorded it, or under different counts."""
-    counts = {run.get("cpu_threads") for run in runs}
-    return counts.pop() if len(counts) == 1 and None not in counts else None
+    finished before they recorded it, or under different counts (a run resumed under another count records a list
+    of them)."""
+    counts = {str(run.get("cpu_threads")) for run in runs}
+    first = runs[0].get("cpu_threads") if runs else None
+    return first if len(counts) == 1 and isinstance(first, int) else None
 
 
 def remade_start(folder: PointFolder, start: Cell, point: dict, model: Path, follower: Cell) -> dict:
@@ -753,11 +755,14 @@ def remade_start(folder: PointFolder, start: Cell, point: dict, model: Path, fol
     now, _ = chosen_runs(again)
     if (row["accuracy_seeds"], row["best_steps"]) != (now["accuracy_seeds"], now["best_steps"]):
         aside = folder.set_aside(key)
+        counts = [run["cpu_threads"] for run in runs if run.get("cpu_threads") is not None]
         why, retry = (
             (f"Its runs recorded {recorded} thread(s), as here: another CPU or library version differs", "")
-            if recorded else ("Its runs recorded no thread count, and on the CPU a result depends on it",
-                              "rerun with CPU_THREADS=<the count they ran with> (the runs of each count are kept "
-                              "apart), or ")
+            if recorded else
+            (f"Its runs ran under different thread counts ({', '.join(map(str, counts))}), which no one count "
+             "reproduces", "") if counts else
+            ("Its runs recorded no thread count, and on the CPU a result depends on it",
+             "rerun with CPU_THREADS=<the count they ran with> (the runs of each count are kept apart), or ")
         )  # fmt: skip
         raise StartNotReproduced(
             f"K={start.pairs}'s cell {start.key} made again here does not reproduce its restored point (test accuracy "
