@@ -730,6 +730,21 @@ def recorded_threads(runs: list[dict]) -> int | None:
     return first if len(counts) == 1 and isinstance(first, int) else None
 
 
+def not_reproduced_why(runs: list[dict], recorded: int | None) -> tuple[str, str]:
+    """Why a start made again may not reproduce its runs, from the thread counts they recorded, and what to try
+    first ("" where a rerun under another count cannot help)."""
+    counts = [run["cpu_threads"] for run in runs if run.get("cpu_threads") is not None]
+    if recorded:
+        return f"Its runs recorded {recorded} thread(s), as here: another CPU or library version differs", ""
+    if counts:  # a run resumed under another count, or runs under different ones
+        return (f"Its runs ran under different thread counts ({', '.join(map(str, counts))}), which no one count "
+                "reproduces", "")  # fmt: skip
+    return (
+        "Its runs recorded no thread count, and on the CPU a result depends on it",
+        "rerun with CPU_THREADS=<the count they ran with> (the runs of each count are kept apart), or ",
+    )
+
+
 def remade_start(folder: PointFolder, start: Cell, point: dict, model: Path, follower: Cell) -> dict:
     """The start cell's models made again where its point was restored without them: its runs at the rate chosen
     there, every seed, as point `<start>-models` of its K's folder (reused while its models are here). Seeded runs
@@ -755,15 +770,7 @@ def remade_start(folder: PointFolder, start: Cell, point: dict, model: Path, fol
     now, _ = chosen_runs(again)
     if (row["accuracy_seeds"], row["best_steps"]) != (now["accuracy_seeds"], now["best_steps"]):
         aside = folder.set_aside(key)
-        counts = [run["cpu_threads"] for run in runs if run.get("cpu_threads") is not None]
-        why, retry = (
-            (f"Its runs recorded {recorded} thread(s), as here: another CPU or library version differs", "")
-            if recorded else
-            (f"Its runs ran under different thread counts ({', '.join(map(str, counts))}), which no one count "
-             "reproduces", "") if counts else
-            ("Its runs recorded no thread count, and on the CPU a result depends on it",
-             "rerun with CPU_THREADS=<the count they ran with> (the runs of each count are kept apart), or ")
-        )  # fmt: skip
+        why, retry = not_reproduced_why(runs, recorded)
         raise StartNotReproduced(
             f"K={start.pairs}'s cell {start.key} made again here does not reproduce its restored point (test accuracy "
             f"per seed {row['accuracy_seeds']}, best-dev steps {row['best_steps']}; here, with {threads} CPU "
