@@ -202,6 +202,13 @@ def test_goals_name_where_the_map_falls_short():
     edge = {"still_improving": True, "rate_edge": "highest"}
     assert recall.why_unsolved(edge) == ("still improving: a longer schedule may solve it; its rate the grid's "
                                          "highest: a rate beyond it may")  # fmt: skip
+    # a mean under the goal can hide seeds that solve it: the line names them, and each seed's accuracy
+    split = {"accuracy_seeds": [1.0, 0.6155, 0.613], "still_improving": False, "rate_edge": "lowest"}
+    assert recall.why_unsolved(split) == ("solved at 1 of 3 seeds: 100.00%, 61.55%, 61.30%; its rate the grid's "
+                                          "lowest: a rate beyond it may")  # fmt: skip
+    assert recall.why_unsolved({**split, "accuracy_seeds": [0.9, 0.6], "rate_edge": None}).startswith(
+        "no seed solves it, not rising"
+    )
     assert "- C=64, mixer conv: holds 95% up to K=8 (0.12 pairs per concept), below it from K=16" in goals
     assert "- C=16, mixer conv: below 95% from the smallest K measured (K=8)" in goals
     held = recall.goal_lines([row(4, 64, "conv", 0.99), row(16, 64, "conv", 1.0)])  # K=32 not run: not met yet

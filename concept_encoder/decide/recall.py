@@ -220,7 +220,8 @@ def cell_row(point: dict, cell: Cell, line: float) -> dict:
     return {"key": cell.key, "label": cell.label, "pairs": cell.pairs, "keys": cell.keys,
             "architecture": cell.architecture, "concept_num": cell.concept_num, "mixer": cell.mixer,
             "placement": cell.placement, "start": cell.start, "main": cell.main, "seeds": row["seeds"], "accuracy": row["accuracy_mean"],
-            "accuracy_std": row["accuracy_std"], "accuracy_last": row.get("last_step_accuracy_mean"),
+            "accuracy_std": row["accuracy_std"], "accuracy_seeds": row.get("accuracy_seeds"),
+            "accuracy_last": row.get("last_step_accuracy_mean"),
             "learning_rate": row["learning_rate"], "rate_edge": grid_edge(row), "best_steps": row["best_steps"],
             "still_improving": row.get("still_improving"), "no_binding_line": line,
             "cell_seconds": row["seconds"] + row.get("grid_seconds", 0),
@@ -280,11 +281,18 @@ def pending_ks(pending: dict[str, list[str]], model: str) -> str:
 
 def why_unsolved(row: dict) -> str:
     """Why a cell under the goal may not be the model's best (the issue: BERT solves the task, or the report says
-    why not): still improving at the schedule's end, or its rate an edge of the grid; else neither."""
-    reasons = ["still improving: a longer schedule may solve it"] if row.get("still_improving") else []
+    why not): some of its seeds solve it (a mean under the goal hides them), still improving at the schedule's
+    end, or its rate an edge of the grid; else none of these: not learned at this shape and budget."""
+    seeds = row.get("accuracy_seeds") or []
+    solved = sum(accuracy >= GOAL_ACCURACY for accuracy in seeds)
+    each = ", ".join(f"{percent(accuracy)}%" for accuracy in seeds)
+    reasons = [f"solved at {solved} of {len(seeds)} seeds: {each}"] if solved else []
+    if row.get("still_improving"):
+        reasons.append("still improving: a longer schedule may solve it")
     if row.get("rate_edge"):
         reasons.append(f"its rate the grid's {row['rate_edge']}: a rate beyond it may")
-    return "; ".join(reasons) or "not rising, its rate inside the grid: not learned at this shape and budget"
+    none = "no seed solves it, " if seeds else ""  # a row without its seeds' accuracies says nothing of them
+    return "; ".join(reasons) or none + "not rising, its rate inside the grid: not learned at this shape and budget"
 
 
 def goal_lines(rows: list[dict], pending: dict[str, list[str]] | None = None) -> list[str]:
