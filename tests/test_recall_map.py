@@ -203,12 +203,19 @@ def test_goals_name_where_the_map_falls_short():
     assert recall.why_unsolved(edge) == ("still improving: a longer schedule may solve it; its rate the grid's "
                                          "highest: a rate beyond it may")  # fmt: skip
     # a mean under the goal can hide seeds that solve it: the line names them, and each seed's accuracy
-    split = {"accuracy_seeds": [1.0, 0.6155, 0.613], "still_improving": False, "rate_edge": "lowest"}
+    split = {"accuracy": 0.743, "accuracy_seeds": [1.0, 0.6155, 0.613], "still_improving": False, "rate_edge": "lowest"}
     assert recall.why_unsolved(split) == ("solved at 1 of 3 seeds: 100.00%, 61.55%, 61.30%; its rate the grid's "
                                           "lowest: a rate beyond it may")  # fmt: skip
     assert recall.why_unsolved({**split, "accuracy_seeds": [0.9, 0.6], "rate_edge": None}).startswith(
         "no seed solves it, not rising"
     )
+    # and so do the goal's miss and the capacity line: one seed of three past it is not the goal met
+    some = {**row(32, 64, "conv", 0.66), "accuracy_seeds": [0.99, 0.5, 0.49]}
+    assert recall.goal_lines([some])[0].endswith(
+        "missed (K=32 66.00% (solved at 1 of 3 seeds: 99.00%, 50.00%, 49.00%))"
+    )
+    assert "- C=64, mixer conv: below 95% from the smallest K measured (K=32) (solved at 1 of 3 seeds: 99.00%, " \
+        "50.00%, 49.00%)" in recall.goal_lines([some])  # fmt: skip
     assert "- C=64, mixer conv: holds 95% up to K=8 (0.12 pairs per concept), below it from K=16" in goals
     assert "- C=16, mixer conv: below 95% from the smallest K measured (K=8)" in goals
     held = recall.goal_lines([row(4, 64, "conv", 0.99), row(16, 64, "conv", 1.0)])  # K=32 not run: not met yet

@@ -260,16 +260,18 @@ def capacity_lines(rows: list[dict], pending: dict[str, list[str]]) -> list[str]
                          "at every K measured")  # fmt: skip
             continue
         (first, accuracy), past = sequence[stop], ""
+        row = next((r for r in rows if row_name(r) == model and r["pairs"] == first), {"accuracy": 1.0})
+        some = f" ({solved})" if (solved := seeds_solving(row)) else ""  # seeds the break's mean hides
         if again:  # past a K not measured yet, or a dip (a one-seed cell)
             past = f" ({'held at' if accuracy is None else 'held again at'} K={', '.join(map(str, again))})"
         if held:
-            after = f"K={first} not measured yet" if accuracy is None else f"below it from K={first}"
+            after = f"K={first} not measured yet" if accuracy is None else f"below it from K={first}{some}"
             lines.append(name + f"holds {GOAL_ACCURACY:.0%} up to K={held} ({held / concepts:.2f} pairs per concept), "
                          + after + past)  # fmt: skip
         elif accuracy is None:
             lines.append(name + f"K={first}, its smallest K, not measured yet" + past)
         else:
-            lines.append(name + f"below {GOAL_ACCURACY:.0%} from the smallest K measured (K={first})" + past)
+            lines.append(name + f"below {GOAL_ACCURACY:.0%} from the smallest K measured (K={first}){some}" + past)
     return lines
 
 
@@ -279,14 +281,21 @@ def pending_ks(pending: dict[str, list[str]], model: str) -> str:
     return ", ".join(str(k) for k in sorted(int(k) for k, ms in pending.items() if any(m.endswith(model) for m in ms)))
 
 
+def seeds_solving(row: dict) -> str:
+    """`solved at 1 of 3 seeds: 100.00%, 61.55%, 61.30%` for a cell whose mean is under the goal but some of
+    whose seeds reach it (the mean hides them), else ''."""
+    seeds = row.get("accuracy_seeds") or []
+    solved = sum(accuracy >= GOAL_ACCURACY for accuracy in seeds)
+    each = ", ".join(f"{percent(accuracy)}%" for accuracy in seeds)
+    return f"solved at {solved} of {len(seeds)} seeds: {each}" if solved and row["accuracy"] < GOAL_ACCURACY else ""
+
+
 def why_unsolved(row: dict) -> str:
     """Why a cell under the goal may not be the model's best (the issue: BERT solves the task, or the report says
     why not): some of its seeds solve it (a mean under the goal hides them), still improving at the schedule's
     end, or its rate an edge of the grid; else none of these: not learned at this shape and budget."""
     seeds = row.get("accuracy_seeds") or []
-    solved = sum(accuracy >= GOAL_ACCURACY for accuracy in seeds)
-    each = ", ".join(f"{percent(accuracy)}%" for accuracy in seeds)
-    reasons = [f"solved at {solved} of {len(seeds)} seeds: {each}"] if solved else []
+    reasons = [solved] if (solved := seeds_solving(row)) else []
     if row.get("still_improving"):
         reasons.append("still improving: a longer schedule may solve it")
     if row.get("rate_edge"):
@@ -337,7 +346,8 @@ def goal_line(rows: list[dict], pending: dict[str, list[str]], mixer: str) -> st
     met, measured = holds(rows, GOAL_CONCEPTS, mixer, GOAL_PAIRS)
     missing = sorted(int(k) for k, models in pending.items()
                      if f"C={GOAL_CONCEPTS}, {mixer}" in models and int(k) <= GOAL_PAIRS)  # fmt: skip
-    misses = [f"K={r['pairs']} {percent(r['accuracy'])}%" for r in rows if r["architecture"] == "concept"
+    misses = [f"K={r['pairs']} {percent(r['accuracy'])}%" + (f" ({solved})" if (solved := seeds_solving(r)) else "")
+              for r in rows if r["architecture"] == "concept"
               and r["concept_num"] == GOAL_CONCEPTS and mixer_name(r) == mixer and r["pairs"] <= GOAL_PAIRS
               and r["accuracy"] < GOAL_ACCURACY]  # fmt: skip
     if not measured:
