@@ -260,7 +260,7 @@ def capacity_lines(rows: list[dict], pending: dict[str, list[str]]) -> list[str]
                          "at every K measured")  # fmt: skip
             continue
         (first, accuracy), past = sequence[stop], ""
-        row = next((r for r in rows if row_name(r) == model and r["pairs"] == first), {"accuracy": 1.0})
+        row = next((r for r in rows if row_name(r) == model and r["pairs"] == first), {})  # {}: K not measured yet
         some = f" ({solved})" if (solved := seeds_solving(row)) else ""  # seeds the break's mean hides
         if again:  # past a K not measured yet, or a dip (a one-seed cell)
             past = f" ({'held at' if accuracy is None else 'held again at'} K={', '.join(map(str, again))})"
